@@ -1,0 +1,410 @@
+"""`Cartridge`: per-layer KV tensors plus `CartridgeMeta`; constructors, the file format, composition, answering.
+
+A cartridge of ``p`` tokens holds, for every layer, ``keys`` and ``values`` of shape ``[kv_heads, p, head_dim]``.
+Keys are stored after RoPE for positions ``0..p-1``; whatever follows the cartridge starts at position ``p``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from .errors import CartridgeFormatError, ConfigError, IncompatibleCartridgeError
+from .models import LM, Message, ModelIdentity
+
+FORMAT_NAME = "cartridges-sdk"
+FORMAT_VERSION = 1
+INITS = ("prefix", "random_text", "random", "composed", "imported", "trained")
+
+
+def sdk_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("cartridges-sdk")
+    except Exception:
+        return "unknown"
+
+
+def token_fingerprint(ids: Sequence[int]) -> str:
+    """A short hash of a token sequence: names the corpus a cartridge came from without storing it."""
+    return hashlib.sha256(torch.as_tensor(list(ids), dtype=torch.int64).numpy().tobytes()).hexdigest()[:16]
+
+
+def _check_num_frozen(inst: CartridgeMeta, _attr, value: int) -> None:
+    if value < 0:
+        raise ConfigError(f"num_frozen={value} must be >= 0.")
+    if value > inst.num_tokens:
+        raise ConfigError(f"num_frozen={value} cannot exceed the cartridge's num_tokens={inst.num_tokens}.")
+
+
+def _check_init(_inst, _attr, value: str) -> None:
+    if value not in INITS:
+        raise ConfigError(f"init={value!r} is not one of {INITS}.")
+
+
+@attrs.frozen
+class CartridgeMeta:
+    """Everything a cartridge file says about itself besides its tensors."""
+
+    model: ModelIdentity
+    num_tokens: int
+    num_frozen: int = attrs.field(default=1, validator=_check_num_frozen)
+    dtype: str = "float32"
+    init: str = attrs.field(default="prefix", validator=_check_init)
+    corpus: dict[str, Any] | None = None
+    training: dict[str, Any] | None = None
+    parts: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=tuple)
+    extra: dict[str, Any] = attrs.field(factory=dict)
+    created: str = attrs.field(factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    sdk_version: str = attrs.field(factory=sdk_version)
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self, recurse=False)
+        d["model"] = self.model.to_dict()
+        d["parts"] = list(self.parts)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CartridgeMeta:
+        data = dict(data)
+        data["model"] = ModelIdentity.from_dict(data.get("model") or {"name": "unknown"})
+        fields = {f.name for f in attrs.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+class Cartridge:
+    """A trained (or initial) KV prefix for one model. Bound to an `LM` (``.lm``) it can answer questions."""
+
+    def __init__(
+        self,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        meta: CartridgeMeta,
+        lm: LM | None = None,
+    ):
+        keys, values = list(keys), list(values)
+        if not keys or len(keys) != len(values):
+            raise ConfigError(f"A cartridge needs keys and values for every layer; got {len(keys)} and {len(values)} layers.")
+        shape = tuple(keys[0].shape)
+        if len(shape) != 3:
+            raise ConfigError(f"Per-layer keys must be [kv_heads, tokens, head_dim]; got shape {shape}.")
+        for i, (k, v) in enumerate(zip(keys, values)):
+            if tuple(k.shape) != shape or tuple(v.shape) != shape:
+                raise ConfigError(
+                    f"Layer {i} has keys {tuple(k.shape)} and values {tuple(v.shape)}; every layer must be {shape}."
+                )
+        if shape[1] != meta.num_tokens:
+            raise ConfigError(f"Tensors hold {shape[1]} tokens but meta.num_tokens={meta.num_tokens}.")
+        arch = meta.model.architecture
+        for key, got in (("num_layers", len(keys)), ("num_kv_heads", shape[0]), ("head_dim", shape[2])):
+            if key in arch and arch[key] != got:
+                raise ConfigError(f"Tensors have {key}={got} but the cartridge's model has {key}={arch[key]}.")
+        self.keys = keys
+        self.values = values
+        self.meta = meta
+        self.lm = None
+        if lm is not None:
+            self._check_model(lm)
+            self.lm = lm
+
+    # -- facts -----------------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return self.meta.num_tokens
+
+    @property
+    def num_frozen(self) -> int:
+        return self.meta.num_frozen
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the KV tensors: what serving this cartridge costs per copy."""
+        return sum(t.numel() * t.element_size() for t in [*self.keys, *self.values])
+
+    def __repr__(self) -> str:
+        return (
+            f"Cartridge(model={self.meta.model.name!r}, num_tokens={self.num_tokens}, num_frozen={self.num_frozen}, "
+            f"init={self.meta.init!r}, nbytes={self.nbytes}, bound={self.lm is not None})"
+        )
+
+    # -- binding ---------------------------------------------------------------------------------------
+    def _check_model(self, lm: LM) -> None:
+        problem = self.meta.model.mismatch(lm.identity)
+        if problem:
+            raise IncompatibleCartridgeError(
+                f"This cartridge was made for model {self.meta.model.name!r} and does not fit model {lm.name!r}: "
+                f"{problem}. Load the model it was made for (load_model({self.meta.model.source or self.meta.model.name!r}))."
+            )
+
+    def bind(self, lm: LM) -> Cartridge:
+        """The same cartridge attached to `lm` (checked for compatibility), so `ask`/`chat` can run."""
+        return Cartridge(self.keys, self.values, self.meta, lm=lm)
+
+    def _bound(self) -> LM:
+        if self.lm is None:
+            raise ConfigError(
+                "This cartridge is not bound to a model. Use Cartridge.load(path, model=lm) or cartridge.bind(lm)."
+            )
+        return self.lm
+
+    # -- constructors ----------------------------------------------------------------------------------
+    @classmethod
+    def _from_kv(cls, lm: LM, kv: list[tuple[torch.Tensor, torch.Tensor]], **meta: Any) -> Cartridge:
+        keys = [k.detach().clone() for k, _ in kv]
+        values = [v.detach().clone() for _, v in kv]
+        info = CartridgeMeta(model=lm.identity, num_tokens=keys[0].shape[1], dtype=str(keys[0].dtype).removeprefix("torch."), **meta)
+        return cls(keys, values, info, lm=lm)
+
+    @staticmethod
+    def _check_size(num_tokens: int, num_frozen: int, available: int | None = None) -> None:
+        if not isinstance(num_tokens, int) or num_tokens <= num_frozen:
+            raise ConfigError(
+                f"num_tokens={num_tokens!r} must be an int greater than num_frozen={num_frozen} "
+                "(the frozen attention-sink tokens alone cannot learn anything)."
+            )
+        if available is not None and num_tokens > available:
+            raise ConfigError(
+                f"num_tokens={num_tokens} is more than the {available} tokens the text has; "
+                f"pass num_tokens <= {available} or a longer text."
+            )
+
+    @classmethod
+    def from_prefix(
+        cls, lm: LM, text_or_ids: str | Sequence[int] | torch.Tensor, num_tokens: int, *, num_frozen: int = 1
+    ) -> Cartridge:
+        """The KV of the first `num_tokens` tokens of a text (tokenized as the model expects) or of given token ids.
+
+        Untrained, this is exactly the model with those tokens in context: the paper's default initialisation.
+        """
+        if isinstance(text_or_ids, str):
+            if not text_or_ids.strip():
+                raise ConfigError("The text is empty; from_prefix needs a text with at least num_tokens tokens.")
+            ids = lm.encode(text_or_ids)
+        else:
+            ids = [int(t) for t in (text_or_ids.tolist() if torch.is_tensor(text_or_ids) else text_or_ids)]
+            vocab = lm.identity.architecture["vocab_size"]
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ConfigError(f"Token ids {bad[:5]} are outside the model's vocabulary [0, {vocab}).")
+        cls._check_size(num_tokens, num_frozen, len(ids))
+        corpus = {"fingerprint": token_fingerprint(ids), "num_tokens": len(ids)}
+        return cls._from_kv(lm, lm.kv(ids[:num_tokens]), num_frozen=num_frozen, init="prefix", corpus=corpus)
+
+    @classmethod
+    def from_random_text(cls, lm: LM, num_tokens: int, seed: int = 0, *, num_frozen: int = 1) -> Cartridge:
+        """The KV of text unrelated to any corpus (shipped with the package); `seed` picks where in it to start."""
+        cls._check_size(num_tokens, num_frozen)
+        ids = _unrelated_ids(lm, num_tokens, seed)
+        return cls._from_kv(lm, lm.kv(ids), num_frozen=num_frozen, init="random_text", extra={"seed": seed})
+
+    @classmethod
+    def random(cls, lm: LM, num_tokens: int, seed: int = 0, *, num_frozen: int = 1) -> Cartridge:
+        """Gaussian vectors with the per-layer, per-channel mean and spread of the model's real KV."""
+        cls._check_size(num_tokens, num_frozen)
+        reference = lm.kv(_unrelated_ids(lm, 256, 0))
+        gen = torch.Generator().manual_seed(seed)
+        kv = []
+        for k, v in reference:
+            pair = []
+            for t in (k[:, 1:].float().cpu(), v[:, 1:].float().cpu()):  # token 0 is an outlier sink
+                mean, std = t.mean(dim=1, keepdim=True), t.std(dim=1, keepdim=True)
+                noise = torch.randn(t.shape[0], num_tokens, t.shape[2], generator=gen)
+                pair.append((mean + std * noise).to(lm.device, lm.dtype))
+            kv.append((pair[0], pair[1]))
+        return cls._from_kv(lm, kv, num_frozen=num_frozen, init="random", extra={"seed": seed})
+
+    # -- file format -----------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write one ``.safetensors`` file atomically (a crash leaves the old file or none, never half of one)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tensors = {}
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            tensors[f"layers.{i}.keys"] = k.detach().to("cpu").contiguous()
+            tensors[f"layers.{i}.values"] = v.detach().to("cpu").contiguous()
+        metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self.meta.to_dict())}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: LM | None = None) -> Cartridge:
+        """Read a cartridge file; with `model`, check it fits and bind it. Never unpickles anything."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise CartridgeFormatError(f"No cartridge file at {str(path)!r}; check the path.")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = f.metadata() or {}
+                names = set(f.keys())
+                tensors = {n: f.get_tensor(n) for n in names}
+        except Exception as err:
+            raise CartridgeFormatError(
+                f"{str(path)!r} is not a readable cartridge file (truncated or corrupt?): {err}. "
+                "Re-create or re-copy it."
+            ) from err
+        if header.get("format") != FORMAT_NAME or "meta" not in header:
+            raise CartridgeFormatError(
+                f"{str(path)!r} is a safetensors file but not a cartridge (no {FORMAT_NAME!r} metadata)."
+            )
+        version = int(header.get("format_version", "0"))
+        if version > FORMAT_VERSION:
+            raise CartridgeFormatError(
+                f"{str(path)!r} has format version {version}, newer than this cartridges-sdk ({FORMAT_VERSION}); upgrade it."
+            )
+        try:
+            meta = CartridgeMeta.from_dict(json.loads(header["meta"]))
+        except (ValueError, TypeError) as err:
+            raise CartridgeFormatError(f"{str(path)!r} has unreadable cartridge metadata: {err}") from err
+        num_layers = sum(1 for n in names if n.endswith(".keys"))
+        expected = {f"layers.{i}.{kind}" for i in range(num_layers) for kind in ("keys", "values")}
+        if not num_layers or names != expected:
+            raise CartridgeFormatError(
+                f"{str(path)!r} has tensors {sorted(names)[:4]}... but a cartridge needs layers.<i>.keys/values "
+                f"for i in 0..{max(num_layers - 1, 0)}."
+            )
+        keys = [tensors[f"layers.{i}.keys"] for i in range(num_layers)]
+        values = [tensors[f"layers.{i}.values"] for i in range(num_layers)]
+        try:
+            cartridge = cls(keys, values, meta)
+        except ConfigError as err:
+            raise CartridgeFormatError(f"{str(path)!r} is inconsistent: {err}") from err
+        return cartridge.bind(model) if model is not None else cartridge
+
+    # -- interop ---------------------------------------------------------------------------------------
+    def to_peft(self, directory: str | os.PathLike) -> Path:
+        """Export as a peft CARTRIDGE adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+        from .interop import save_peft
+
+        return save_peft(self, Path(directory))
+
+    @classmethod
+    def from_peft(cls, directory: str | os.PathLike, model: LM | None = None) -> Cartridge:
+        """Import a peft CARTRIDGE adapter directory; pass `model` to check it and bind it."""
+        from .interop import load_peft
+
+        return load_peft(Path(directory), model)
+
+    @classmethod
+    def from_authors_pt(cls, path: str | os.PathLike, model: LM | None = None, *, name: str | None = None) -> Cartridge:
+        """Import a cache saved by the paper authors' code (``.pt`` with trainable and frozen/fixed keys and values)."""
+        from .interop import load_authors_pt
+
+        return load_authors_pt(Path(path), model, name=name)
+
+    # -- composition -----------------------------------------------------------------------------------
+    @classmethod
+    def compose(
+        cls, cartridges: Sequence[Cartridge], reposition: bool = False, *, model: LM | None = None
+    ) -> Cartridge:
+        """One cartridge for several corpora: the parts' tokens one after another.
+
+        Every token of every part is kept, the parts' own attention sinks included (each part was trained with its
+        sink in front of it). The result's ``num_frozen`` is the first part's, so the leading sink stays frozen if the
+        composition is trained further; ``meta.parts`` records each part's span, sink count and corpus.
+
+        ``reposition=False`` (the paper's composition) keeps each part's keys at the positions it was made at.
+        ``reposition=True`` rotates each later part's keys so it sits at the positions that follow the earlier parts,
+        exactly as if it had been computed there; it needs the model (bound, or `model=`) for its RoPE frequencies.
+        """
+        cartridges = list(cartridges)
+        if not cartridges:
+            raise ConfigError("compose() needs at least one cartridge.")
+        first = cartridges[0]
+        for other in cartridges[1:]:
+            problem = first.meta.model.mismatch(other.meta.model)
+            if problem:
+                raise IncompatibleCartridgeError(
+                    f"Cannot compose a cartridge for model {first.meta.model.name!r} with one for model "
+                    f"{other.meta.model.name!r}: {problem}."
+                )
+        lm = model or next((c.lm for c in cartridges if c.lm is not None), None)
+        if reposition:
+            from .kv import rope_inv_freq, shift_keys
+
+            if lm is None:
+                raise ConfigError("compose(reposition=True) needs the model: bind the cartridges or pass model=lm.")
+            inv_freq = rope_inv_freq(lm)
+        keys, values, parts, offset = [], [], [], 0
+        for c in cartridges:
+            ks = [shift_keys(k, offset, inv_freq) for k in c.keys] if reposition and offset else c.keys
+            keys.append(ks)
+            values.append(c.values)
+            parts.append(
+                {
+                    "offset": offset,
+                    "num_tokens": c.num_tokens,
+                    "num_frozen": c.num_frozen,
+                    "init": c.meta.init,
+                    "corpus": c.meta.corpus,
+                    "repositioned": bool(reposition and offset),
+                }
+            )
+            offset += c.num_tokens
+        dtype = first.keys[0].dtype
+        cat_k = [torch.cat([ks[i].to(dtype) for ks in keys], dim=1) for i in range(first.num_layers)]
+        cat_v = [torch.cat([vs[i].to(dtype) for vs in values], dim=1) for i in range(first.num_layers)]
+        meta = CartridgeMeta(
+            model=first.meta.model,
+            num_tokens=offset,
+            num_frozen=first.num_frozen,
+            dtype=first.meta.dtype,
+            init="composed",
+            parts=tuple(parts),
+            extra={"reposition": reposition},
+        )
+        return cls(cat_k, cat_v, meta, lm=lm)
+
+    # -- answering -------------------------------------------------------------------------------------
+    def ask(self, question: str | Sequence[str], **gen: Any) -> str | list[str]:
+        """Answer a question (or a batch of them) with this cartridge as the model's context."""
+        return self._bound().ask(question, cartridges=[self], **gen)
+
+    def chat(self, messages: Sequence[Message], stream: bool = False, **gen: Any) -> str | Iterator[str]:
+        """Continue a conversation with this cartridge as context; `stream=True` yields text as it is generated."""
+        return self._bound().chat(messages, cartridges=[self], stream=stream, **gen)
+
+    def logits(self, input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Next-token logits of `input_ids` placed after this cartridge (see `LM.logits`)."""
+        return self._bound().logits(input_ids, cartridges=[self])
+
+
+def _unrelated_ids(lm: LM, num_tokens: int, seed: int) -> list[int]:
+    """`num_tokens` ids of the shipped unrelated text, from a seed-chosen paragraph, wrapping around as needed."""
+    text = resources.files("cartridges_sdk").joinpath("data/unrelated.txt").read_text(encoding="utf-8")
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    start = seed % len(paragraphs)
+    ordered = paragraphs[start:] + paragraphs[:start]
+    ids = lm.encode("\n\n".join(ordered))
+    body = lm.tokenizer("\n\n" + "\n\n".join(ordered), add_special_tokens=False)["input_ids"]
+    while len(ids) < num_tokens:
+        ids = ids + body
+    return ids[:num_tokens]

@@ -1,0 +1,170 @@
+"""The ``cartridges`` command: make, inspect, compose and query cartridge files from a shell."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .errors import CartridgeError
+
+
+def _model_for(spec: str | None, cartridge_meta: Any = None, device: str = "cpu"):
+    """The model named on the command line, else the one the cartridge records, else the embedded default."""
+    from .models import DEFAULT_MODEL_SOURCE, load_model
+
+    if spec is None and cartridge_meta is not None:
+        spec = cartridge_meta.model.source
+    if spec in (None, "", DEFAULT_MODEL_SOURCE):
+        return load_model(device=device)
+    return load_model(spec, device=device)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from .cartridge import Cartridge
+
+    lm = _model_for(args.model, device=args.device)
+    if args.init == "prefix":
+        text = Path(args.text).read_text(encoding="utf-8")
+        c = Cartridge.from_prefix(lm, text, args.tokens, num_frozen=args.num_frozen)
+    elif args.init == "random_text":
+        c = Cartridge.from_random_text(lm, args.tokens, seed=args.seed, num_frozen=args.num_frozen)
+    else:
+        c = Cartridge.random(lm, args.tokens, seed=args.seed, num_frozen=args.num_frozen)
+    c.save(args.output)
+    print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)}, init={c.meta.init}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .cartridge import Cartridge
+
+    c = Cartridge.load(args.path)
+    meta = c.meta.to_dict()
+    if args.json:
+        print(json.dumps({**meta, "nbytes": c.nbytes, "num_layers": c.num_layers}, indent=2))
+        return 0
+    m = c.meta.model
+    kv_heads, _, head_dim = c.keys[0].shape
+    rows = [
+        ("file", str(args.path)),
+        ("model", f"{m.name}" + (f" (source: {m.source})" if m.source and m.source != m.name else "")),
+        ("model fingerprint", m.fingerprint),
+        ("tokens", f"{c.num_tokens} ({c.num_frozen} frozen)"),
+        ("shape", f"{c.num_layers} layers x [{kv_heads} kv heads, {c.num_tokens} tokens, {head_dim} head dim]"),
+        ("dtype", c.meta.dtype),
+        ("size", _human_bytes(c.nbytes)),
+        ("init", c.meta.init),
+    ]
+    if c.meta.corpus:
+        rows.append(("corpus", ", ".join(f"{k}={v}" for k, v in c.meta.corpus.items())))
+    if c.meta.parts:
+        spans = [f"[{p['offset']}:{p['offset'] + p['num_tokens']}]" for p in c.meta.parts]
+        rows.append(("parts", f"{len(c.meta.parts)}: " + " ".join(spans)))
+    if c.meta.training:
+        rows.append(("training", json.dumps(c.meta.training)))
+    rows += [("created", c.meta.created), ("sdk version", c.meta.sdk_version), ("format version", str(c.meta.format_version))]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_compose(args: argparse.Namespace) -> int:
+    from .cartridge import Cartridge
+
+    parts = [Cartridge.load(p) for p in args.paths]
+    lm = _model_for(args.model, parts[0].meta, device=args.device) if args.reposition else None
+    c = Cartridge.compose(parts, reposition=args.reposition, model=lm)
+    c.save(args.output)
+    print(f"wrote {args.output}: {len(parts)} parts, {c.num_tokens} tokens, {_human_bytes(c.nbytes)}")
+    return 0
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from .cartridge import Cartridge
+
+    cartridges = [Cartridge.load(p) for p in args.cartridge]
+    lm = _model_for(args.model, cartridges[0].meta, device=args.device)
+    cartridges = [c.bind(lm) for c in cartridges]
+    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    if args.seed is not None:
+        gen["seed"] = args.seed
+    if args.stream:
+        for piece in lm.chat([{"role": "user", "content": args.question}], cartridges, stream=True, **gen):
+            print(piece, end="", flush=True)
+        print()
+    else:
+        print(lm.ask(args.question, cartridges=cartridges, **gen))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cartridges", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="model id, directory or .gguf (default: the one the cartridge records, else the embedded default)")
+        p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+
+    p = sub.add_parser("init", help="make an untrained cartridge (KV of a text's first tokens, unrelated text, or random)")
+    p.add_argument("text", nargs="?", help="text file whose first tokens become the cartridge (for --init prefix)")
+    p.add_argument("-o", "--output", required=True, help="cartridge file to write (.safetensors)")
+    p.add_argument("--tokens", type=int, required=True, help="cartridge size p in tokens")
+    p.add_argument("--init", choices=["prefix", "random_text", "random"], default="prefix")
+    p.add_argument("--num-frozen", type=int, default=1, help="leading tokens that never train (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    model_args(p)
+    p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("inspect", help="show what a cartridge file holds")
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print the metadata as JSON")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("compose", help="concatenate cartridges into one")
+    p.add_argument("paths", nargs="+", help="cartridge files, in order")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--reposition", action="store_true", help="rotate later parts' keys to the positions they occupy")
+    model_args(p)
+    p.set_defaults(func=cmd_compose)
+
+    p = sub.add_parser("ask", help="answer a question with one or more cartridges as context")
+    p.add_argument("cartridge", nargs="+", help="cartridge file(s); several are used one after another")
+    p.add_argument("question")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stream", action="store_true", help="print the answer as it is generated")
+    model_args(p)
+    p.set_defaults(func=cmd_ask)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "init", None) == "prefix" and args.command == "init" and not args.text:
+        parser.error("init --init prefix needs a text file")
+    try:
+        return args.func(args)
+    except CartridgeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""One exception tree, so callers can catch everything the SDK raises with ``except CartridgeError``.
+
+Every message names the bad value and says how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class CartridgeError(Exception):
+    """Root of every error raised on purpose by cartridges-sdk."""
+
+
+class ConfigError(CartridgeError, ValueError):
+    """A setting or argument has a value the SDK cannot use."""
+
+
+class ModelNotAvailableError(CartridgeError):
+    """Model weights or tokenizer files cannot be found offline."""
+
+
+class IncompatibleCartridgeError(CartridgeError):
+    """A cartridge was made for a different model (architecture or tokenizer) than the one it meets."""
+
+
+class CartridgeFormatError(CartridgeError):
+    """A cartridge file is corrupt, truncated, or not a cartridge at all."""
+
+
+class PluginError(CartridgeError):
+    """A backend plugin is unknown, failed to import, or does not implement its interface."""
+
+
+class UnsupportedModelError(CartridgeError):
+    """The model lacks something an operation needs (for example a position-additive RoPE for repositioning)."""

@@ -1,0 +1,136 @@
+"""The built-in Hugging Face runtime: cartridges become a transformers KV cache in front of the chat turn.
+
+Our own decode loop (rather than ``model.generate``) keeps the cartridge prefix, the attention mask over
+cartridge + padding + new tokens, and the position ids explicit, which is where prefix caches go wrong silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import ConfigError
+from .kv import prefix_cache
+from .plugins import Completion, GenerationParams, Message, Runtime
+
+if TYPE_CHECKING:
+    from .cartridge import Cartridge
+    from .models import LM
+
+
+def _sample(logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token per row from ``[batch, vocab]`` logits."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest set reaching top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class HFRuntime(Runtime):
+    """Runs cartridges on the transformers model inside an `LM`; batches questions with left padding."""
+
+    def __init__(self, lm: LM):
+        self.lm = lm
+
+    def generate(
+        self, cartridges: Sequence[Cartridge], messages: Sequence[Message], params: GenerationParams
+    ) -> Completion:
+        return self.generate_batch(cartridges, [messages], params)[0]
+
+    def generate_batch(
+        self, cartridges: Sequence[Cartridge], conversations: Sequence[Sequence[Message]], params: GenerationParams
+    ) -> list[Completion]:
+        prompts = [self.lm.chat_ids(m, after_cartridge=bool(cartridges)) for m in conversations]
+        for outs in self._decode(cartridges, prompts, params):
+            pass
+        return [self._finish(ids, reason, params) for ids, reason in outs]
+
+    def stream(
+        self, cartridges: Sequence[Cartridge], messages: Sequence[Message], params: GenerationParams
+    ) -> Iterator[str]:
+        prompt = self.lm.chat_ids(messages, after_cartridge=bool(cartridges))
+        shown = ""
+        for (ids, reason), in self._decode(cartridges, [prompt], params):
+            text = self._finish(ids, reason, params).text
+            # hold back text that may still change (an incomplete multi-byte character) until it settles
+            if text.endswith("\ufffd") and reason is None:
+                continue
+            if len(text) > len(shown) and text.startswith(shown):
+                yield text[len(shown) :]
+                shown = text
+
+    def _finish(self, ids: list[int], reason: str | None, params: GenerationParams) -> Completion:
+        eos = self.lm.eos_token_ids
+        body = ids[:-1] if ids and ids[-1] in eos else ids
+        text = self.lm.tokenizer.decode(body, skip_special_tokens=True)
+        for s in params.stop:  # the answer ends before the first stop string
+            if s in text:
+                text = text[: text.index(s)]
+        return Completion(text=text, token_ids=tuple(ids), finish_reason=reason or "length")
+
+    @torch.inference_mode()
+    def _decode(self, cartridges: Sequence[Cartridge], prompts: list[list[int]], params: GenerationParams):
+        """Yield, after every step, ``[(token_ids, finish_reason or None), ...]`` for each prompt."""
+        lm = self.lm
+        if not prompts or any(not p for p in prompts):
+            raise ConfigError("Every conversation must format to at least one token.")
+        device = lm.device
+        batch = len(prompts)
+        width = max(len(p) for p in prompts)
+        cache, p = prefix_cache(lm, cartridges, batch_size=batch)
+        pad = lm.pad_token_id
+        ids = torch.full((batch, width), pad, dtype=torch.long, device=device)
+        prompt_mask = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, device=device)
+            prompt_mask[row, width - len(prompt) :] = 1
+        mask = torch.cat([torch.ones(batch, p, dtype=torch.long, device=device), prompt_mask], dim=1)
+        # positions continue after the cartridge; padding gets a harmless position and is masked out
+        positions = (p + prompt_mask.cumsum(-1) - 1).clamp(min=p)
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+        eos = lm.eos_token_ids
+        out: list[list[int]] = [[] for _ in range(batch)]
+        reasons: list[str | None] = [None] * batch
+        next_pos = positions[:, -1:] + 1
+        step_ids, step_pos = ids, positions
+        for _ in range(params.max_new_tokens):
+            result = lm.model(
+                input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True
+            )
+            cache = result.past_key_values
+            token = _sample(result.logits[:, -1, :], params, generator)
+            for row in range(batch):
+                if reasons[row] is not None:
+                    continue
+                t = int(token[row])
+                out[row].append(t)
+                if t in eos:
+                    reasons[row] = "stop"
+                elif params.stop:
+                    text = lm.tokenizer.decode(out[row], skip_special_tokens=True)
+                    if any(s in text for s in params.stop):
+                        reasons[row] = "stop"
+            yield [(list(o), r) for o, r in zip(out, reasons)]
+            if all(r is not None for r in reasons):
+                return
+            step_ids = token[:, None].masked_fill(torch.tensor([[r is not None] for r in reasons], device=device), pad)
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
+            step_pos = next_pos
+            next_pos = next_pos + 1
+        yield [(list(o), r or "length") for o, r in zip(out, reasons)]

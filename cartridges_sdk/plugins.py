@@ -1,0 +1,158 @@
+"""Backend interfaces (small ABCs) and the entry-point registry that finds their implementations.
+
+A backend distribution registers classes under the entry-point groups ``cartridges_sdk.runtimes``,
+``cartridges_sdk.synthesizers`` and ``cartridges_sdk.trainers``; the built-in Hugging Face runtime registers the
+same way (see ``pyproject.toml``). Nothing is imported until a name is asked for, so ``import cartridges_sdk``
+never imports vllm or llama_cpp.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import attrs
+
+from .errors import ConfigError, PluginError
+
+if TYPE_CHECKING:
+    from .cartridge import Cartridge
+
+Message = dict[str, str]
+
+
+def _non_negative(_inst, attribute, value):
+    if value is not None and value < 0:
+        raise ConfigError(f"{attribute.name}={value!r} must be >= 0.")
+
+
+def _positive(_inst, attribute, value):
+    if value < 1:
+        raise ConfigError(f"{attribute.name}={value!r} must be >= 1.")
+
+
+def _unit_interval(_inst, attribute, value):
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{attribute.name}={value!r} must be in (0, 1].")
+
+
+@attrs.frozen
+class GenerationParams:
+    """How to sample an answer. ``temperature=0`` is greedy decoding."""
+
+    max_new_tokens: int = attrs.field(default=256, validator=_positive)
+    temperature: float = attrs.field(default=0.0, validator=_non_negative)
+    top_p: float = attrs.field(default=1.0, validator=_unit_interval)
+    top_k: int = attrs.field(default=0, validator=_non_negative)
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s))
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> GenerationParams:
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"Unknown generation setting(s) {unknown}; valid ones are {sorted(known)}.")
+        return cls(**kwargs)
+
+
+@attrs.frozen
+class Completion:
+    """One generated answer: the text, its token ids, and why it ended (``"stop"`` or ``"length"``)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+
+
+class Runtime(ABC):
+    """Answers conversations with zero, one or several cartridges loaded as a cached prefix."""
+
+    @abstractmethod
+    def generate(
+        self, cartridges: Sequence[Cartridge], messages: Sequence[Message], params: GenerationParams
+    ) -> Completion: ...
+
+    def generate_batch(
+        self, cartridges: Sequence[Cartridge], conversations: Sequence[Sequence[Message]], params: GenerationParams
+    ) -> list[Completion]:
+        """Several conversations sharing the same cartridges; engines that batch override this."""
+        return [self.generate(cartridges, m, params) for m in conversations]
+
+    def stream(
+        self, cartridges: Sequence[Cartridge], messages: Sequence[Message], params: GenerationParams
+    ) -> Iterator[str]:
+        """Yield the answer's text as it is produced; by default all at once for runtimes that cannot stream."""
+        yield self.generate(cartridges, messages, params).text
+
+
+class Synthesizer(ABC):
+    """Samples self-study conversations and returns the teacher's top-k log-probabilities (implemented by backends)."""
+
+    @abstractmethod
+    def complete(self, requests: Sequence[Any]) -> list[Any]: ...
+
+
+class Trainer(ABC):
+    """Trains a cartridge from a self-study dataset (implemented by backends)."""
+
+    @abstractmethod
+    def fit(self, init: Cartridge, dataset: Any, model: Any) -> Cartridge: ...
+
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Names -> implementations of one interface, from entry points plus anything registered at run time."""
+
+    def __init__(self, group: str, base: type[T]):
+        self.group = group
+        self.base = base
+        self._extra: dict[str, str | type[T]] = {}
+
+    def register(self, name: str, target: str | type[T]) -> None:
+        """Add an implementation by class or by ``"module:Class"`` string (handy for tests and notebooks)."""
+        self._extra[name] = target
+
+    def _entry_points(self) -> dict[str, importlib.metadata.EntryPoint]:
+        return {ep.name: ep for ep in importlib.metadata.entry_points(group=self.group)}
+
+    def names(self) -> list[str]:
+        return sorted(set(self._entry_points()) | set(self._extra))
+
+    def get(self, name: str) -> type[T]:
+        target: Any = self._extra.get(name)
+        if target is None:
+            ep = self._entry_points().get(name)
+            if ep is None:
+                hint = (
+                    " The built-in backends are registered by installing cartridges-sdk (pip install -e .)."
+                    if not self._entry_points()
+                    else ""
+                )
+                raise PluginError(
+                    f"No {self.base.__name__} named {name!r} in entry-point group {self.group!r}; "
+                    f"available: {self.names() or 'none'}.{hint}"
+                )
+            target = ep.value
+        if isinstance(target, str):
+            module, _, attr = target.partition(":")
+            try:
+                target = getattr(importlib.import_module(module), attr)
+            except Exception as err:
+                raise PluginError(
+                    f"{self.base.__name__} plugin {name!r} ({module}:{attr}) failed to import: "
+                    f"{type(err).__name__}: {err}. Install or fix that backend package."
+                ) from err
+        if not (isinstance(target, type) and issubclass(target, self.base)):
+            raise PluginError(f"Plugin {name!r} in {self.group!r} is {target!r}, not a subclass of {self.base.__name__}.")
+        return target
+
+
+runtimes: Registry[Runtime] = Registry("cartridges_sdk.runtimes", Runtime)
+synthesizers: Registry[Synthesizer] = Registry("cartridges_sdk.synthesizers", Synthesizer)
+trainers: Registry[Trainer] = Registry("cartridges_sdk.trainers", Trainer)

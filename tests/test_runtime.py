@@ -1,0 +1,81 @@
+"""The built-in HF runtime: streaming, sampling, stops, settings, and the plugin registry."""
+
+from __future__ import annotations
+
+import pytest
+
+from cartridges_sdk import Cartridge, ConfigError, GenerationParams, PluginError, Runtime
+from cartridges_sdk.hf import HFRuntime
+from cartridges_sdk.plugins import Registry, runtimes
+
+from conftest import TEXT
+
+
+def test_stream_concatenates_to_the_answer(tiny_lm):
+    c = Cartridge.from_prefix(tiny_lm, TEXT, 40)
+    pieces = list(c.chat([{"role": "user", "content": "Who built it?"}], stream=True, max_new_tokens=20))
+    assert len(pieces) > 1
+    assert "".join(pieces) == c.chat([{"role": "user", "content": "Who built it?"}], max_new_tokens=20)
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny_lm):
+    c = Cartridge.from_prefix(tiny_lm, TEXT, 40)
+    a = c.ask("Tell me a story", temperature=1.0, top_p=0.9, seed=7, max_new_tokens=20)
+    b = c.ask("Tell me a story", temperature=1.0, top_p=0.9, seed=7, max_new_tokens=20)
+    others = {c.ask("Tell me a story", temperature=1.0, seed=s, max_new_tokens=20) for s in range(8, 12)}
+    assert a == b
+    assert len(others | {a}) > 1
+
+
+def test_length_and_stop(tiny_lm):
+    rt = HFRuntime(tiny_lm)
+    c = Cartridge.from_prefix(tiny_lm, TEXT, 40)
+    msg = [{"role": "user", "content": "Go on"}]
+    out = rt.generate([c], msg, GenerationParams(max_new_tokens=5, temperature=1.0, seed=0))
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    full = rt.generate([c], msg, GenerationParams(max_new_tokens=30, temperature=1.0, seed=0)).text
+    stop = full[3:5]
+    stopped = rt.generate([c], msg, GenerationParams(max_new_tokens=30, temperature=1.0, seed=0, stop=stop))
+    assert stopped.finish_reason == "stop" and stop not in stopped.text and full.startswith(stopped.text)
+
+
+def test_answers_without_any_cartridge(tiny_lm):
+    assert isinstance(tiny_lm.ask("Hi", max_new_tokens=4), str)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"tempreature": 1}, "Unknown generation setting"),
+    ],
+)
+def test_bad_generation_settings(tiny_lm, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny_lm.ask("Hi", **kwargs)
+
+
+def test_empty_question(tiny_lm):
+    with pytest.raises(ConfigError, match="question"):
+        tiny_lm.ask("  ")
+
+
+def test_hf_runtime_is_registered_through_entry_points():
+    assert "hf" in runtimes.names()
+    assert runtimes.get("hf") is HFRuntime
+
+
+def test_registry_errors_name_the_plugin():
+    reg = Registry("cartridges_sdk.test_only", Runtime)
+    with pytest.raises(PluginError, match="No Runtime named 'vllm'"):
+        reg.get("vllm")
+    reg.register("broken", "no_such_module_xyz:Thing")
+    with pytest.raises(PluginError, match="'broken'.*failed to import.*no_such_module_xyz"):
+        reg.get("broken")
+    reg.register("wrong", "cartridges_sdk.cartridge:Cartridge")
+    with pytest.raises(PluginError, match="not a subclass of Runtime"):
+        reg.get("wrong")
+    reg.register("mine", HFRuntime)
+    assert reg.get("mine") is HFRuntime
