@@ -96,5 +96,5 @@ def default_lm():
     return load_model()
 
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "examples" / "data"
 TEXT = (DATA / "harrow_point.txt").read_text(encoding="utf-8")

