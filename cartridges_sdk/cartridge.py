@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import numbers
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -173,7 +174,7 @@ class Cartridge:
 
     @staticmethod
     def _check_size(num_tokens: int, num_frozen: int, available: int | None = None) -> None:
-        if not isinstance(num_tokens, int) or num_tokens <= num_frozen:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens <= num_frozen:
             raise ConfigError(
                 f"num_tokens={num_tokens!r} must be an int greater than num_frozen={num_frozen} "
                 "(the frozen attention-sink tokens alone cannot learn anything)."

@@ -47,6 +47,12 @@ def _imported(keys, values, num_frozen: int, identity: ModelIdentity, model: LM 
     return cartridge
 
 
+def _peft_base_name(identity: ModelIdentity) -> str:
+    from .models import DEFAULT_MODEL_SOURCE
+
+    return identity.name if identity.source in (None, DEFAULT_MODEL_SOURCE) else identity.source
+
+
 def save_peft(cartridge: Cartridge, directory: Path) -> Path:
     """Write peft's layout: ``prompt_embeddings`` of shape ``[p, layers * 2 * kv_heads * head_dim]``, K then V per layer."""
     from safetensors.torch import save_file
@@ -59,7 +65,8 @@ def save_peft(cartridge: Cartridge, directory: Path) -> Path:
     config = {
         "peft_type": "CARTRIDGE",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": cartridge.meta.model.source or cartridge.meta.model.name,
+        # what peft would load as the base model: a path or hub id, never our "default" alias
+        "base_model_name_or_path": _peft_base_name(cartridge.meta.model),
         "revision": cartridge.meta.model.revision,
         "inference_mode": True,
         "num_virtual_tokens": p,
