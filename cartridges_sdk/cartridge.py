@@ -230,6 +230,13 @@ class Cartridge:
             kv.append((pair[0], pair[1]))
         return cls._from_kv(lm, kv, num_frozen=num_frozen, init="random", extra={"seed": seed})
 
+    @classmethod
+    def from_corpus(cls, corpus: Any, model: Any = None, **settings: Any) -> Cartridge:
+        """Train a cartridge on `corpus` by self-study; see `cartridges_sdk.selfstudy.build_cartridge` for settings."""
+        from .selfstudy import build_cartridge  # the layer above, imported here so this module never depends on it
+
+        return build_cartridge(corpus, model, **settings)
+
     # -- file format -----------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
         """Write one ``.safetensors`` file atomically (a crash leaves the old file or none, never half of one)."""

@@ -80,57 +80,90 @@ class HFRuntime(Runtime):
                 text = text[: text.index(s)]
         return Completion(text=text, token_ids=tuple(ids), finish_reason=reason or "length")
 
-    @torch.inference_mode()
     def _decode(self, cartridges: Sequence[Cartridge], prompts: list[list[int]], params: GenerationParams):
-        """Yield, after every step, ``[(token_ids, finish_reason or None), ...]`` for each prompt."""
-        lm = self.lm
-        if not prompts or any(not p for p in prompts):
-            raise ConfigError("Every conversation must format to at least one token.")
-        device = lm.device
-        batch = len(prompts)
-        width = max(len(p) for p in prompts)
-        cache, p = prefix_cache(lm, cartridges, batch_size=batch)
-        pad = lm.pad_token_id
-        ids = torch.full((batch, width), pad, dtype=torch.long, device=device)
-        prompt_mask = torch.zeros((batch, width), dtype=torch.long, device=device)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt, device=device)
-            prompt_mask[row, width - len(prompt) :] = 1
-        mask = torch.cat([torch.ones(batch, p, dtype=torch.long, device=device), prompt_mask], dim=1)
-        # positions continue after the cartridge; padding gets a harmless position and is masked out
-        positions = (p + prompt_mask.cumsum(-1) - 1).clamp(min=p)
-        generator = None
-        if params.temperature > 0:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        for state in decode(self.lm, cartridges, prompts, params):
+            yield [(list(o), r) for o, r in zip(state.tokens, state.reasons)]
 
-        eos = lm.eos_token_ids
-        out: list[list[int]] = [[] for _ in range(batch)]
-        reasons: list[str | None] = [None] * batch
-        next_pos = positions[:, -1:] + 1
-        step_ids, step_pos = ids, positions
-        for _ in range(params.max_new_tokens):
-            result = lm.model(
-                input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True
-            )
-            cache = result.past_key_values
-            token = _sample(result.logits[:, -1, :], params, generator)
-            for row in range(batch):
-                if reasons[row] is not None:
-                    continue
-                t = int(token[row])
-                out[row].append(t)
-                if t in eos:
-                    reasons[row] = "stop"
-                elif params.stop:
-                    text = lm.tokenizer.decode(out[row], skip_special_tokens=True)
-                    if any(s in text for s in params.stop):
-                        reasons[row] = "stop"
-            yield [(list(o), r) for o, r in zip(out, reasons)]
-            if all(r is not None for r in reasons):
-                return
-            step_ids = token[:, None].masked_fill(torch.tensor([[r is not None] for r in reasons], device=device), pad)
-            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
-            step_pos = next_pos
-            next_pos = next_pos + 1
-        yield [(list(o), r or "length") for o, r in zip(out, reasons)]
+
+class DecodeState:
+    """What a batch decode has produced so far; `top_ids`/`top_logprobs` hold per-token top-k when asked for."""
+
+    def __init__(self, batch: int):
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.reasons: list[str | None] = [None] * batch
+        self.top_ids: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        self.top_logprobs: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+
+
+@torch.inference_mode()
+def decode(
+    lm: LM,
+    cartridges: Sequence[Cartridge],
+    prompts: list[list[int]],
+    params: GenerationParams,
+    *,
+    top_logprobs: int = 0,
+) -> Iterator[DecodeState]:
+    """Batch-decode `prompts` after `cartridges`, yielding the state after every step (the last has all reasons set).
+
+    With `top_logprobs=k`, every generated token also gets the model's top-k log-probabilities (before
+    temperature), which is what self-study keeps as the teacher's distribution.
+    """
+    if not prompts or any(not p for p in prompts):
+        raise ConfigError("Every conversation must format to at least one token.")
+    device = lm.device
+    batch = len(prompts)
+    width = max(len(p) for p in prompts)
+    room = sum(c.num_tokens for c in cartridges) + width + params.max_new_tokens
+    cache, p = prefix_cache(lm, cartridges, batch_size=batch, capacity=room)
+    pad = lm.pad_token_id
+    ids = torch.full((batch, width), pad, dtype=torch.long, device=device)
+    prompt_mask = torch.zeros((batch, width), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, device=device)
+        prompt_mask[row, width - len(prompt) :] = 1
+    mask = torch.cat([torch.ones(batch, p, dtype=torch.long, device=device), prompt_mask], dim=1)
+    # positions continue after the cartridge; padding gets a harmless position and is masked out
+    positions = (p + prompt_mask.cumsum(-1) - 1).clamp(min=p)
+    generator = None
+    if params.temperature > 0:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+
+    eos = lm.eos_token_ids
+    state = DecodeState(batch)
+    next_pos = positions[:, -1:] + 1
+    step_ids, step_pos = ids, positions
+    for _ in range(params.max_new_tokens):
+        result = lm.model(
+            input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True
+        )
+        cache = result.past_key_values
+        logits = result.logits[:, -1, :]
+        token = _sample(logits, params, generator)
+        if top_logprobs:
+            top = torch.topk(logits.float().log_softmax(-1), top_logprobs, dim=-1)
+        for row in range(batch):
+            if state.reasons[row] is not None:
+                continue
+            t = int(token[row])
+            state.tokens[row].append(t)
+            if top_logprobs:
+                state.top_ids[row].append(top.indices[row].cpu())
+                state.top_logprobs[row].append(top.values[row].cpu())
+            if t in eos:
+                state.reasons[row] = "stop"
+            elif params.stop:
+                text = lm.tokenizer.decode(state.tokens[row], skip_special_tokens=True)
+                if any(s in text for s in params.stop):
+                    state.reasons[row] = "stop"
+        if all(r is not None for r in state.reasons):
+            yield state
+            return
+        yield state
+        step_ids = token[:, None].masked_fill(torch.tensor([[r is not None] for r in state.reasons], device=device), pad)
+        mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
+        step_pos = next_pos
+        next_pos = next_pos + 1
+    state.reasons = [r or "length" for r in state.reasons]
+    yield state

@@ -34,19 +34,76 @@ def concat_layers(lm: LM, cartridges: Sequence[Cartridge]) -> list[tuple[torch.T
     return layers
 
 
-def prefix_cache(lm: LM, cartridges: Sequence[Cartridge], batch_size: int):
+def prefix_cache(lm: LM, cartridges: Sequence[Cartridge], batch_size: int, *, capacity: int | None = None):
     """A fresh transformers cache holding `cartridges` for `batch_size` rows, and its length (0 and None if empty).
 
-    A new cache is built per call because transformers appends to caches in place.
+    A new cache is built per call because transformers appends to caches in place. With `capacity` (total tokens
+    expected, for decoding without gradients) full-attention layers get room to grow in place, instead of
+    transformers re-concatenating the whole cache at every step, which dominated decode time.
     """
     if not cartridges:
-        return None, 0
+        if capacity is None:
+            return None, 0
+        from transformers import DynamicCache
+
+        return DynamicCache(config=lm.model.config), 0
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
     layers = concat_layers(lm, cartridges)
     data = [(k[None].expand(batch_size, -1, -1, -1), v[None].expand(batch_size, -1, -1, -1)) for k, v in layers]
     cache = DynamicCache(ddp_cache_data=data, config=lm.model.config)
+    if capacity is not None:
+        for i, layer in enumerate(cache.layers):
+            if type(layer) is DynamicLayer:
+                cache.layers[i] = _PreallocatedLayer(data[i][0], data[i][1], capacity)
     return cache, layers[0][0].shape[1]
+
+
+def _preallocated_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """A full-attention cache layer that writes new tokens into spare room rather than concatenating."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+            super().__init__()
+            b, h, n, d = keys.shape
+            self.dtype, self.device = keys.dtype, keys.device
+            self._k = keys.new_empty((b, h, max(capacity, n), d))
+            self._v = values.new_empty((b, values.shape[1], max(capacity, n), values.shape[3]))
+            self._k[:, :, :n].copy_(keys)
+            self._v[:, :, :n].copy_(values)
+            self._n = n
+            self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            n = key_states.shape[-2]
+            if self._n + n > self._k.shape[-2]:  # out of room: grow geometrically
+                room = max(2 * self._k.shape[-2], self._n + n)
+                k = self._k.new_empty((*self._k.shape[:2], room, self._k.shape[3]))
+                v = self._v.new_empty((*self._v.shape[:2], room, self._v.shape[3]))
+                k[:, :, : self._n].copy_(self._k[:, :, : self._n])
+                v[:, :, : self._n].copy_(self._v[:, :, : self._n])
+                self._k, self._v = k, v
+            self._k[:, :, self._n : self._n + n].copy_(key_states)
+            self._v[:, :, self._n : self._n + n].copy_(value_states)
+            self._n += n
+            self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+            return self.keys, self.values
+
+    return PreallocatedLayer
+
+
+def _PreallocatedLayer(keys: torch.Tensor, values: torch.Tensor, capacity: int):
+    global _PREALLOCATED
+    if _PREALLOCATED is None:  # defined lazily so importing this module never imports transformers
+        _PREALLOCATED = _preallocated_layer_class()
+    return _PREALLOCATED(keys, values, capacity)
+
+
+_PREALLOCATED = None
 
 
 def rope_inv_freq(lm: LM) -> torch.Tensor:
@@ -83,3 +140,48 @@ def shift_keys(keys: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.
     x1, x2 = head[..., : rot // 2], head[..., rot // 2 :]
     rotated = head * cos + torch.cat([-x2, x1], dim=-1) * sin
     return torch.cat([rotated, tail], dim=-1).to(keys.dtype)
+
+
+ATTENTION_NAME = "cartridges_sdpa"
+
+
+def _sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention, but grouped-query heads stay grouped even when a mask is given.
+
+    Stock transformers copies every KV head once per query head whenever there is a padding mask (always, with
+    a cartridge in a batch); on CPU that copy dominated decoding time. The arithmetic is the same.
+    """
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
+    if is_causal and key.shape[2] > query.shape[2]:
+        key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=is_causal,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_grouped_sdpa(model) -> bool:
+    """Switch a model on stock SDPA to `_sdpa_gqa_attention` (same results, no KV-head copies). Returns if it did."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if kv_heads == heads:
+        return False
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+    except ImportError:  # older transformers without these hooks: stock SDPA gives the same results, only slower
+        return False
+    AttentionInterface.register(ATTENTION_NAME, _sdpa_gqa_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    model.set_attn_implementation(ATTENTION_NAME)
+    return True

@@ -146,6 +146,9 @@ class LM:
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
+        from .kv import use_grouped_sdpa
+
+        use_grouped_sdpa(model)
         self.model = model
         self.tokenizer = tokenizer
         self.identity = ModelIdentity(

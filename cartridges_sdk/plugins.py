@@ -61,11 +61,35 @@ class GenerationParams:
 
 @attrs.frozen
 class Completion:
-    """One generated answer: the text, its token ids, and why it ended (``"stop"`` or ``"length"``)."""
+    """One generated answer: the text, its token ids, and why it ended (``"stop"`` or ``"length"``).
+
+    Synthesizers also fill `top_ids` / `top_logprobs`: per generated token, the model's top-k candidates and their
+    log-probabilities before temperature (arrays of shape ``[tokens, k]``).
+    """
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
+    top_ids: Any = None
+    top_logprobs: Any = None
+
+
+@attrs.frozen
+class SynthesisRequest:
+    """One chat completion to sample for self-study.
+
+    `context` (the corpus chunk) is placed before the chat as plain tokens, exactly where a cartridge sits when
+    the student answers, so teacher and student differ only in chunk versus cartridge. Requests with the same
+    `group` share their context, so an engine can prefill it once.
+    """
+
+    messages: tuple[Message, ...] = attrs.field(converter=tuple)
+    context: str | None = None
+    max_tokens: int = attrs.field(default=128, validator=_positive)
+    temperature: float = attrs.field(default=1.0, validator=_non_negative)
+    top_logprobs: int = attrs.field(default=0, validator=_non_negative)
+    group: int | None = None
+    seed: int | None = None
 
 
 class Runtime(ABC):
@@ -90,10 +114,17 @@ class Runtime(ABC):
 
 
 class Synthesizer(ABC):
-    """Samples self-study conversations and returns the teacher's top-k log-probabilities (implemented by backends)."""
+    """Samples chat completions with the teacher's top-k log-probabilities, for self-study.
+
+    Token ids must be in the student model's tokenizer: a backend serves the same model as the student.
+    """
 
     @abstractmethod
-    def complete(self, requests: Sequence[Any]) -> list[Any]: ...
+    def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]: ...
+
+    def identity(self) -> Any:
+        """The `ModelIdentity` of the model it samples from, checked against the student before synthesis."""
+        return None
 
 
 class Trainer(ABC):

@@ -1,0 +1,217 @@
+"""Self-study conversations on disk: a folder of Parquet parts (one per chunk group) plus a JSON header.
+
+One part per group makes writing incremental and resumable: a part is written to a temporary name and renamed,
+so after a crash every part present is whole, and synthesis restarts at the first missing group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from .errors import CartridgeFormatError, ConfigError
+
+HEADER = "header.json"
+DATASET_FORMAT = "cartridges-sdk-selfstudy"
+DATASET_VERSION = 1
+
+# role of every token of a student sequence
+ROLE_TEMPLATE, ROLE_USER, ROLE_ASSISTANT = 0, 1, 2
+
+
+@attrs.frozen
+class Conversation:
+    """One self-study conversation as the student sees it, with the teacher's sparse top-k at the target tokens.
+
+    ``topk_ids[i]`` / ``topk_logprobs[i]`` are the teacher's top-k next-token candidates for the token at
+    ``input_ids[target_positions[i]]``.
+    """
+
+    conv_id: int
+    group: int
+    chunk: tuple[int, int]
+    seed_kind: str
+    input_ids: np.ndarray  # int32 [n]
+    role_mask: np.ndarray  # int8 [n]
+    target_positions: np.ndarray  # int32 [t]
+    topk_ids: np.ndarray  # int32 [t, k]
+    topk_logprobs: np.ndarray  # float32 [t, k]
+    messages: tuple[dict[str, str], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def problems(self, vocab_size: int) -> list[str]:
+        """Why this conversation cannot be trained on (empty if it can)."""
+        out = []
+        n, t = self.num_tokens, self.target_positions.shape[0]
+        if n == 0 or t == 0:
+            out.append("no tokens or no target tokens")
+        if self.role_mask.shape != (n,):
+            out.append(f"role mask has shape {self.role_mask.shape}, expected ({n},)")
+        if n and (self.input_ids.min() < 0 or self.input_ids.max() >= vocab_size):
+            out.append(f"token ids outside [0, {vocab_size})")
+        if self.topk_ids.shape != self.topk_logprobs.shape or self.topk_ids.ndim != 2 or self.topk_ids.shape[0] != t:
+            out.append(f"top-k arrays {self.topk_ids.shape}/{self.topk_logprobs.shape} do not align with {t} targets")
+        elif t:
+            if self.topk_ids.min() < 0 or self.topk_ids.max() >= vocab_size:
+                out.append(f"top-k ids outside [0, {vocab_size})")
+            if not np.isfinite(self.topk_logprobs).all() or self.topk_logprobs.max() > 1e-3:
+                out.append("top-k log-probabilities are not finite and <= 0")
+        if t and (self.target_positions.min() < 1 or self.target_positions.max() >= n):
+            out.append("target positions outside the sequence (the first token cannot be a target)")
+        return out
+
+
+def _schema():
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            ("conv_id", pa.int64()),
+            ("group", pa.int32()),
+            ("chunk_start", pa.int32()),
+            ("chunk_end", pa.int32()),
+            ("seed_kind", pa.string()),
+            ("input_ids", pa.list_(pa.int32())),
+            ("role_mask", pa.list_(pa.int8())),
+            ("target_positions", pa.list_(pa.int32())),
+            ("topk", pa.int32()),
+            ("topk_ids", pa.list_(pa.int32())),
+            ("topk_logprobs", pa.list_(pa.float32())),
+            ("messages", pa.string()),
+        ]
+    )
+
+
+def _part_name(group: int) -> str:
+    return f"group-{group:06d}.parquet"
+
+
+class SelfStudyDataset:
+    """A folder of self-study conversations. Open an existing one with `SelfStudyDataset(path)`."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        header = self.path / HEADER
+        if not header.is_file():
+            raise CartridgeFormatError(
+                f"{str(self.path)!r} is not a self-study dataset (no {HEADER}); create one with `cartridges synthesize`."
+            )
+        self.header: dict[str, Any] = json.loads(header.read_text())
+        if self.header.get("format") != DATASET_FORMAT:
+            raise CartridgeFormatError(f"{str(header)!r} is not a {DATASET_FORMAT} header.")
+        self._cache: list[Conversation] | None = None
+
+    # -- writing ---------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: str | os.PathLike, header: dict[str, Any]) -> SelfStudyDataset:
+        """Open `path` for writing; an existing dataset is reused only if it was made with the same settings."""
+        path = Path(path)
+        header = {"format": DATASET_FORMAT, "format_version": DATASET_VERSION, **header}
+        if (path / HEADER).is_file():
+            existing = json.loads((path / HEADER).read_text())
+            mine = {k: v for k, v in header.items() if k != "created"}
+            theirs = {k: v for k, v in existing.items() if k != "created"}
+            if mine != theirs:
+                changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+                raise ConfigError(
+                    f"{str(path)!r} already holds a self-study dataset made with other settings (differs in {changed}); "
+                    "use another output path or delete it to start over."
+                )
+            return cls(path)
+        if path.exists() and any(path.iterdir()):
+            raise ConfigError(f"{str(path)!r} exists and is not a self-study dataset; choose an empty or new folder.")
+        path.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(path / HEADER, json.dumps(header, indent=2))
+        return cls(path)
+
+    def done_groups(self) -> set[int]:
+        return {int(p.stem.split("-")[1]) for p in self.path.glob("group-*.parquet")}
+
+    def write_group(self, group: int, conversations: Sequence[Conversation]) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        rows = {name: [] for name in _schema().names}
+        for c in conversations:
+            rows["conv_id"].append(c.conv_id)
+            rows["group"].append(c.group)
+            rows["chunk_start"].append(c.chunk[0])
+            rows["chunk_end"].append(c.chunk[1])
+            rows["seed_kind"].append(c.seed_kind)
+            rows["input_ids"].append(c.input_ids.astype(np.int32))
+            rows["role_mask"].append(c.role_mask.astype(np.int8))
+            rows["target_positions"].append(c.target_positions.astype(np.int32))
+            rows["topk"].append(int(c.topk_ids.shape[1]) if c.topk_ids.ndim == 2 else 0)
+            rows["topk_ids"].append(c.topk_ids.astype(np.int32).reshape(-1))
+            rows["topk_logprobs"].append(c.topk_logprobs.astype(np.float32).reshape(-1))
+            rows["messages"].append(json.dumps(list(c.messages)))
+        table = pa.table(rows, schema=_schema())
+        fd, tmp = tempfile.mkstemp(prefix=f".{_part_name(group)}.", dir=self.path)
+        os.close(fd)
+        try:
+            pq.write_table(table, tmp)
+            os.replace(tmp, self.path / _part_name(group))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self._cache = None
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def conversations(self) -> list[Conversation]:
+        if self._cache is None:
+            self._cache = list(self._read())
+        return self._cache
+
+    def _read(self) -> Iterator[Conversation]:
+        import pyarrow.parquet as pq
+
+        for part in sorted(self.path.glob("group-*.parquet")):
+            try:
+                table = pq.read_table(part)
+            except Exception as err:
+                raise CartridgeFormatError(f"Cannot read {str(part)!r}: {err}; delete it and re-run synthesis.") from err
+            for row in table.to_pylist():
+                k = row["topk"]
+                n_t = len(row["target_positions"])
+                yield Conversation(
+                    conv_id=row["conv_id"],
+                    group=row["group"],
+                    chunk=(row["chunk_start"], row["chunk_end"]),
+                    seed_kind=row["seed_kind"],
+                    input_ids=np.asarray(row["input_ids"], dtype=np.int32),
+                    role_mask=np.asarray(row["role_mask"], dtype=np.int8),
+                    target_positions=np.asarray(row["target_positions"], dtype=np.int32),
+                    topk_ids=np.asarray(row["topk_ids"], dtype=np.int32).reshape(n_t, k),
+                    topk_logprobs=np.asarray(row["topk_logprobs"], dtype=np.float32).reshape(n_t, k),
+                    messages=tuple(json.loads(row["messages"])),
+                )
+
+    def __len__(self) -> int:
+        return len(self.conversations())
+
+    def __iter__(self) -> Iterator[Conversation]:
+        return iter(self.conversations())
+
+    def __repr__(self) -> str:
+        return f"SelfStudyDataset({str(self.path)!r}, {len(self)} conversations)"
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        Path(tmp).write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,75 @@
+"""Teacher-forced scoring of gold answers: the quality figures of cartridges against ICL and no context.
+
+All methods share one prompt layout: ``[document tokens | cartridge] + chat turn(question) + answer tokens``.
+With no context the chat turn starts the sequence. Gap closure is
+``(NLL_none - NLL_method) / (NLL_none - NLL_icl)``: 1.0 means as good as the document in context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from .cartridge import Cartridge
+from .models import LM
+
+
+def _answer_ids(lm: LM, answer: str) -> list[int]:
+    ids = lm.tokenizer(answer.strip(), add_special_tokens=False)["input_ids"]
+    eos = lm.tokenizer.eos_token_id
+    return ids + ([eos] if eos is not None else [])
+
+
+def answer_logprobs(
+    lm: LM, question: str, answer: str, *, document: str | None = None, cartridges: Sequence[Cartridge] | None = None
+) -> torch.Tensor:
+    """Log-probabilities ``[answer tokens, vocab]`` of each gold-answer position, teacher-forced."""
+    msgs = [{"role": "user", "content": question}]
+    has_prefix = bool(document) or bool(cartridges)
+    prompt = (lm.encode(document) if document else []) + lm.chat_ids(msgs, after_cartridge=has_prefix)
+    ans = _answer_ids(lm, answer)
+    logits = lm.logits(prompt + ans, list(cartridges or []))
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(ans)].log_softmax(-1)
+
+
+def nll(logp: torch.Tensor, lm: LM, answer: str) -> float:
+    ids = torch.tensor(_answer_ids(lm, answer), device=logp.device)
+    return float(-logp.gather(-1, ids[:, None]).mean())
+
+
+def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean per-token KL(reference || other) from log-probabilities."""
+    return float((reference.exp() * (reference - other)).sum(-1).mean())
+
+
+@attrs.frozen
+class QualityReport:
+    """Mean gold-answer NLL per token for each method, gap closure, and KL(ICL || cartridge)."""
+
+    nll_none: float
+    nll_icl: float
+    nll_cartridge: float
+    kl_icl_cartridge: float
+    questions: int
+
+    @property
+    def gap_closure(self) -> float:
+        gap = self.nll_none - self.nll_icl
+        return (self.nll_none - self.nll_cartridge) / gap if gap else float("nan")
+
+
+def score(lm: LM, document: str, cartridge: Cartridge, qa: Sequence[tuple[str, str]]) -> QualityReport:
+    """Score `cartridge` against the whole `document` in context and against no context on question/answer pairs."""
+    none, icl, cart, kls = [], [], [], []
+    for q, a in qa:
+        lp_none = answer_logprobs(lm, q, a)
+        lp_icl = answer_logprobs(lm, q, a, document=document)
+        lp_cart = answer_logprobs(lm, q, a, cartridges=[cartridge])
+        none.append(nll(lp_none, lm, a))
+        icl.append(nll(lp_icl, lm, a))
+        cart.append(nll(lp_cart, lm, a))
+        kls.append(kl(lp_icl, lp_cart))
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return QualityReport(mean(none), mean(icl), mean(cart), mean(kls), len(qa))

@@ -1,0 +1,311 @@
+"""Self-study data generation (the paper's Algorithm 1) over any `Synthesizer`, and the built-in HF synthesizer.
+
+For each group of conversations: sample a chunk of the corpus; participant A sees the chunk and a seed prompt and
+writes a message; participant B sees the chunk and answers. B's tokens, with the teacher's top-k log-probabilities,
+become the distillation targets for a student that sees the cartridge instead of the chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import math
+import os
+import random
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from .corpus import ChunkSampler, Corpus
+from .dataset import ROLE_ASSISTANT, ROLE_USER, Conversation, SelfStudyDataset
+from .errors import ConfigError, IncompatibleCartridgeError
+from .models import LM, Message
+from .plugins import Completion, GenerationParams, SynthesisRequest, Synthesizer
+from .seeds import DEFAULT_WEIGHTS, check_weights, sample_seed
+
+
+def _positive(_inst, attribute, value):
+    if value < 1:
+        raise ConfigError(f"{attribute.name}={value!r} must be >= 1.")
+
+
+def _non_negative(_inst, attribute, value):
+    if value < 0:
+        raise ConfigError(f"{attribute.name}={value!r} must be >= 0.")
+
+
+def _weights(_inst, _attribute, value):
+    check_weights(value)
+
+
+@attrs.frozen
+class SynthesisConfig:
+    """How self-study conversations are sampled. Defaults suit a small model on a CPU."""
+
+    num_conversations: int = attrs.field(default=256, validator=_positive)
+    rounds: int = attrs.field(default=1, validator=_positive)
+    min_chunk: int = attrs.field(default=512, validator=_positive)
+    max_chunk: int = attrs.field(default=4096, validator=_positive)
+    description: str | None = None
+    conversations_per_chunk: int = attrs.field(default=16, validator=_positive)
+    seed_weights: Mapping[str, float] = attrs.field(factory=lambda: dict(DEFAULT_WEIGHTS), converter=dict, validator=_weights)
+    temperature_a: float = attrs.field(default=0.7, validator=_non_negative)
+    temperature_b: float = attrs.field(default=0.5, validator=_non_negative)
+    max_tokens_a: int = attrs.field(default=64, validator=_positive)
+    max_tokens_b: int = attrs.field(default=128, validator=_positive)
+    top_k: int = attrs.field(default=20, validator=_positive)
+    seed: int = 0
+
+    def __attrs_post_init__(self):
+        ChunkSampler(self.min_chunk, self.max_chunk)  # validates the pair
+
+
+class HFSynthesizer(Synthesizer):
+    """Samples with the transformers model in an `LM`: each group's shared prompt is prefilled once, then the
+    group's completions are generated together as one batch from that KV cache."""
+
+    def __init__(self, lm: LM, *, autocast_dtype: str | torch.dtype | None = None):
+        from .models import resolve_dtype
+
+        self.lm = lm
+        self.autocast_dtype = resolve_dtype(autocast_dtype)
+        self._prefix: tuple[tuple[int, ...], Any] | None = None
+
+    def identity(self):
+        return self.lm.identity
+
+    def _prefix_cartridge(self, ids: list[int]):
+        """The KV of a shared prompt as an (unfrozen) cartridge; the last one is kept, since A and B share the chunk."""
+        from .cartridge import Cartridge
+
+        key = tuple(ids)
+        if self._prefix is None or self._prefix[0] != key:
+            self._prefix = (key, Cartridge.from_prefix(self.lm, ids, len(ids), num_frozen=0))
+        return self._prefix[1]
+
+    def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]:
+        from .hf import decode
+
+        results: list[Completion | None] = [None] * len(requests)
+        batches: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            key = (r.group if r.group is not None else f"solo-{i}", r.max_tokens, r.temperature, r.top_logprobs)
+            batches.setdefault(key, []).append(i)
+        ctx = (
+            torch.autocast(self.lm.device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        for (_, max_tokens, temperature, top_logprobs), idx in batches.items():
+            prompts = [teacher_prompt(self.lm, requests[i]) for i in idx]
+            shared = _common_prefix(prompts)
+            shared = min(shared, min(len(p) for p in prompts) - 1)  # every row keeps at least one token to feed
+            prefix = [self._prefix_cartridge(prompts[0][:shared])] if shared > 1 else []
+            cut = shared if prefix else 0
+            params = GenerationParams(max_new_tokens=max_tokens, temperature=temperature, seed=requests[idx[0]].seed)
+            with ctx:
+                for state in decode(self.lm, prefix, [p[cut:] for p in prompts], params, top_logprobs=top_logprobs):
+                    pass
+            for row, i in enumerate(idx):
+                tokens = state.tokens[row]
+                eos = self.lm.eos_token_ids
+                body = tokens[:-1] if tokens and tokens[-1] in eos else tokens
+                top_ids = torch.stack(state.top_ids[row]).numpy() if top_logprobs else None
+                top_lps = torch.stack(state.top_logprobs[row]).float().numpy() if top_logprobs else None
+                results[i] = Completion(
+                    text=self.lm.tokenizer.decode(body, skip_special_tokens=True),
+                    token_ids=tuple(tokens),
+                    finish_reason=state.reasons[row] or "length",
+                    top_ids=top_ids,
+                    top_logprobs=top_lps,
+                )
+        return results  # type: ignore[return-value]
+
+
+def teacher_prompt(lm: LM, request: SynthesisRequest) -> list[int]:
+    """Token ids the teacher reads: the context as a document (BOS where the model uses one), then the chat."""
+    if request.context:
+        return lm.encode(request.context) + lm.chat_ids(request.messages, after_cartridge=True)
+    return lm.chat_ids(request.messages, after_cartridge=False)
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        t = seqs[0][i]
+        if any(s[i] != t for s in seqs):
+            return i
+    return n
+
+
+def chunk_context(chunk_text: str, description: str | None) -> str:
+    """What the teacher sees in place of the cartridge: the optional description, then the chunk."""
+    return f"{description.strip()}\n\n{chunk_text}" if description else chunk_text
+
+
+def _student_sequence(lm: LM, turns: list[tuple[str, list[int]]]) -> tuple[list[int], list[int], list[int]] | str:
+    """Token ids, roles and target positions of a conversation as the student sees it (after a cartridge).
+
+    `turns` alternates ``(A's text, [])`` and ``(B's text, B's exact token ids)``. B's ids are used as sampled,
+    so the targets are exactly the tokens the teacher scored. Returns a reason string when the chat template
+    re-tokenizes earlier turns differently (then the conversation is skipped).
+    """
+    ids: list[int] = []
+    roles: list[int] = []
+    targets: list[int] = []
+    messages: list[Message] = []
+    for i in range(0, len(turns), 2):
+        user_text, _ = turns[i]
+        _, b_ids = turns[i + 1]
+        messages.append({"role": "user", "content": user_text})
+        full = lm.chat_ids(messages, after_cartridge=True)
+        if full[: len(ids)] != ids:
+            return "the chat template re-tokenizes earlier turns differently"
+        roles += [ROLE_USER] * (len(full) - len(ids))
+        ids = list(full)
+        targets += list(range(len(ids), len(ids) + len(b_ids)))
+        ids += b_ids
+        roles += [ROLE_ASSISTANT] * len(b_ids)
+        messages.append({"role": "assistant", "content": turns[i + 1][0]})
+    return ids, roles, targets
+
+
+def synthesize(
+    corpus: Corpus | Any,
+    lm: LM,
+    output: str | os.PathLike,
+    config: SynthesisConfig | None = None,
+    *,
+    synthesizer: Synthesizer | None = None,
+    progress: bool = True,
+) -> SelfStudyDataset:
+    """Sample `config.num_conversations` self-study conversations into the dataset folder `output`.
+
+    Re-running with the same `output` and settings continues after the last complete group.
+    """
+    from tqdm.auto import tqdm
+
+    corpus = Corpus.coerce(corpus)
+    config = config or SynthesisConfig()
+    synthesizer = synthesizer or HFSynthesizer(lm)
+    other = synthesizer.identity()
+    if other is not None and other.mismatch(lm.identity):
+        raise IncompatibleCartridgeError(
+            f"The synthesizer serves model {other.name!r} but the student is {lm.name!r} "
+            f"({other.mismatch(lm.identity)}); self-study needs the same model on both sides."
+        )
+    ids = corpus.token_ids(lm)
+    sampler = ChunkSampler(config.min_chunk, config.max_chunk)
+    header = {
+        "model": lm.identity.to_dict(),
+        "corpus": {"fingerprint": corpus.fingerprint(), "num_tokens": len(ids), "documents": len(corpus.documents)},
+        "config": attrs.asdict(config),
+        "synthesizer": type(synthesizer).__name__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    dataset = SelfStudyDataset.create(output, header)
+    group_size = config.conversations_per_chunk
+    num_groups = math.ceil(config.num_conversations / group_size)
+    done = dataset.done_groups()
+    already = sum(min(group_size, config.num_conversations - g * group_size) for g in done if g < num_groups)
+    bar = tqdm(total=config.num_conversations, initial=already, desc="self-study synthesis", unit="conv", disable=not progress)
+    skipped: list[str] = []
+    vocab = lm.identity.architecture["vocab_size"]
+    for g in range(num_groups):
+        if g in done:
+            continue
+        size = min(group_size, config.num_conversations - g * group_size)
+        rng = random.Random(f"{config.seed}:{g}")
+        start, end = sampler.sample(len(ids), rng)
+        context = chunk_context(lm.tokenizer.decode(ids[start:end]), config.description)
+        seeds = [sample_seed(rng, config.seed_weights) for _ in range(size)]
+        conversations = _run_group(lm, synthesizer, config, g, (start, end), context, seeds, rng)
+        kept = []
+        for conv in conversations:
+            if isinstance(conv, str):
+                skipped.append(conv)
+                continue
+            problems = conv.problems(vocab)
+            if problems:
+                skipped.append(f"conversation {conv.conv_id}: {'; '.join(problems)}")
+            else:
+                kept.append(conv)
+        dataset.write_group(g, kept)
+        bar.update(size)
+    bar.close()
+    if skipped:
+        warnings.warn(f"Skipped {len(skipped)} bad conversation(s): " + " | ".join(skipped[:5]), stacklevel=2)
+    return dataset
+
+
+def _run_group(
+    lm: LM,
+    synthesizer: Synthesizer,
+    config: SynthesisConfig,
+    group: int,
+    chunk: tuple[int, int],
+    context: str,
+    seeds: list[tuple[str, str]],
+    rng: random.Random,
+) -> list[Conversation | str]:
+    a_hist: list[list[Message]] = [[{"role": "user", "content": seed}] for _, seed in seeds]
+    b_hist: list[list[Message]] = [[] for _ in seeds]
+    turns: list[list[tuple[str, list[int]]]] = [[] for _ in seeds]
+    tops: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in seeds]
+    for _ in range(config.rounds):
+        a_out = synthesizer.complete(
+            [
+                SynthesisRequest(h, context, config.max_tokens_a, config.temperature_a, 0, group, rng.randrange(2**31))
+                for h in a_hist
+            ]
+        )
+        for i, a in enumerate(a_out):
+            text = a.text.strip()
+            a_hist[i].append({"role": "assistant", "content": text})
+            b_hist[i].append({"role": "user", "content": text})
+        b_out = synthesizer.complete(
+            [
+                SynthesisRequest(h, context, config.max_tokens_b, config.temperature_b, config.top_k, group, rng.randrange(2**31))
+                for h in b_hist
+            ]
+        )
+        for i, b in enumerate(b_out):
+            text = b.text.strip()
+            turns[i] += [(a_hist[i][-1]["content"], []), (text, list(b.token_ids))]
+            tops[i].append((np.asarray(b.top_ids), np.asarray(b.top_logprobs)))
+            a_hist[i].append({"role": "user", "content": text})
+            b_hist[i].append({"role": "assistant", "content": text})
+
+    out: list[Conversation | str] = []
+    for i, (kind, _) in enumerate(seeds):
+        conv_id = group * config.conversations_per_chunk + i
+        if any(not t[0] for t in turns[i][::2]):
+            out.append(f"conversation {conv_id}: participant A wrote an empty message")
+            continue
+        seq = _student_sequence(lm, turns[i])
+        if isinstance(seq, str):
+            out.append(f"conversation {conv_id}: {seq}")
+            continue
+        ids, roles, targets = seq
+        messages = tuple({"role": "user" if j % 2 == 0 else "assistant", "content": t[0]} for j, t in enumerate(turns[i]))
+        top_ids = np.concatenate([t[0].reshape(-1, config.top_k) for t in tops[i]])
+        top_lps = np.concatenate([t[1].reshape(-1, config.top_k) for t in tops[i]])
+        out.append(
+            Conversation(
+                conv_id=conv_id,
+                group=group,
+                chunk=chunk,
+                seed_kind=kind,
+                input_ids=np.asarray(ids, dtype=np.int32),
+                role_mask=np.asarray(roles, dtype=np.int8),
+                target_positions=np.asarray(targets, dtype=np.int32),
+                topk_ids=top_ids.astype(np.int32),
+                topk_logprobs=top_lps.astype(np.float32),
+                messages=messages,
+            )
+        )
+    return out

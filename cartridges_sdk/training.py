@@ -1,0 +1,329 @@
+"""Distillation training of a cartridge: the model is frozen, only the cartridge's KV tensors learn.
+
+The student is the model with the trainable cartridge in front of each conversation (no chunk); its loss is the
+cross-entropy against the teacher's stored top-k distribution, ``-sum_k p_teacher(k) log p_student(k)``, averaged
+over target tokens (which is KL(teacher || student) up to the teacher's constant entropy). One process, CPU or GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from .cartridge import Cartridge, CartridgeMeta
+from .dataset import Conversation, SelfStudyDataset
+from .errors import ConfigError
+from .models import LM
+from .plugins import Trainer
+
+CHECKPOINT = "checkpoint.pt"
+RUN_LOG = "train_log.jsonl"
+
+
+def _positive(_inst, attribute, value):
+    if value is not None and value <= 0:
+        raise ConfigError(f"{attribute.name}={value!r} must be > 0.")
+
+
+def _fraction(_inst, attribute, value):
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{attribute.name}={value!r} must be in [0, 1).")
+
+
+def _one_of(*options):
+    def check(_inst, attribute, value):
+        if value not in options:
+            raise ConfigError(f"{attribute.name}={value!r} must be one of {options}.")
+
+    return check
+
+
+@attrs.frozen
+class TrainConfig:
+    """How a cartridge is trained. Defaults are the paper's optimiser (Adam, lr 2e-2) at CPU-sized batches."""
+
+    lr: float = attrs.field(default=2e-2, validator=_positive)
+    epochs: int = attrs.field(default=1, validator=_positive)
+    batch_tokens: int = attrs.field(default=4096, validator=_positive)
+    grad_accum: int = attrs.field(default=1, validator=_positive)
+    warmup_steps: int = 0
+    schedule: str = attrs.field(default="cosine", validator=_one_of("cosine", "constant"))
+    min_lr_ratio: float = attrs.field(default=0.1, validator=_fraction)
+    max_grad_norm: float | None = attrs.field(default=1.0, validator=_positive)
+    objective: str = attrs.field(default="distill", validator=_one_of("distill", "ntp"))
+    eval_fraction: float = attrs.field(default=0.05, validator=_fraction)
+    eval_every: int = attrs.field(default=25, validator=_positive)
+    checkpoint_every: int = attrs.field(default=25, validator=_positive)
+    autocast_dtype: str | None = attrs.field(default=None, validator=_one_of(None, "bfloat16", "float16"))
+    seed: int = 0
+
+
+def split_eval(conversations: Sequence[Conversation], fraction: float, seed: int) -> tuple[list, list]:
+    """A fixed held-out slice of whole chunk groups (so eval chunks are unseen in training)."""
+    groups = sorted({c.group for c in conversations})
+    n_eval = 0 if fraction == 0 or len(groups) < 2 else max(1, round(fraction * len(groups)))
+    held = set(random.Random(f"eval:{seed}").sample(groups, n_eval))
+    return [c for c in conversations if c.group not in held], [c for c in conversations if c.group in held]
+
+
+def pack(conversations: Sequence[Conversation], batch_tokens: int, rng: random.Random) -> list[list[Conversation]]:
+    """Shuffle, then fill micro-batches while (rows x longest row) stays within `batch_tokens`."""
+    order = list(conversations)
+    rng.shuffle(order)
+    batches: list[list[Conversation]] = []
+    current: list[Conversation] = []
+    longest = 0
+    for c in order:
+        longest_if = max(longest, c.num_tokens)
+        if current and longest_if * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current, longest_if = [], c.num_tokens
+        current.append(c)
+        longest = longest_if
+    if current:
+        batches.append(current)
+    return batches
+
+
+class TrainableCartridge(torch.nn.Module):
+    """A cartridge's KV as parameters; the first `num_frozen` tokens are buffers and never change."""
+
+    def __init__(self, init: Cartridge):
+        super().__init__()
+        nf = init.num_frozen
+        self.num_frozen = nf
+        self.frozen_keys = torch.nn.ParameterList(
+            [torch.nn.Parameter(k[:, :nf].detach().float().clone(), requires_grad=False) for k in init.keys]
+        )
+        self.frozen_values = torch.nn.ParameterList(
+            [torch.nn.Parameter(v[:, :nf].detach().float().clone(), requires_grad=False) for v in init.values]
+        )
+        self.keys = torch.nn.ParameterList([torch.nn.Parameter(k[:, nf:].detach().float().clone()) for k in init.keys])
+        self.values = torch.nn.ParameterList([torch.nn.Parameter(v[:, nf:].detach().float().clone()) for v in init.values])
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [
+            (torch.cat([fk, k], dim=1), torch.cat([fv, v], dim=1))
+            for fk, k, fv, v in zip(self.frozen_keys, self.keys, self.frozen_values, self.values)
+        ]
+
+    def to_cartridge(self, meta: CartridgeMeta, lm: LM | None, dtype: torch.dtype) -> Cartridge:
+        kv = self.layers()
+        return Cartridge([k.detach().to(dtype).clone() for k, _ in kv], [v.detach().to(dtype).clone() for _, v in kv], meta, lm=lm)
+
+
+def student_loss(
+    lm: LM, cartridge: TrainableCartridge, batch: Sequence[Conversation], objective: str = "distill"
+) -> tuple[torch.Tensor, int]:
+    """Summed loss over the batch's target tokens, and how many there were (divide for the per-token mean)."""
+    from transformers import DynamicCache
+
+    device = lm.device
+    rows = len(batch)
+    width = max(c.num_tokens for c in batch)
+    ids = torch.full((rows, width), lm.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.long)
+    for r, c in enumerate(batch):
+        ids[r, : c.num_tokens] = torch.from_numpy(c.input_ids.astype(np.int64))
+        mask[r, : c.num_tokens] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    layers = cartridge.layers()
+    p = layers[0][0].shape[1]
+    dtype = lm.dtype
+    data = [(k.to(dtype)[None].expand(rows, -1, -1, -1), v.to(dtype)[None].expand(rows, -1, -1, -1)) for k, v in layers]
+    cache = DynamicCache(ddp_cache_data=data, config=lm.model.config)
+    hidden = lm.model.base_model(
+        input_ids=ids,
+        attention_mask=torch.cat([torch.ones(rows, p, dtype=torch.long, device=device), mask], dim=1),
+        position_ids=(p + torch.arange(width, device=device))[None].expand(rows, -1),
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state
+    # only the positions that predict a target token go through the (large) output layer
+    row_idx = torch.cat([torch.full((len(c.target_positions),), r, dtype=torch.long) for r, c in enumerate(batch)])
+    pos = torch.cat([torch.from_numpy(c.target_positions.astype(np.int64)) for c in batch])
+    logits = lm.model.get_output_embeddings()(hidden[row_idx.to(device), (pos - 1).to(device)]).float()
+    logp = logits.log_softmax(-1)
+    if objective == "ntp":
+        targets = ids[row_idx.to(device), pos.to(device)]
+        loss = -logp.gather(-1, targets[:, None]).sum()
+    else:
+        top_ids = torch.from_numpy(np.concatenate([c.topk_ids for c in batch]).astype(np.int64)).to(device)
+        top_p = torch.from_numpy(np.concatenate([c.topk_logprobs for c in batch])).to(device).exp()
+        loss = -(top_p * logp.gather(-1, top_ids)).sum()
+    return loss, int(pos.numel())
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant" or total <= cfg.warmup_steps:
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class TorchTrainer(Trainer):
+    """The built-in trainer (registered as ``torch``)."""
+
+    def __init__(self, config: TrainConfig | None = None, *, output_dir: str | os.PathLike | None = None,
+                 resume: bool = True, progress: bool = True):
+        self.config = config or TrainConfig()
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.resume = resume
+        self.progress = progress
+        self.history: list[dict[str, Any]] = []
+
+    @torch.no_grad()
+    def evaluate(self, lm: LM, cartridge: TrainableCartridge, conversations: Sequence[Conversation]) -> float | None:
+        if not conversations:
+            return None
+        total, count = 0.0, 0
+        ctx = self._autocast(lm)
+        for batch in pack(conversations, self.config.batch_tokens, random.Random(0)):
+            with ctx:
+                loss, n = student_loss(lm, cartridge, batch, self.config.objective)
+            total, count = total + float(loss), count + n
+        return total / max(count, 1)
+
+    def _autocast(self, lm: LM):
+        import contextlib
+
+        if self.config.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(lm.device.type, dtype=getattr(torch, self.config.autocast_dtype))
+
+    def fit(self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM) -> Cartridge:
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        lm = model
+        conversations = list(dataset)
+        if not conversations:
+            raise ConfigError("The self-study dataset has no conversations to train on.")
+        train, held_out = split_eval(conversations, cfg.eval_fraction, cfg.seed)
+        epoch_batches = [pack(train, cfg.batch_tokens, random.Random(f"{cfg.seed}:{e}")) for e in range(cfg.epochs)]
+        micro = [b for batches in epoch_batches for b in batches]
+        total_steps = math.ceil(len(micro) / cfg.grad_accum)
+
+        cart = TrainableCartridge(init).to(lm.device)
+        params = list(cart.keys) + list(cart.values)
+        opt = torch.optim.Adam(params, lr=cfg.lr)
+        step = 0
+        ckpt = self.output_dir / CHECKPOINT if self.output_dir else None
+        if self.output_dir:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        if ckpt and ckpt.is_file() and self.resume:
+            state = torch.load(ckpt, map_location=lm.device, weights_only=True)
+            if state["config"] != attrs.asdict(cfg) or state["num_conversations"] != len(conversations):
+                raise ConfigError(
+                    f"The checkpoint in {str(self.output_dir)!r} was made with other settings or data; "
+                    "use another output_dir or resume=False."
+                )
+            with torch.no_grad():
+                for mine, saved in zip(params, state["params"]):
+                    mine.copy_(saved)
+            opt.load_state_dict(state["optimizer"])
+            step = state["step"]
+            self.history = state.get("history", [])
+
+        log = (self.output_dir / RUN_LOG).open("a") if self.output_dir else None
+        bar = tqdm(total=total_steps, initial=step, desc="training cartridge", unit="step", disable=not self.progress)
+        start, tokens_seen = time.perf_counter(), 0
+        try:
+            while step < total_steps:
+                lr = _lr_at(step, total_steps, cfg)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                chunk = micro[step * cfg.grad_accum : (step + 1) * cfg.grad_accum]
+                n_targets = sum(len(c.target_positions) for b in chunk for c in b)
+                opt.zero_grad(set_to_none=True)
+                loss_sum = 0.0
+                for batch in chunk:
+                    with self._autocast(lm):
+                        loss, _ = student_loss(lm, cart, batch, cfg.objective)
+                    (loss / n_targets).backward()
+                    loss_sum += float(loss.detach())
+                    tokens_seen += sum(c.num_tokens for c in batch)
+                grad_norm = None
+                if cfg.max_grad_norm:
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+                opt.step()
+                step += 1
+                elapsed = time.perf_counter() - start
+                record = {
+                    "step": step,
+                    "loss": loss_sum / n_targets,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tokens_seen / elapsed,
+                    "elapsed_s": elapsed,
+                    "peak_memory_mb": _peak_memory_mb(lm.device),
+                }
+                if held_out and (step % cfg.eval_every == 0 or step == total_steps):
+                    record["eval_loss"] = self.evaluate(lm, cart, held_out)
+                self.history.append(record)
+                if log:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                bar.set_postfix(
+                    loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                    mem=f"{record['peak_memory_mb']:.0f}MB", **({"eval": f"{record['eval_loss']:.3f}"} if "eval_loss" in record else {}),
+                )
+                bar.update(1)
+                if ckpt and (step % cfg.checkpoint_every == 0 or step == total_steps):
+                    _save_checkpoint(ckpt, {
+                        "step": step,
+                        "params": [p.detach().cpu() for p in params],
+                        "optimizer": opt.state_dict(),
+                        "config": attrs.asdict(cfg),
+                        "num_conversations": len(conversations),
+                        "history": self.history,
+                    })
+        finally:
+            bar.close()
+            if log:
+                log.close()
+        final = self.history[-1] if self.history else {}
+        training = {
+            "trainer": "torch",
+            "config": attrs.asdict(cfg),
+            "steps": step,
+            "conversations": len(train),
+            "held_out_conversations": len(held_out),
+            "final_loss": final.get("loss"),
+            "final_eval_loss": next((h["eval_loss"] for h in reversed(self.history) if "eval_loss" in h), None),
+        }
+        meta = attrs.evolve(init.meta, init="trained", training={**(init.meta.training or {}), **training},
+                            extra={**init.meta.extra, "init": init.meta.init})
+        return cart.to_cartridge(meta, init.lm, init.keys[0].dtype)
