@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,40 +14,103 @@ import torch
 
 from .cartridge import Cartridge
 from .corpus import Corpus
+from .dataset import SelfStudyDataset
 from .errors import ConfigError
-from .models import LM, load_model
+from .models import LM, load_model, resolve_dtype
 from .plugins import Synthesizer, Trainer
 from .synthesis import HFSynthesizer, SynthesisConfig, synthesize
 from .training import TorchTrainer, TrainConfig
 
 INITS = ("prefix", "random_text", "random")
-_SYNTH_FIELDS = {f.name for f in attrs.fields(SynthesisConfig)} - {"num_conversations", "seed"}
-_TRAIN_FIELDS = {f.name for f in attrs.fields(TrainConfig)} - {"epochs", "seed"}
+SYNTHESIS_SETTINGS = {f.name for f in attrs.fields(SynthesisConfig)} - {"num_conversations", "seed"}
+TRAINING_SETTINGS = {f.name for f in attrs.fields(TrainConfig)} - {"epochs", "seed"}
 
 
-def _work_copy(lm: LM, dtype: torch.dtype | None) -> LM:
-    """The model to synthesize and train with: `lm` itself, or a copy in a faster dtype (the result stays with `lm`)."""
+def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Flat keyword settings -> (synthesis, training) settings, refusing unknown names."""
+    unknown = sorted(set(settings) - SYNTHESIS_SETTINGS - TRAINING_SETTINGS)
+    if unknown:
+        raise ConfigError(
+            f"Unknown setting(s) {unknown}. Synthesis settings: {sorted(SYNTHESIS_SETTINGS)}; "
+            f"training settings: {sorted(TRAINING_SETTINGS)}."
+        )
+    return (
+        {k: v for k, v in settings.items() if k in SYNTHESIS_SETTINGS},
+        {k: v for k, v in settings.items() if k in TRAINING_SETTINGS},
+    )
+
+
+def work_model(lm: LM, dtype: str | torch.dtype | None) -> LM:
+    """The model to synthesize and train with: `lm` itself, or a copy in another dtype."""
+    dtype = resolve_dtype(dtype)
     if dtype is None or dtype == lm.dtype:
         return lm
-    clone = LM(copy.deepcopy(lm.model).to(dtype), lm.tokenizer, name=lm.name, source=lm.identity.source,
-               revision=lm.identity.revision)
-    return clone
+    return LM(copy.deepcopy(lm.model).to(dtype), lm.tokenizer, name=lm.name, source=lm.identity.source,
+              revision=lm.identity.revision)
 
 
-def initial_cartridge(lm: LM, corpus: Corpus, num_tokens: int, init: str, seed: int, num_frozen: int = 1) -> Cartridge:
+def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int, init: str, seed: int,
+                      num_frozen: int = 1) -> Cartridge:
+    """The cartridge training starts from: the corpus's first tokens (`prefix`), unrelated text, or random vectors."""
     if init == "prefix":
-        ids = lm.encode(corpus.text)
-        if len(ids) < num_tokens:
+        if prefix_ids is None:
+            raise ConfigError("init='prefix' needs the corpus (pass --corpus), or use init='random_text'.")
+        if len(prefix_ids) < num_tokens:
             raise ConfigError(
-                f"init='prefix' needs num_tokens <= the corpus's {len(ids)} tokens (got {num_tokens}); "
+                f"init='prefix' needs num_tokens <= the corpus's {len(prefix_ids)} tokens (got {num_tokens}); "
                 "use a smaller num_tokens or init='random_text'."
             )
-        return Cartridge.from_prefix(lm, ids, num_tokens, num_frozen=num_frozen)
+        return Cartridge.from_prefix(lm, list(prefix_ids), num_tokens, num_frozen=num_frozen)
     if init == "random_text":
         return Cartridge.from_random_text(lm, num_tokens, seed=seed, num_frozen=num_frozen)
     if init == "random":
         return Cartridge.random(lm, num_tokens, seed=seed, num_frozen=num_frozen)
     raise ConfigError(f"init={init!r} must be one of {INITS}.")
+
+
+def train_cartridge(
+    dataset: SelfStudyDataset,
+    lm: LM,
+    *,
+    num_tokens: int,
+    epochs: int = 1,
+    init: str = "prefix",
+    seed: int = 0,
+    prefix_ids: Sequence[int] | None = None,
+    trainer: Trainer | None = None,
+    output_dir: str | os.PathLike | None = None,
+    num_frozen: int = 1,
+    work_dtype: str | torch.dtype | None = None,
+    progress: bool = True,
+    **settings: Any,
+) -> Cartridge:
+    """Train a `num_tokens` cartridge on a self-study dataset; the result is bound to `lm`."""
+    _, train_settings = split_settings(settings)
+    header_model = dataset.header.get("model", {})
+    if header_model.get("fingerprint") and header_model["fingerprint"] != lm.identity.fingerprint:
+        raise ConfigError(
+            f"The dataset was synthesized with model {header_model.get('name')!r}, not {lm.name!r}; "
+            "train with the model that made it."
+        )
+    corpus_info = dataset.header.get("corpus", {})
+    prefix_ids = prefix_ids if prefix_ids is not None else corpus_info.get("prefix_ids")
+    config = TrainConfig(epochs=epochs, seed=seed, **train_settings)
+    work = work_model(lm, work_dtype)
+    start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen)
+    trainer = trainer or TorchTrainer(config, output_dir=output_dir, progress=progress)
+    trained = trainer.fit(start.bind(work), dataset, work)
+    meta = attrs.evolve(
+        trained.meta,
+        model=lm.identity,
+        corpus={k: v for k, v in corpus_info.items() if k != "prefix_ids"} or None,
+        training={
+            **(trained.meta.training or {}),
+            "init": init,
+            "synthesis": dataset.header.get("config"),
+            "work_dtype": str(work.dtype).removeprefix("torch."),
+        },
+    )
+    return Cartridge([k.to(lm.dtype) for k in trained.keys], [v.to(lm.dtype) for v in trained.values], meta, lm=lm)
 
 
 def build_cartridge(
@@ -73,42 +137,26 @@ def build_cartridge(
     resumes both stages; without it they live in a temporary folder. `work_dtype` is the dtype synthesis and
     training compute in (default: the model's); the returned cartridge is bound to the original model.
     """
-    unknown = sorted(set(settings) - _SYNTH_FIELDS - _TRAIN_FIELDS)
-    if unknown:
-        raise ConfigError(
-            f"Unknown setting(s) {unknown}. Synthesis settings: {sorted(_SYNTH_FIELDS)}; "
-            f"training settings: {sorted(_TRAIN_FIELDS)}."
-        )
+    synth_settings, _ = split_settings(settings)
     if init not in INITS:
         raise ConfigError(f"init={init!r} must be one of {INITS}.")
     lm = model if isinstance(model, LM) else load_model(model)
     corpus = Corpus.coerce(corpus)
-    from .models import resolve_dtype
-
-    work = _work_copy(lm, resolve_dtype(work_dtype))
-    synth_cfg = SynthesisConfig(
-        num_conversations=num_conversations, seed=seed, **{k: v for k, v in settings.items() if k in _SYNTH_FIELDS}
-    )
-    train_cfg = TrainConfig(epochs=epochs, seed=seed, **{k: v for k, v in settings.items() if k in _TRAIN_FIELDS})
-    init_cartridge = initial_cartridge(lm, corpus, num_tokens, init, seed, num_frozen)
-
+    work = work_model(lm, work_dtype)
+    synth_cfg = SynthesisConfig(num_conversations=num_conversations, seed=seed, **synth_settings)
+    prefix_ids = lm.encode(corpus.text)[:num_tokens] if init == "prefix" else None
+    if prefix_ids is not None and len(prefix_ids) < num_tokens:
+        raise ConfigError(
+            f"init='prefix' needs num_tokens <= the corpus's {len(prefix_ids)} tokens (got {num_tokens}); "
+            "use a smaller num_tokens or init='random_text'."
+        )
     with tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
         root = Path(output_dir) if output_dir is not None else Path(tmp)
         dataset = synthesize(
             corpus, work, root / "data", synth_cfg, synthesizer=synthesizer or HFSynthesizer(work), progress=progress
         )
-        trainer = trainer or TorchTrainer(train_cfg, output_dir=root / "train", progress=progress)
-        trained = trainer.fit(init_cartridge.bind(work), dataset, work)
-    meta = attrs.evolve(
-        trained.meta,
-        model=lm.identity,
-        corpus={"fingerprint": corpus.fingerprint(), "num_tokens": len(corpus.token_ids(lm)), "documents": len(corpus.documents)},
-        training={
-            **(trained.meta.training or {}),
-            "init": init,
-            "synthesis": attrs.asdict(synth_cfg),
-            "num_conversations": num_conversations,
-            "work_dtype": str(work.dtype).removeprefix("torch."),
-        },
-    )
-    return Cartridge([k.to(lm.dtype) for k in trained.keys], [v.to(lm.dtype) for v in trained.values], meta, lm=lm)
+        return train_cartridge(
+            dataset, lm, num_tokens=num_tokens, epochs=epochs, init=init, seed=seed, prefix_ids=prefix_ids,
+            trainer=trainer, output_dir=root / "train", num_frozen=num_frozen, work_dtype=work_dtype,
+            progress=progress, **{k: v for k, v in settings.items() if k not in synth_settings},
+        )

@@ -28,6 +28,9 @@ from .plugins import Completion, GenerationParams, SynthesisRequest, Synthesizer
 from .seeds import DEFAULT_WEIGHTS, check_weights, sample_seed
 
 
+PREFIX_IDS_KEPT = 4096
+
+
 def _positive(_inst, attribute, value):
     if value < 1:
         raise ConfigError(f"{attribute.name}={value!r} must be >= 1.")
@@ -202,7 +205,13 @@ def synthesize(
     sampler = ChunkSampler(config.min_chunk, config.max_chunk)
     header = {
         "model": lm.identity.to_dict(),
-        "corpus": {"fingerprint": corpus.fingerprint(), "num_tokens": len(ids), "documents": len(corpus.documents)},
+        "corpus": {
+            "fingerprint": corpus.fingerprint(),
+            "num_tokens": len(ids),
+            "documents": len(corpus.documents),
+            # the corpus's opening tokens, so `cartridges train` can start a prefix cartridge without the corpus
+            "prefix_ids": lm.encode(corpus.text)[:PREFIX_IDS_KEPT],
+        },
         "config": attrs.asdict(config),
         "synthesizer": type(synthesizer).__name__,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -1,0 +1,123 @@
+"""Self-study synthesis: grouping, exact teacher top-k, the Parquet dataset, resume, and bad-record handling."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from cartridges_sdk import Completion, ConfigError, Synthesizer
+from cartridges_sdk.dataset import ROLE_ASSISTANT, SelfStudyDataset
+from cartridges_sdk.plugins import SynthesisRequest
+from cartridges_sdk.synthesis import HFSynthesizer, SynthesisConfig, synthesize, teacher_prompt
+
+from conftest import TEXT
+
+
+class FakeSynthesizer(Synthesizer):
+    """Deterministic replies built from the request, with made-up top-k; can fail after N calls or spoil a reply."""
+
+    def __init__(self, lm, fail_after: int | None = None, spoil: int | None = None):
+        self.lm, self.calls, self.fail_after, self.spoil = lm, 0, fail_after, spoil
+        self.seen_groups: list[list[int | None]] = []
+
+    def complete(self, requests):
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise KeyboardInterrupt("killed")
+        self.calls += 1
+        self.seen_groups.append([r.group for r in requests])
+        out = []
+        for i, r in enumerate(requests):
+            rng = random.Random(r.seed)
+            text = f"reply {rng.randint(0, 999)} to {r.messages[-1]['content'][:12]}"
+            ids = self.lm.tokenizer(text, add_special_tokens=False)["input_ids"][: r.max_tokens]
+            k = r.top_logprobs
+            top_ids = np.array([[(t + j) % 90 for j in range(k)] for t in ids]) if k else None
+            top_lps = np.log(np.full((len(ids), k), 1.0 / (k + 1))) if k else None
+            if k and self.spoil is not None and self.calls == 2 and i == self.spoil:
+                top_ids = top_ids + 10**6  # outside the vocabulary
+            out.append(Completion(text=text, token_ids=tuple(ids), finish_reason="length", top_ids=top_ids, top_logprobs=top_lps))
+        return out
+
+
+def _config(**kw):
+    base = dict(num_conversations=10, conversations_per_chunk=4, min_chunk=40, max_chunk=120, max_tokens_a=16,
+                max_tokens_b=24, top_k=5, seed=3)
+    return SynthesisConfig(**{**base, **kw})
+
+
+def test_dataset_round_trip_and_alignment(tiny_lm, tmp_path):
+    ds = synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm), progress=False)
+    convs = SelfStudyDataset(tmp_path / "d").conversations()
+    assert len(convs) == 10 and sorted(c.conv_id for c in convs) == list(range(10))
+    for c in convs:
+        assert c.topk_ids.shape == c.topk_logprobs.shape == (len(c.target_positions), 5)
+        assert (c.role_mask[c.target_positions] == ROLE_ASSISTANT).all()
+        assert c.messages[0]["role"] == "user" and c.messages[1]["role"] == "assistant"
+        # the targets are exactly B's reply tokens, placed after the student's chat turn
+        reply = tiny_lm.tokenizer(c.messages[1]["content"], add_special_tokens=False)["input_ids"][:24]
+        assert c.input_ids[c.target_positions].tolist() == reply
+        assert c.input_ids[: c.target_positions[0]].tolist() == tiny_lm.chat_ids([c.messages[0]])
+    assert ds.header["config"]["top_k"] == 5 and ds.header["corpus"]["num_tokens"] > 0
+
+
+def test_requests_are_grouped_by_chunk(tiny_lm, tmp_path):
+    fake = FakeSynthesizer(tiny_lm)
+    synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=fake, progress=False)
+    # one call per participant per round per group, each call one group: A then B for groups 0, 1, 2
+    assert [set(g) for g in fake.seen_groups] == [{0}, {0}, {1}, {1}, {2}, {2}]
+    assert [len(g) for g in fake.seen_groups] == [4, 4, 4, 4, 2, 2]
+
+
+def test_killed_synthesis_resumes_without_loss_or_duplicates(tiny_lm, tmp_path):
+    whole = synthesize(TEXT, tiny_lm, tmp_path / "whole", _config(), synthesizer=FakeSynthesizer(tiny_lm), progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        synthesize(TEXT, tiny_lm, tmp_path / "part", _config(), synthesizer=FakeSynthesizer(tiny_lm, fail_after=3), progress=False)
+    assert SelfStudyDataset(tmp_path / "part").done_groups() == {0}
+    resumed = synthesize(TEXT, tiny_lm, tmp_path / "part", _config(), synthesizer=FakeSynthesizer(tiny_lm), progress=False)
+    a = sorted(whole.conversations(), key=lambda c: c.conv_id)
+    b = sorted(resumed.conversations(), key=lambda c: c.conv_id)
+    assert [c.conv_id for c in b] == list(range(10))
+    for x, y in zip(a, b):
+        assert np.array_equal(x.input_ids, y.input_ids) and np.array_equal(x.topk_ids, y.topk_ids)
+        assert x.messages == y.messages
+
+
+def test_other_settings_on_the_same_path_are_refused(tiny_lm, tmp_path):
+    synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm), progress=False)
+    with pytest.raises(ConfigError, match="other settings"):
+        synthesize(TEXT, tiny_lm, tmp_path / "d", _config(top_k=7), synthesizer=FakeSynthesizer(tiny_lm), progress=False)
+
+
+def test_bad_conversation_is_reported_and_skipped(tiny_lm, tmp_path):
+    with pytest.warns(UserWarning, match="Skipped 1 bad conversation.*top-k ids outside"):
+        ds = synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm, spoil=1), progress=False)
+    assert len(ds) == 9 and 1 not in {c.conv_id for c in ds}
+
+
+def test_hf_teacher_topk_is_exact(tiny_lm):
+    """Stored top-k log-probs equal the model's own distribution at each generated token, chunk in context."""
+    synth = HFSynthesizer(tiny_lm)
+    reqs = [
+        SynthesisRequest([{"role": "user", "content": q}], context=TEXT[:300], max_tokens=12, temperature=1.0,
+                         top_logprobs=4, group=0, seed=s)
+        for s, q in enumerate(["Who built it?", "When was the tower automated, and by whom?"])
+    ]
+    outs = synth.complete(reqs)
+    for req, out in zip(reqs, outs):
+        prompt = teacher_prompt(tiny_lm, req)
+        logp = tiny_lm.logits(prompt + list(out.token_ids)).log_softmax(-1)
+        steps = logp[len(prompt) - 1 : len(prompt) - 1 + len(out.token_ids)]
+        want = torch.topk(steps, 4, dim=-1)
+        assert out.top_ids.shape == (len(out.token_ids), 4)
+        assert np.array_equal(out.top_ids, want.indices.numpy())
+        assert np.abs(out.top_logprobs - want.values.numpy()).max() <= 1e-4
+
+
+def test_synthesizer_for_another_model_is_refused(tiny_llama, tiny_qwen, tmp_path):
+    from cartridges_sdk import IncompatibleCartridgeError
+
+    with pytest.raises(IncompatibleCartridgeError, match="same model"):
+        synthesize(TEXT, tiny_llama, tmp_path / "d", _config(), synthesizer=HFSynthesizer(tiny_qwen), progress=False)

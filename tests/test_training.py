@@ -1,0 +1,143 @@
+"""Distillation training: the loss by hand, where gradients go, checkpoints and resume."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cartridges_sdk import Cartridge, ConfigError
+from cartridges_sdk.dataset import Conversation
+from cartridges_sdk.training import TorchTrainer, TrainableCartridge, TrainConfig, pack, student_loss
+
+from conftest import TEXT
+
+
+def _conversations(lm, n=6, k=3, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        ids = lm.chat_ids([{"role": "user", "content": f"Question {i}?"}]) + lm.tokenizer(f"Answer {i} here.", add_special_tokens=False)["input_ids"]
+        start = len(ids) - 8
+        targets = np.arange(start, len(ids), dtype=np.int32)
+        top_ids = rng.integers(0, 90, size=(len(targets), k)).astype(np.int32)
+        lp = np.log(rng.dirichlet(np.ones(k + 1), size=len(targets))[:, :k]).astype(np.float32)
+        out.append(Conversation(i, i // 2, (0, 10), "question", np.asarray(ids, np.int32), np.zeros(len(ids), np.int8),
+                                targets, top_ids, lp))
+    return out
+
+
+def test_loss_equals_hand_computation(tiny_lm):
+    init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
+    cart = TrainableCartridge(init)
+    convs = _conversations(tiny_lm, n=2)
+    loss, count = student_loss(tiny_lm, cart, convs)
+    loss = loss.detach()
+    want, n = 0.0, 0
+    for c in convs:
+        logp = tiny_lm.logits(c.input_ids.tolist(), [init]).log_softmax(-1)
+        for t, pos in enumerate(c.target_positions):
+            row = logp[pos - 1]
+            want -= float((np.exp(c.topk_logprobs[t]) * row[c.topk_ids[t]].numpy()).sum())
+            n += 1
+    assert count == n
+    assert abs(float(loss) - want) <= 1e-3 * max(1.0, abs(want))
+
+
+def test_next_token_objective(tiny_lm):
+    init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
+    c = _conversations(tiny_lm, n=1)[0]
+    loss, _ = student_loss(tiny_lm, TrainableCartridge(init), [c], objective="ntp")
+    loss = loss.detach()
+    logp = tiny_lm.logits(c.input_ids.tolist(), [init]).log_softmax(-1)
+    want = -sum(float(logp[p - 1, c.input_ids[p]]) for p in c.target_positions)
+    assert abs(float(loss) - want) <= 1e-3 * abs(want)
+
+
+def test_gradients_reach_only_trainable_tokens(tiny_lm):
+    init = Cartridge.from_prefix(tiny_lm, TEXT, 12, num_frozen=2)
+    out = TorchTrainer(TrainConfig(lr=0.05, eval_fraction=0.0), progress=False).fit(init, _conversations(tiny_lm), tiny_lm)
+    assert all(p.grad is None for p in tiny_lm.model.parameters())
+    for i in range(init.num_layers):
+        assert torch.equal(out.keys[i][:, :2], init.keys[i][:, :2])  # frozen sink untouched
+        assert torch.equal(out.values[i][:, :2], init.values[i][:, :2])
+        assert not torch.equal(out.keys[i][:, 2:], init.keys[i][:, 2:])  # the rest learned
+    assert out.meta.init == "trained" and out.meta.extra["init"] == "prefix"
+    assert out.meta.training["steps"] >= 1
+
+
+def _distilled(lm, context: str, n=4, k=8):
+    """Conversations whose targets are the model's own top-k with `context` in front: a real teacher."""
+    convs = _conversations(lm, n=n, k=k)
+    ctx = lm.encode(context)
+    out = []
+    for c in convs:
+        logp = lm.logits(ctx + c.input_ids.tolist()).log_softmax(-1)[len(ctx) - 1 :]
+        top = torch.topk(logp[c.target_positions - 1], k, dim=-1)
+        out.append(Conversation(c.conv_id, c.group, c.chunk, c.seed_kind, c.input_ids, c.role_mask, c.target_positions,
+                                top.indices.numpy().astype(np.int32), top.values.numpy().astype(np.float32)))
+    return out
+
+
+def test_training_moves_the_student_toward_the_teacher(tiny_lm):
+    convs = _distilled(tiny_lm, TEXT[:200])
+    init = Cartridge.from_random_text(tiny_lm, 24)
+    cfg = TrainConfig(lr=0.1, epochs=20, eval_fraction=0.0, batch_tokens=10**6, schedule="constant")
+    trainer = TorchTrainer(cfg, progress=False)
+    trainer.fit(init, convs, tiny_lm)
+    losses = [h["loss"] for h in trainer.history]
+    # the loss is KL(teacher || student) plus the teacher's (constant) entropy over its top-k
+    entropy = float(np.mean([-(np.exp(c.topk_logprobs) * c.topk_logprobs).sum(-1).mean() for c in convs]))
+    assert losses[-1] - entropy < 0.5 * (losses[0] - entropy)
+
+
+def test_pack_respects_the_token_budget(tiny_lm):
+    import random
+
+    convs = _conversations(tiny_lm, n=6)
+    longest = max(c.num_tokens for c in convs)
+    for batch in pack(convs, 2 * longest, random.Random(0)):
+        assert len(batch) * max(c.num_tokens for c in batch) <= 2 * longest
+    assert sorted(c.conv_id for b in pack(convs, 2 * longest, random.Random(0)) for c in b) == list(range(6))
+
+
+def test_resume_gives_identical_results(tiny_lm, tmp_path, monkeypatch):
+    init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
+    convs = _conversations(tiny_lm, n=8)
+    cfg = TrainConfig(lr=0.03, epochs=2, batch_tokens=60, checkpoint_every=1, eval_every=2)
+    straight = TorchTrainer(cfg, output_dir=tmp_path / "a", progress=False).fit(init, convs, tiny_lm)
+
+    calls = {"n": 0}
+    real_step = torch.optim.Adam.step
+
+    def dying_step(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt("killed")
+        return real_step(self, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", dying_step)
+    with pytest.raises(KeyboardInterrupt):
+        TorchTrainer(cfg, output_dir=tmp_path / "b", progress=False).fit(init, convs, tiny_lm)
+    monkeypatch.setattr(torch.optim.Adam, "step", real_step)
+    resumed_trainer = TorchTrainer(cfg, output_dir=tmp_path / "b", progress=False)
+    resumed = resumed_trainer.fit(init, convs, tiny_lm)
+    assert resumed_trainer.history[2]["step"] == 3  # picked up after the 3 finished steps
+    for i in range(init.num_layers):
+        assert torch.equal(straight.keys[i], resumed.keys[i]) and torch.equal(straight.values[i], resumed.values[i])
+    assert (tmp_path / "b" / "train_log.jsonl").read_text().count("\n") >= len(resumed_trainer.history)
+
+
+def test_resume_with_other_settings_is_refused(tiny_lm, tmp_path):
+    init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
+    convs = _conversations(tiny_lm, n=4)
+    TorchTrainer(TrainConfig(eval_fraction=0.0), output_dir=tmp_path, progress=False).fit(init, convs, tiny_lm)
+    with pytest.raises(ConfigError, match="other settings"):
+        TorchTrainer(TrainConfig(lr=0.1, eval_fraction=0.0), output_dir=tmp_path, progress=False).fit(init, convs, tiny_lm)
+
+
+def test_bad_training_settings():
+    with pytest.raises(ConfigError, match="lr"):
+        TrainConfig(lr=0)
+    with pytest.raises(ConfigError, match="objective"):
+        TrainConfig(objective="mse")
