@@ -109,6 +109,78 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(pairs: list[str]) -> dict[str, Any]:
+    """``--set key=value`` pairs; values are read as JSON when they parse (numbers, true/false, lists)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CartridgeError(f"--set {pair!r} must look like key=value, e.g. --set lr=0.01")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def _corpus(args: argparse.Namespace):
+    from .corpus import Corpus
+
+    paths = [Path(p) for p in args.corpus]
+    if len(paths) == 1 and paths[0].is_dir():
+        return Corpus.from_directory(paths[0], include=args.include, exclude=args.exclude, description=args.description)
+    return Corpus.from_files([str(p) for p in paths], description=args.description)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from .cartridge import Cartridge
+
+    lm = _model_for(args.model, device=args.device)
+    work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
+    c = Cartridge.from_corpus(
+        _corpus(args), lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
+        init=args.init, seed=args.seed, output_dir=work, **_settings(args.set),
+    )
+    c.save(args.output)
+    print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)} (work files in {work})")
+    return 0
+
+
+def cmd_synthesize(args: argparse.Namespace) -> int:
+    from .selfstudy import split_settings
+    from .synthesis import SynthesisConfig, synthesize
+
+    synth, train = split_settings(_settings(args.set))
+    if train:
+        raise CartridgeError(f"{sorted(train)} are training settings; pass them to `cartridges train`.")
+    lm = _model_for(args.model, device=args.device)
+    config = SynthesisConfig(num_conversations=args.conversations, seed=args.seed, **synth)
+    ds = synthesize(_corpus(args), lm, args.output, config)
+    print(f"wrote {args.output}: {len(ds)} conversations")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .dataset import SelfStudyDataset
+    from .selfstudy import split_settings, train_cartridge
+
+    synth, train = split_settings(_settings(args.set))
+    if synth:
+        raise CartridgeError(f"{sorted(synth)} are synthesis settings; pass them to `cartridges synthesize`.")
+    dataset = SelfStudyDataset(args.data)
+    source = dataset.header.get("model", {}).get("source")
+    lm = _model_for(args.model or source, device=args.device)
+    prefix_ids = lm.encode(_corpus(args).text) if args.corpus else None
+    work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
+    c = train_cartridge(
+        dataset, lm, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed,
+        prefix_ids=prefix_ids, output_dir=work, **train,
+    )
+    c.save(args.output)
+    print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cartridges", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +198,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     model_args(p)
     p.set_defaults(func=cmd_init)
+
+    def corpus_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+        p.add_argument("corpus", nargs="+" if required else "*", help="a directory, or files / glob patterns")
+        p.add_argument("--include", action="append", help="glob for files in a directory (repeatable; default all)")
+        p.add_argument("--exclude", action="append", help="glob for files to leave out (repeatable)")
+        p.add_argument("--description", help="text placed before every chunk the teacher reads")
+
+    def study_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="any synthesis or training setting, e.g. --set lr=0.01 --set max_chunk=2048 (repeatable)")
+        model_args(p)
+
+    p = sub.add_parser("build", help="self-study: synthesize conversations about a corpus, then train a cartridge")
+    corpus_args(p)
+    p.add_argument("-o", "--output", required=True, help="cartridge file to write")
+    p.add_argument("--tokens", type=int, required=True, help="cartridge size p in tokens")
+    p.add_argument("--conversations", type=int, default=256)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--init", choices=["prefix", "random_text", "random"], default="prefix")
+    p.add_argument("--work-dir", help="where data and checkpoints go (default OUTPUT.work); a re-run resumes")
+    study_args(p)
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("synthesize", help="self-study data only: write conversations to a dataset folder")
+    corpus_args(p)
+    p.add_argument("-o", "--output", required=True, help="dataset folder (e.g. data.parquet); a re-run resumes")
+    p.add_argument("--conversations", type=int, default=256)
+    study_args(p)
+    p.set_defaults(func=cmd_synthesize)
+
+    p = sub.add_parser("train", help="train a cartridge on a dataset made by `cartridges synthesize`")
+    p.add_argument("data", help="dataset folder")
+    p.add_argument("-o", "--output", required=True, help="cartridge file to write")
+    p.add_argument("--tokens", type=int, required=True)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--init", choices=["prefix", "random_text", "random"], default="prefix")
+    p.add_argument("--corpus", nargs="*", default=None,
+                   help="the corpus, for init=prefix beyond the opening tokens the dataset keeps")
+    p.add_argument("--include", action="append")
+    p.add_argument("--exclude", action="append")
+    p.add_argument("--description")
+    p.add_argument("--work-dir", help="where checkpoints go (default OUTPUT.work); a re-run resumes")
+    study_args(p)
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("inspect", help="show what a cartridge file holds")
     p.add_argument("path")

@@ -126,6 +126,11 @@ class Synthesizer(ABC):
         """The `ModelIdentity` of the model it samples from, checked against the student before synthesis."""
         return None
 
+    def score(self, context: str, sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[Any, Any]]:
+        """Teacher top-k ``(ids, logprobs)`` arrays ``[len(seq) - 1, k]`` predicting tokens 1.. of each sequence
+        placed after `context` (an optional ability, used for ``targets="all"``)."""
+        raise PluginError(f"{type(self).__name__} cannot score sequences; use targets='assistant'.")
+
 
 class Trainer(ABC):
     """Trains a cartridge from a self-study dataset (implemented by backends)."""

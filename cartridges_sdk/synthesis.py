@@ -61,7 +61,19 @@ class SynthesisConfig:
     max_tokens_a: int = attrs.field(default=64, validator=_positive)
     max_tokens_b: int = attrs.field(default=128, validator=_positive)
     top_k: int = attrs.field(default=20, validator=_positive)
+    targets: str = attrs.field(default="assistant")
+    a_context: str = attrs.field(default="message")
     seed: int = 0
+
+    @a_context.validator
+    def _check_a_context(self, _attribute, value):
+        if value not in ("message", "prefix"):
+            raise ConfigError(f"a_context={value!r} must be 'message' (chunk inside A's prompt) or 'prefix' (before the chat).")
+
+    @targets.validator
+    def _check_targets(self, _attribute, value):
+        if value not in ("assistant", "all"):
+            raise ConfigError(f"targets={value!r} must be 'assistant' (B's answers) or 'all' (every token after the first).")
 
     def __attrs_post_init__(self):
         ChunkSampler(self.min_chunk, self.max_chunk)  # validates the pair
@@ -127,6 +139,16 @@ class HFSynthesizer(Synthesizer):
                     top_logprobs=top_lps,
                 )
         return results  # type: ignore[return-value]
+
+
+    def score(self, context: str, sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        prefix = self._prefix_cartridge(self.lm.encode(context))
+        out = []
+        for seq in sequences:
+            logp = self.lm.logits(list(seq), [prefix])[:-1].log_softmax(-1)
+            top = torch.topk(logp, top_k, dim=-1)
+            out.append((top.indices.cpu().numpy(), top.values.cpu().numpy()))
+        return out
 
 
 def teacher_prompt(lm: LM, request: SynthesisRequest) -> list[int]:
@@ -261,14 +283,19 @@ def _run_group(
     seeds: list[tuple[str, str]],
     rng: random.Random,
 ) -> list[Conversation | str]:
-    a_hist: list[list[Message]] = [[{"role": "user", "content": seed}] for _, seed in seeds]
+    # A only writes questions, so it may read the chunk however it reads best; small models ignore a chunk placed
+    # before the chat but use one inside the message. B is the teacher and reads the chunk where the cartridge sits.
+    a_in_message = config.a_context == "message"
+    a_first = (lambda seed: f"{context}\n\n{seed}") if a_in_message else (lambda seed: seed)
+    a_ctx = None if a_in_message else context
+    a_hist: list[list[Message]] = [[{"role": "user", "content": a_first(seed)}] for _, seed in seeds]
     b_hist: list[list[Message]] = [[] for _ in seeds]
     turns: list[list[tuple[str, list[int]]]] = [[] for _ in seeds]
     tops: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in seeds]
     for _ in range(config.rounds):
         a_out = synthesizer.complete(
             [
-                SynthesisRequest(h, context, config.max_tokens_a, config.temperature_a, 0, group, rng.randrange(2**31))
+                SynthesisRequest(h, a_ctx, config.max_tokens_a, config.temperature_a, 0, group, rng.randrange(2**31))
                 for h in a_hist
             ]
         )
@@ -301,8 +328,12 @@ def _run_group(
             continue
         ids, roles, targets = seq
         messages = tuple({"role": "user" if j % 2 == 0 else "assistant", "content": t[0]} for j, t in enumerate(turns[i]))
-        top_ids = np.concatenate([t[0].reshape(-1, config.top_k) for t in tops[i]])
-        top_lps = np.concatenate([t[1].reshape(-1, config.top_k) for t in tops[i]])
+        if config.targets == "all":  # every token after the first, scored by the teacher with the chunk in context
+            top_ids, top_lps = synthesizer.score(context, [ids], config.top_k)[0]
+            targets = list(range(1, len(ids)))
+        else:
+            top_ids = np.concatenate([t[0].reshape(-1, config.top_k) for t in tops[i]])
+            top_lps = np.concatenate([t[1].reshape(-1, config.top_k) for t in tops[i]])
         out.append(
             Conversation(
                 conv_id=conv_id,

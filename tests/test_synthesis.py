@@ -121,3 +121,17 @@ def test_synthesizer_for_another_model_is_refused(tiny_llama, tiny_qwen, tmp_pat
 
     with pytest.raises(IncompatibleCartridgeError, match="same model"):
         synthesize(TEXT, tiny_llama, tmp_path / "d", _config(), synthesizer=HFSynthesizer(tiny_qwen), progress=False)
+
+
+def test_targets_all_scores_every_token_and_agrees_on_answers(tiny_lm, tmp_path):
+    """targets='all' adds the user turn as targets; on B's tokens its teacher top-k equals generation's."""
+    cfg = dict(num_conversations=4, conversations_per_chunk=4, max_tokens_a=10, max_tokens_b=10, top_k=4)
+    only_b = synthesize(TEXT, tiny_lm, tmp_path / "b", _config(**cfg), synthesizer=HFSynthesizer(tiny_lm), progress=False)
+    every = synthesize(TEXT, tiny_lm, tmp_path / "all", _config(**cfg, targets="all"), synthesizer=HFSynthesizer(tiny_lm),
+                       progress=False)
+    for b, a in zip(only_b.conversations(), every.conversations()):
+        assert np.array_equal(b.input_ids, a.input_ids)
+        assert a.target_positions.tolist() == list(range(1, a.num_tokens))
+        rows = b.target_positions - 1  # position t is the (t-1)-th row of the 'all' arrays
+        assert np.array_equal(a.topk_ids[rows], b.topk_ids)
+        assert np.abs(a.topk_logprobs[rows] - b.topk_logprobs).max() <= 1e-4
