@@ -1,6 +1,9 @@
-"""Quickstart: train a cartridge for a small corpus by self-study with the embedded default model, fully offline.
+"""Quickstart: a cartridge for a small corpus with the embedded default model, fully offline.
 
-Run: python examples/quickstart.py [--corpus FILE] [--tokens N] [--conversations N] [--untrained] [--question Q]
+By default the cartridge is the KV of the corpus's first tokens (exactly the text in context, in seconds).
+`--self-study` trains it by self-study instead (minutes); see docs/self-study.md for where that recipe stands.
+
+Run: python examples/quickstart.py [--corpus FILE] [--tokens N] [--self-study [--conversations N]] [--question Q]
 """
 
 from __future__ import annotations
@@ -14,18 +17,18 @@ from cartridges_sdk import Cartridge, load_model
 HERE = Path(__file__).parent
 QUESTIONS = [
     "When was the Harrow Point lighthouse built, and by whom?",
-    "Who was the last principal keeper, and what were his dogs called?",
-    "How far out to sea could the light be seen?",
+    "How many ships were lost on the Skerra Reef between 1850 and 1870?",
+    "What fuel did the original lamp burn?",
 ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, default=HERE / "data" / "harrow_point.txt")
-    parser.add_argument("--tokens", type=int, default=128, help="cartridge size in tokens")
+    parser.add_argument("--tokens", type=int, default=256, help="cartridge size in tokens")
     parser.add_argument("--conversations", type=int, default=64, help="self-study conversations to synthesize")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--untrained", action="store_true", help="skip self-study: the KV of the first tokens only")
+    parser.add_argument("--self-study", action="store_true", help="train the cartridge by self-study (minutes)")
     parser.add_argument("--work-dir", type=Path, default=HERE / "quickstart.work", help="resumable work files")
     parser.add_argument("--question", action="append", help="question to ask (repeatable)")
     args = parser.parse_args()
@@ -37,8 +40,8 @@ def main() -> None:
     text = args.corpus.read_text(encoding="utf-8")
     print(f"corpus: {args.corpus.name}, {len(lm.encode(text))} tokens")
     start = time.perf_counter()
-    if args.untrained:
-        cartridge = Cartridge.from_prefix(lm, text, args.tokens)
+    if not args.self_study:
+        cartridge = Cartridge.from_prefix(lm, text, min(args.tokens, len(lm.encode(text))))
     else:
         cartridge = Cartridge.from_corpus(
             text, lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
