@@ -11,7 +11,6 @@ import hashlib
 import json
 import numbers
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
@@ -21,6 +20,7 @@ import attrs
 import torch
 
 from .errors import CartridgeFormatError, ConfigError, IncompatibleCartridgeError
+from .files import atomic_write
 from .models import LM, Message, ModelIdentity
 
 FORMAT_NAME = "cartridges-sdk"
@@ -248,18 +248,7 @@ class Cartridge:
             tensors[f"layers.{i}.keys"] = k.detach().to("cpu").contiguous()
             tensors[f"layers.{i}.values"] = v.detach().to("cpu").contiguous()
         metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self.meta.to_dict())}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
+        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: LM | None = None) -> Cartridge:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import attrs
 import numpy as np
 
 from .errors import CartridgeFormatError, ConfigError
+from .files import atomic_write
 
 HEADER = "header.json"
 DATASET_FORMAT = "cartridges-sdk-selfstudy"
@@ -131,7 +131,7 @@ class SelfStudyDataset:
         if path.exists() and any(path.iterdir()):
             raise ConfigError(f"{str(path)!r} exists and is not a self-study dataset; choose an empty or new folder.")
         path.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(path / HEADER, json.dumps(header, indent=2))
+        atomic_write(path / HEADER, lambda tmp: Path(tmp).write_text(json.dumps(header, indent=2)))
         return cls(path)
 
     def done_groups(self) -> set[int]:
@@ -156,14 +156,7 @@ class SelfStudyDataset:
             rows["topk_logprobs"].append(c.topk_logprobs.astype(np.float32).reshape(-1))
             rows["messages"].append(json.dumps(list(c.messages)))
         table = pa.table(rows, schema=_schema())
-        fd, tmp = tempfile.mkstemp(prefix=f".{_part_name(group)}.", dir=self.path)
-        os.close(fd)
-        try:
-            pq.write_table(table, tmp)
-            os.replace(tmp, self.path / _part_name(group))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(self.path / _part_name(group), lambda tmp: pq.write_table(table, tmp))
         self._cache = None
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -205,13 +198,3 @@ class SelfStudyDataset:
     def __repr__(self) -> str:
         return f"SelfStudyDataset({str(self.path)!r}, {len(self)} conversations)"
 
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        Path(tmp).write_text(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from .cartridge import Cartridge, CartridgeMeta
 from .errors import CartridgeFormatError
+from .files import atomic_write
 from .models import LM, ModelIdentity
 
 PEFT_CONFIG = "adapter_config.json"
@@ -83,14 +82,7 @@ def save_peft(cartridge: Cartridge, directory: Path) -> Path:
         (PEFT_WEIGHTS, lambda tmp: save_file({"prompt_embeddings": embeddings}, tmp, metadata=meta)),
         (PEFT_CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2))),
     ):
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, directory / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(directory / name, write)
     return directory
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
 
+from .checks import at_least_one, non_negative, unit_interval
 from .errors import ConfigError, PluginError
 
 if TYPE_CHECKING:
@@ -24,29 +25,14 @@ if TYPE_CHECKING:
 Message = dict[str, str]
 
 
-def _non_negative(_inst, attribute, value):
-    if value is not None and value < 0:
-        raise ConfigError(f"{attribute.name}={value!r} must be >= 0.")
-
-
-def _positive(_inst, attribute, value):
-    if value < 1:
-        raise ConfigError(f"{attribute.name}={value!r} must be >= 1.")
-
-
-def _unit_interval(_inst, attribute, value):
-    if not 0.0 < value <= 1.0:
-        raise ConfigError(f"{attribute.name}={value!r} must be in (0, 1].")
-
-
 @attrs.frozen
 class GenerationParams:
     """How to sample an answer. ``temperature=0`` is greedy decoding."""
 
-    max_new_tokens: int = attrs.field(default=256, validator=_positive)
-    temperature: float = attrs.field(default=0.0, validator=_non_negative)
-    top_p: float = attrs.field(default=1.0, validator=_unit_interval)
-    top_k: int = attrs.field(default=0, validator=_non_negative)
+    max_new_tokens: int = attrs.field(default=256, validator=at_least_one)
+    temperature: float = attrs.field(default=0.0, validator=non_negative)
+    top_p: float = attrs.field(default=1.0, validator=unit_interval)
+    top_k: int = attrs.field(default=0, validator=non_negative)
     seed: int | None = None
     stop: tuple[str, ...] = attrs.field(default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s))
 
@@ -85,9 +71,9 @@ class SynthesisRequest:
 
     messages: tuple[Message, ...] = attrs.field(converter=tuple)
     context: str | None = None
-    max_tokens: int = attrs.field(default=128, validator=_positive)
-    temperature: float = attrs.field(default=1.0, validator=_non_negative)
-    top_logprobs: int = attrs.field(default=0, validator=_non_negative)
+    max_tokens: int = attrs.field(default=128, validator=at_least_one)
+    temperature: float = attrs.field(default=1.0, validator=non_negative)
+    top_logprobs: int = attrs.field(default=0, validator=non_negative)
     group: int | None = None
     seed: int | None = None
 

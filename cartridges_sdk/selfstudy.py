@@ -49,17 +49,22 @@ def work_model(lm: LM, dtype: str | torch.dtype | None) -> LM:
               revision=lm.identity.revision)
 
 
+def check_prefix(prefix_ids: Sequence[int] | None, num_tokens: int) -> None:
+    """Refuse a prefix initialisation the corpus cannot supply (before any minutes are spent on synthesis)."""
+    if prefix_ids is None:
+        raise ConfigError("init='prefix' needs the corpus (pass --corpus), or use init='random_text'.")
+    if len(prefix_ids) < num_tokens:
+        raise ConfigError(
+            f"init='prefix' needs num_tokens <= the corpus's {len(prefix_ids)} tokens (got {num_tokens}); "
+            "use a smaller num_tokens or init='random_text'."
+        )
+
+
 def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int, init: str, seed: int,
                       num_frozen: int = 1) -> Cartridge:
     """The cartridge training starts from: the corpus's first tokens (`prefix`), unrelated text, or random vectors."""
     if init == "prefix":
-        if prefix_ids is None:
-            raise ConfigError("init='prefix' needs the corpus (pass --corpus), or use init='random_text'.")
-        if len(prefix_ids) < num_tokens:
-            raise ConfigError(
-                f"init='prefix' needs num_tokens <= the corpus's {len(prefix_ids)} tokens (got {num_tokens}); "
-                "use a smaller num_tokens or init='random_text'."
-            )
+        check_prefix(prefix_ids, num_tokens)
         return Cartridge.from_prefix(lm, list(prefix_ids), num_tokens, num_frozen=num_frozen)
     if init == "random_text":
         return Cartridge.from_random_text(lm, num_tokens, seed=seed, num_frozen=num_frozen)
@@ -145,11 +150,8 @@ def build_cartridge(
     work = work_model(lm, work_dtype)
     synth_cfg = SynthesisConfig(num_conversations=num_conversations, seed=seed, **synth_settings)
     prefix_ids = lm.encode(corpus.text)[:num_tokens] if init == "prefix" else None
-    if prefix_ids is not None and len(prefix_ids) < num_tokens:
-        raise ConfigError(
-            f"init='prefix' needs num_tokens <= the corpus's {len(prefix_ids)} tokens (got {num_tokens}); "
-            "use a smaller num_tokens or init='random_text'."
-        )
+    if init == "prefix":
+        check_prefix(prefix_ids, num_tokens)
     with tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
         root = Path(output_dir) if output_dir is not None else Path(tmp)
         dataset = synthesize(

@@ -20,6 +20,7 @@ import attrs
 import numpy as np
 import torch
 
+from .checks import at_least_one, non_negative
 from .corpus import ChunkSampler, Corpus
 from .dataset import ROLE_ASSISTANT, ROLE_USER, Conversation, SelfStudyDataset
 from .errors import ConfigError, IncompatibleCartridgeError
@@ -31,16 +32,6 @@ from .seeds import DEFAULT_WEIGHTS, check_weights, sample_seed
 PREFIX_IDS_KEPT = 4096
 
 
-def _positive(_inst, attribute, value):
-    if value < 1:
-        raise ConfigError(f"{attribute.name}={value!r} must be >= 1.")
-
-
-def _non_negative(_inst, attribute, value):
-    if value < 0:
-        raise ConfigError(f"{attribute.name}={value!r} must be >= 0.")
-
-
 def _weights(_inst, _attribute, value):
     check_weights(value)
 
@@ -49,18 +40,18 @@ def _weights(_inst, _attribute, value):
 class SynthesisConfig:
     """How self-study conversations are sampled. Defaults suit a small model on a CPU."""
 
-    num_conversations: int = attrs.field(default=256, validator=_positive)
-    rounds: int = attrs.field(default=1, validator=_positive)
-    min_chunk: int = attrs.field(default=512, validator=_positive)
-    max_chunk: int = attrs.field(default=4096, validator=_positive)
+    num_conversations: int = attrs.field(default=256, validator=at_least_one)
+    rounds: int = attrs.field(default=1, validator=at_least_one)
+    min_chunk: int = attrs.field(default=512, validator=at_least_one)
+    max_chunk: int = attrs.field(default=4096, validator=at_least_one)
     description: str | None = None
-    conversations_per_chunk: int = attrs.field(default=16, validator=_positive)
+    conversations_per_chunk: int = attrs.field(default=16, validator=at_least_one)
     seed_weights: Mapping[str, float] = attrs.field(factory=lambda: dict(DEFAULT_WEIGHTS), converter=dict, validator=_weights)
-    temperature_a: float = attrs.field(default=0.7, validator=_non_negative)
-    temperature_b: float = attrs.field(default=0.5, validator=_non_negative)
-    max_tokens_a: int = attrs.field(default=64, validator=_positive)
-    max_tokens_b: int = attrs.field(default=128, validator=_positive)
-    top_k: int = attrs.field(default=20, validator=_positive)
+    temperature_a: float = attrs.field(default=0.7, validator=non_negative)
+    temperature_b: float = attrs.field(default=0.5, validator=non_negative)
+    max_tokens_a: int = attrs.field(default=64, validator=at_least_one)
+    max_tokens_b: int = attrs.field(default=128, validator=at_least_one)
+    top_k: int = attrs.field(default=20, validator=at_least_one)
     targets: str = attrs.field(default="assistant")
     a_context: str = attrs.field(default="message")
     seed: int = 0

@@ -11,7 +11,6 @@ import json
 import math
 import os
 import random
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +22,9 @@ import torch
 
 from .cartridge import Cartridge, CartridgeMeta
 from .dataset import Conversation, SelfStudyDataset
+from .checks import fraction, one_of, positive
 from .errors import ConfigError
+from .files import atomic_write
 from .models import LM
 from .plugins import Trainer
 
@@ -31,48 +32,30 @@ CHECKPOINT = "checkpoint.pt"
 RUN_LOG = "train_log.jsonl"
 
 
-def _positive(_inst, attribute, value):
-    if value is not None and value <= 0:
-        raise ConfigError(f"{attribute.name}={value!r} must be > 0.")
-
-
-def _fraction(_inst, attribute, value):
-    if not 0.0 <= value < 1.0:
-        raise ConfigError(f"{attribute.name}={value!r} must be in [0, 1).")
-
-
-def _one_of(*options):
-    def check(_inst, attribute, value):
-        if value not in options:
-            raise ConfigError(f"{attribute.name}={value!r} must be one of {options}.")
-
-    return check
-
-
 @attrs.frozen
 class TrainConfig:
     """How a cartridge is trained. Defaults are the paper's optimiser (Adam, lr 2e-2) at CPU-sized batches."""
 
-    lr: float = attrs.field(default=2e-2, validator=_positive)
-    epochs: int = attrs.field(default=1, validator=_positive)
-    batch_tokens: int = attrs.field(default=4096, validator=_positive)
-    grad_accum: int = attrs.field(default=1, validator=_positive)
+    lr: float = attrs.field(default=2e-2, validator=positive)
+    epochs: int = attrs.field(default=1, validator=positive)
+    batch_tokens: int = attrs.field(default=4096, validator=positive)
+    grad_accum: int = attrs.field(default=1, validator=positive)
     warmup_steps: int = 0
-    schedule: str = attrs.field(default="cosine", validator=_one_of("cosine", "constant"))
-    min_lr_ratio: float = attrs.field(default=0.1, validator=_fraction)
-    max_grad_norm: float | None = attrs.field(default=1.0, validator=_positive)
-    objective: str = attrs.field(default="distill", validator=_one_of("distill", "ntp"))
-    eval_fraction: float = attrs.field(default=0.05, validator=_fraction)
-    eval_every: int = attrs.field(default=25, validator=_positive)
-    checkpoint_every: int = attrs.field(default=25, validator=_positive)
-    autocast_dtype: str | None = attrs.field(default=None, validator=_one_of(None, "bfloat16", "float16"))
+    schedule: str = attrs.field(default="cosine", validator=one_of("cosine", "constant"))
+    min_lr_ratio: float = attrs.field(default=0.1, validator=fraction)
+    max_grad_norm: float | None = attrs.field(default=1.0, validator=positive)
+    objective: str = attrs.field(default="distill", validator=one_of("distill", "ntp"))
+    eval_fraction: float = attrs.field(default=0.05, validator=fraction)
+    eval_every: int = attrs.field(default=25, validator=positive)
+    checkpoint_every: int = attrs.field(default=25, validator=positive)
+    autocast_dtype: str | None = attrs.field(default=None, validator=one_of(None, "bfloat16", "float16"))
     seed: int = 0
 
 
-def split_eval(conversations: Sequence[Conversation], fraction: float, seed: int) -> tuple[list, list]:
+def split_eval(conversations: Sequence[Conversation], share: float, seed: int) -> tuple[list, list]:
     """A fixed held-out slice of whole chunk groups (so eval chunks are unseen in training)."""
     groups = sorted({c.group for c in conversations})
-    n_eval = 0 if fraction == 0 or len(groups) < 2 else max(1, round(fraction * len(groups)))
+    n_eval = 0 if share == 0 or len(groups) < 2 else max(1, round(share * len(groups)))
     held = set(random.Random(f"eval:{seed}").sample(groups, n_eval))
     return [c for c in conversations if c.group not in held], [c for c in conversations if c.group in held]
 
@@ -180,17 +163,6 @@ def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
         return cfg.lr
     progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class TorchTrainer(Trainer):
@@ -302,14 +274,14 @@ class TorchTrainer(Trainer):
                 )
                 bar.update(1)
                 if ckpt and (step % cfg.checkpoint_every == 0 or step == total_steps):
-                    _save_checkpoint(ckpt, {
+                    atomic_write(ckpt, lambda tmp, state={
                         "step": step,
                         "params": [p.detach().cpu() for p in params],
                         "optimizer": opt.state_dict(),
                         "config": attrs.asdict(cfg),
                         "num_conversations": len(conversations),
                         "history": self.history,
-                    })
+                    }: torch.save(state, tmp))
         finally:
             bar.close()
             if log:
