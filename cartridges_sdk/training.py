@@ -149,8 +149,9 @@ def student_loss(
 
 
 def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+    accelerator = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, ... expose the same counter
+    if device.type != "cpu" and hasattr(accelerator, "max_memory_allocated"):
+        return accelerator.max_memory_allocated(device) / 2**20
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
