@@ -425,7 +425,10 @@ def _load_gguf_cached(path: Path, cache: Path, dtype: torch.dtype | None):
     if (target / "config.json").is_file():
         try:
             return _load_pretrained(str(target), dtype, local=True)
-        except Exception:  # a damaged cache entry is rebuilt rather than trusted
+        except Exception as err:  # a damaged cache entry is rebuilt rather than trusted
+            import warnings
+
+            warnings.warn(f"Rebuilding the converted model cache {target} ({type(err).__name__}: {err}).")
             shutil.rmtree(target, ignore_errors=True)
 
     try:

@@ -44,7 +44,7 @@ def test_peft_itself_runs_our_export(tiny_lm, tmp_path):
 
 def test_peft_adapter_made_by_peft_imports(tiny_lm, tmp_path):
     """An adapter written by peft (no SDK metadata) imports with the right layout."""
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     from peft import CartridgeConfig, get_peft_model
     from peft.tuners.cartridge.utils import initialize_kv_prefix_from_past_key_values
     from transformers import DynamicCache
