@@ -72,17 +72,21 @@ class HFRuntime(Runtime):
                 shown = text
 
     def _finish(self, ids: list[int], reason: str | None, params: GenerationParams) -> Completion:
-        eos = self.lm.eos_token_ids
-        body = ids[:-1] if ids and ids[-1] in eos else ids
-        text = self.lm.tokenizer.decode(body, skip_special_tokens=True)
-        for s in params.stop:  # the answer ends before the first stop string
-            if s in text:
-                text = text[: text.index(s)]
-        return Completion(text=text, token_ids=tuple(ids), finish_reason=reason or "length")
+        return finish(self.lm, ids, reason, stop=params.stop)
 
     def _decode(self, cartridges: Sequence[Cartridge], prompts: list[list[int]], params: GenerationParams):
         for state in decode(self.lm, cartridges, prompts, params):
             yield [(list(o), r) for o, r in zip(state.tokens, state.reasons)]
+
+
+def finish(lm: LM, ids: Sequence[int], reason: str | None, *, stop: Sequence[str] = (), **extra) -> Completion:
+    """A `Completion` from generated ids: text without the end-of-turn token, cut before the first stop string."""
+    body = ids[:-1] if ids and ids[-1] in lm.eos_token_ids else ids
+    text = lm.tokenizer.decode(list(body), skip_special_tokens=True)
+    for s in stop:
+        if s in text:
+            text = text[: text.index(s)]
+    return Completion(text=text, token_ids=tuple(ids), finish_reason=reason or "length", **extra)
 
 
 class DecodeState:
@@ -157,10 +161,9 @@ def decode(
                 text = lm.tokenizer.decode(state.tokens[row], skip_special_tokens=True)
                 if any(s in text for s in params.stop):
                     state.reasons[row] = "stop"
-        if all(r is not None for r in state.reasons):
-            yield state
-            return
         yield state
+        if all(r is not None for r in state.reasons):
+            return
         step_ids = token[:, None].masked_fill(torch.tensor([[r is not None] for r in state.reasons], device=device), pad)
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
         step_pos = next_pos

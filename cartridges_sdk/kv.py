@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -41,12 +42,8 @@ def prefix_cache(lm: LM, cartridges: Sequence[Cartridge], batch_size: int, *, ca
     expected, for decoding without gradients) full-attention layers get room to grow in place, instead of
     transformers re-concatenating the whole cache at every step, which dominated decode time.
     """
-    if not cartridges:
-        if capacity is None:
-            return None, 0
-        from transformers import DynamicCache
-
-        return DynamicCache(config=lm.model.config), 0
+    if not cartridges:  # the model makes its own cache
+        return None, 0
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -56,11 +53,13 @@ def prefix_cache(lm: LM, cartridges: Sequence[Cartridge], batch_size: int, *, ca
     if capacity is not None:
         for i, layer in enumerate(cache.layers):
             if type(layer) is DynamicLayer:
-                cache.layers[i] = _PreallocatedLayer(data[i][0], data[i][1], capacity)
+                cache.layers[i] = _preallocated_layer_class()(data[i][0], data[i][1], capacity)
     return cache, layers[0][0].shape[1]
 
 
+@functools.cache
 def _preallocated_layer_class():
+    """Defined on first use, so importing this module never imports transformers."""
     from transformers.cache_utils import DynamicLayer
 
     class PreallocatedLayer(DynamicLayer):
@@ -96,14 +95,6 @@ def _preallocated_layer_class():
     return PreallocatedLayer
 
 
-def _PreallocatedLayer(keys: torch.Tensor, values: torch.Tensor, capacity: int):
-    global _PREALLOCATED
-    if _PREALLOCATED is None:  # defined lazily so importing this module never imports transformers
-        _PREALLOCATED = _preallocated_layer_class()
-    return _PREALLOCATED(keys, values, capacity)
-
-
-_PREALLOCATED = None
 
 
 def rope_inv_freq(lm: LM) -> torch.Tensor:

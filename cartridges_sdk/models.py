@@ -59,6 +59,14 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
         raise ConfigError(f"dtype={dtype!r} is not supported; use one of {sorted(set(_DTYPES))}.") from None
 
 
+def autocast(device: torch.device, dtype: str | torch.dtype | None):
+    """A mixed-precision context for `device` in `dtype`, or a no-op context when `dtype` is None."""
+    import contextlib
+
+    dtype = resolve_dtype(dtype)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
 @attrs.frozen
 class ModelIdentity:
     """Who a cartridge belongs to. Compatibility is decided by `architecture` and `tokenizer`, never by name."""

@@ -7,7 +7,6 @@ become the distillation targets for a student that sees the cartridge instead of
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import math
 import os
@@ -24,7 +23,7 @@ from .checks import at_least_one, non_negative
 from .corpus import ChunkSampler, Corpus
 from .dataset import ROLE_ASSISTANT, ROLE_USER, Conversation, SelfStudyDataset
 from .errors import ConfigError, IncompatibleCartridgeError
-from .models import LM, Message
+from .models import LM, Message, autocast
 from .plugins import Completion, GenerationParams, SynthesisRequest, Synthesizer
 from .seeds import DEFAULT_WEIGHTS, check_weights, sample_seed
 
@@ -94,18 +93,13 @@ class HFSynthesizer(Synthesizer):
         return self._prefix[1]
 
     def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]:
-        from .hf import decode
+        from .hf import decode, finish
 
         results: list[Completion | None] = [None] * len(requests)
         batches: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
             key = (r.group if r.group is not None else f"solo-{i}", r.max_tokens, r.temperature, r.top_logprobs)
             batches.setdefault(key, []).append(i)
-        ctx = (
-            torch.autocast(self.lm.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
         for (_, max_tokens, temperature, top_logprobs), idx in batches.items():
             prompts = [teacher_prompt(self.lm, requests[i]) for i in idx]
             shared = _common_prefix(prompts)
@@ -113,21 +107,16 @@ class HFSynthesizer(Synthesizer):
             prefix = [self._prefix_cartridge(prompts[0][:shared])] if shared > 1 else []
             cut = shared if prefix else 0
             params = GenerationParams(max_new_tokens=max_tokens, temperature=temperature, seed=requests[idx[0]].seed)
-            with ctx:
+            with autocast(self.lm.device, self.autocast_dtype):
                 for state in decode(self.lm, prefix, [p[cut:] for p in prompts], params, top_logprobs=top_logprobs):
                     pass
             for row, i in enumerate(idx):
-                tokens = state.tokens[row]
-                eos = self.lm.eos_token_ids
-                body = tokens[:-1] if tokens and tokens[-1] in eos else tokens
-                top_ids = torch.stack(state.top_ids[row]).numpy() if top_logprobs else None
-                top_lps = torch.stack(state.top_logprobs[row]).float().numpy() if top_logprobs else None
-                results[i] = Completion(
-                    text=self.lm.tokenizer.decode(body, skip_special_tokens=True),
-                    token_ids=tuple(tokens),
-                    finish_reason=state.reasons[row] or "length",
-                    top_ids=top_ids,
-                    top_logprobs=top_lps,
+                results[i] = finish(
+                    self.lm,
+                    state.tokens[row],
+                    state.reasons[row],
+                    top_ids=torch.stack(state.top_ids[row]).numpy() if top_logprobs else None,
+                    top_logprobs=torch.stack(state.top_logprobs[row]).float().numpy() if top_logprobs else None,
                 )
         return results  # type: ignore[return-value]
 

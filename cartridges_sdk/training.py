@@ -25,7 +25,7 @@ from .dataset import Conversation, SelfStudyDataset
 from .checks import fraction, one_of, positive
 from .errors import ConfigError
 from .files import atomic_write
-from .models import LM
+from .models import LM, autocast
 from .plugins import Trainer
 
 CHECKPOINT = "checkpoint.pt"
@@ -182,19 +182,14 @@ class TorchTrainer(Trainer):
         if not conversations:
             return None
         total, count = 0.0, 0
-        ctx = self._autocast(lm)
         for batch in pack(conversations, self.config.batch_tokens, random.Random(0)):
-            with ctx:
+            with self._autocast(lm):
                 loss, n = student_loss(lm, cartridge, batch, self.config.objective)
             total, count = total + float(loss), count + n
         return total / max(count, 1)
 
     def _autocast(self, lm: LM):
-        import contextlib
-
-        if self.config.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(lm.device.type, dtype=getattr(torch, self.config.autocast_dtype))
+        return autocast(lm.device, self.config.autocast_dtype)
 
     def fit(self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM) -> Cartridge:
         from tqdm.auto import tqdm
