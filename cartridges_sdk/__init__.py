@@ -1,6 +1,7 @@
 """cartridges-sdk: turn a large corpus into a small trained KV cache (a cartridge) that a frozen LLM reads as context."""
 
 from .cartridge import Cartridge, CartridgeMeta
+from .corpus import Corpus, Document
 from .errors import (
     CartridgeError,
     CartridgeFormatError,
@@ -21,6 +22,8 @@ __all__ = [
     "CartridgeMeta",
     "Completion",
     "ConfigError",
+    "Corpus",
+    "Document",
     "GenerationParams",
     "IncompatibleCartridgeError",
     "ModelIdentity",

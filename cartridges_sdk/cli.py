@@ -156,7 +156,8 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     lm = _model_for(args.model, device=args.device)
     config = SynthesisConfig(num_conversations=args.conversations, seed=args.seed, **synth)
     ds = synthesize(_corpus(args), lm, args.output, config)
-    print(f"wrote {args.output}: {len(ds)} conversations")
+    windows = sum(c.seed_kind == "document" for c in ds)
+    print(f"wrote {args.output}: {len(ds) - windows} conversations, {windows} document windows")
     return 0
 
 

@@ -23,7 +23,7 @@ DATASET_FORMAT = "cartridges-sdk-selfstudy"
 DATASET_VERSION = 1
 
 # role of every token of a student sequence
-ROLE_TEMPLATE, ROLE_USER, ROLE_ASSISTANT = 0, 1, 2
+ROLE_TEMPLATE, ROLE_USER, ROLE_ASSISTANT, ROLE_DOCUMENT = 0, 1, 2, 3
 
 
 @attrs.frozen

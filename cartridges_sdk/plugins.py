@@ -114,8 +114,11 @@ class Synthesizer(ABC):
 
     def score(self, context: str, sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[Any, Any]]:
         """Teacher top-k ``(ids, logprobs)`` arrays ``[len(seq) - 1, k]`` predicting tokens 1.. of each sequence
-        placed after `context` (an optional ability, used for ``targets="all"``)."""
-        raise PluginError(f"{type(self).__name__} cannot score sequences; use targets='assistant'.")
+        placed after `context` (an optional ability, used for ``targets="all"`` and document windows)."""
+        raise PluginError(
+            f"{type(self).__name__} cannot score sequences, which targets='all' and document_windows > 0 need; "
+            "use targets='assistant' and document_windows=0, or a synthesizer that implements score()."
+        )
 
 
 class Trainer(ABC):

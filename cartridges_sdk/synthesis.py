@@ -21,7 +21,7 @@ import torch
 
 from .checks import at_least_one, non_negative
 from .corpus import ChunkSampler, Corpus
-from .dataset import ROLE_ASSISTANT, ROLE_USER, Conversation, SelfStudyDataset
+from .dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, Conversation, SelfStudyDataset
 from .errors import ConfigError, IncompatibleCartridgeError
 from .models import LM, Message, autocast
 from .plugins import Completion, GenerationParams, SynthesisRequest, Synthesizer
@@ -42,7 +42,7 @@ class SynthesisConfig:
     num_conversations: int = attrs.field(default=256, validator=at_least_one)
     rounds: int = attrs.field(default=1, validator=at_least_one)
     min_chunk: int = attrs.field(default=512, validator=at_least_one)
-    max_chunk: int = attrs.field(default=4096, validator=at_least_one)
+    max_chunk: int = attrs.field(default=1024, validator=at_least_one)  # CPU-sized; the sampler allows 4096
     description: str | None = None
     conversations_per_chunk: int = attrs.field(default=16, validator=at_least_one)
     seed_weights: Mapping[str, float] = attrs.field(factory=lambda: dict(DEFAULT_WEIGHTS), converter=dict, validator=_weights)
@@ -53,6 +53,9 @@ class SynthesisConfig:
     top_k: int = attrs.field(default=20, validator=at_least_one)
     targets: str = attrs.field(default="assistant")
     a_context: str = attrs.field(default="message")
+    document_windows: int = attrs.field(default=192, validator=non_negative)
+    window_tokens: int = attrs.field(default=256, validator=at_least_one)
+    windows_per_chunk: int = attrs.field(default=4, validator=at_least_one)
     seed: int = 0
 
     @a_context.validator
@@ -221,9 +224,11 @@ def synthesize(
     dataset = SelfStudyDataset.create(output, header)
     group_size = config.conversations_per_chunk
     num_groups = math.ceil(config.num_conversations / group_size)
+    window_groups = math.ceil(config.document_windows / config.windows_per_chunk)
     done = dataset.done_groups()
-    already = sum(min(group_size, config.num_conversations - g * group_size) for g in done if g < num_groups)
-    bar = tqdm(total=config.num_conversations, initial=already, desc="self-study synthesis", unit="conv", disable=not progress)
+    total = config.num_conversations + config.document_windows
+    already = sum(_group_size(config, g, num_groups) for g in done if g < num_groups + window_groups)
+    bar = tqdm(total=total, initial=already, desc="self-study synthesis", unit="seq", disable=not progress)
     skipped: list[str] = []
     vocab = lm.identity.architecture["vocab_size"]
     for g in range(num_groups):
@@ -247,10 +252,63 @@ def synthesize(
                 kept.append(conv)
         dataset.write_group(g, kept)
         bar.update(size)
+    for w in range(window_groups):
+        g = num_groups + w
+        if g in done:
+            continue
+        windows = _document_windows(lm, synthesizer, config, g, ids, w * config.windows_per_chunk)
+        dataset.write_group(g, windows)
+        bar.update(_group_size(config, g, num_groups))
     bar.close()
     if skipped:
         warnings.warn(f"Skipped {len(skipped)} bad conversation(s): " + " | ".join(skipped[:5]), stacklevel=2)
     return dataset
+
+
+def _group_size(config: SynthesisConfig, group: int, num_groups: int) -> int:
+    """How many sequences group `group` holds: conversations first, then document windows."""
+    if group < num_groups:
+        return min(config.conversations_per_chunk, config.num_conversations - group * config.conversations_per_chunk)
+    first = (group - num_groups) * config.windows_per_chunk
+    return min(config.windows_per_chunk, config.document_windows - first)
+
+
+def _document_windows(
+    lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, group: int, ids: Sequence[int], first_id: int
+) -> list[Conversation]:
+    """Windows of one chunk, each re-read by the teacher after the whole chunk and by the student after the cartridge.
+
+    A small model's synthetic conversations carry little of the text's facts, and a teacher that has only the
+    preceding text cannot predict the facts a window introduces. A teacher that has just read the chunk predicts
+    each window token as the text in context would (near-copies, soft where the model is unsure), which is what
+    the cartridge should make the student do without the chunk. See docs/self-study.md for the measurements.
+    """
+    size = min(config.document_windows - first_id, config.windows_per_chunk)
+    width = min(config.window_tokens, len(ids))
+    length = min(size * width, len(ids))
+    rng = random.Random(f"{config.seed}:windows:{group}")
+    start = rng.randrange(0, len(ids) - length + 1)
+    context = chunk_context(lm.tokenizer.decode(ids[start : start + length]), config.description)
+    spans = [(start + k * width, min(start + (k + 1) * width, start + length)) for k in range(size)]
+    spans = [(a, b) for a, b in spans if b - a >= 2] or [(start, start + length)]
+    scores = synthesizer.score(context, [list(ids[a:b]) for a, b in spans], config.top_k)
+    out = []
+    for k, ((a, b), (top_ids, top_lps)) in enumerate(zip(spans, scores)):
+        n = b - a
+        out.append(
+            Conversation(
+                conv_id=config.num_conversations + first_id + k,  # after every conversation id
+                group=group,
+                chunk=(start, start + length),
+                seed_kind="document",
+                input_ids=np.asarray(ids[a:b], dtype=np.int32),
+                role_mask=np.full(n, ROLE_DOCUMENT, dtype=np.int8),
+                target_positions=np.arange(1, n, dtype=np.int32),
+                topk_ids=np.asarray(top_ids, dtype=np.int32),
+                topk_logprobs=np.asarray(top_lps, dtype=np.float32),
+            )
+        )
+    return out
 
 
 def _run_group(

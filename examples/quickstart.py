@@ -1,9 +1,10 @@
-"""Quickstart: a cartridge for a small corpus with the embedded default model, fully offline.
+"""Quickstart: train a cartridge by self-study for a small corpus with the embedded default model, fully offline.
 
-By default the cartridge is the KV of the corpus's first tokens (exactly the text in context, in seconds).
-`--self-study` trains it by self-study instead (minutes); see docs/self-study.md for where that recipe stands.
+Self-study takes a few minutes on a laptop CPU (progress bars show each stage; a re-run resumes from the work
+folder). `--prefix` skips training and uses the KV of the corpus's first tokens (exactly the text in context,
+in seconds) for comparison.
 
-Run: python examples/quickstart.py [--corpus FILE] [--tokens N] [--self-study [--conversations N]] [--question Q]
+Run: python examples/quickstart.py [--corpus FILE] [--tokens N] [--prefix] [--conversations N] [--question Q]
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from pathlib import Path
 from cartridges_sdk import Cartridge, load_model
 
 HERE = Path(__file__).parent
+# a ~400-token corpus: short messages, and windows that fit it (docs/self-study.md explains each setting)
+SMALL_CORPUS = dict(conversations_per_chunk=16, max_tokens_a=40, max_tokens_b=64, document_windows=64,
+                    window_tokens=128, batch_tokens=1024, lr=1e-2)
 QUESTIONS = [
     "When was the Harrow Point lighthouse built, and by whom?",
     "How many ships were lost on the Skerra Reef between 1850 and 1870?",
@@ -25,10 +29,10 @@ QUESTIONS = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, default=HERE / "data" / "harrow_point.txt")
-    parser.add_argument("--tokens", type=int, default=256, help="cartridge size in tokens")
+    parser.add_argument("--tokens", type=int, default=64, help="cartridge size in tokens")
     parser.add_argument("--conversations", type=int, default=64, help="self-study conversations to synthesize")
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--self-study", action="store_true", help="train the cartridge by self-study (minutes)")
+    parser.add_argument("--prefix", action="store_true", help="no training: the KV of the corpus's first tokens")
     parser.add_argument("--work-dir", type=Path, default=HERE / "quickstart.work", help="resumable work files")
     parser.add_argument("--question", action="append", help="question to ask (repeatable)")
     args = parser.parse_args()
@@ -40,13 +44,11 @@ def main() -> None:
     text = args.corpus.read_text(encoding="utf-8")
     print(f"corpus: {args.corpus.name}, {len(lm.encode(text))} tokens")
     start = time.perf_counter()
-    if not args.self_study:
+    if args.prefix:
         cartridge = Cartridge.from_prefix(lm, text, min(args.tokens, len(lm.encode(text))))
     else:
-        cartridge = Cartridge.from_corpus(
-            text, lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
-            output_dir=args.work_dir, conversations_per_chunk=16, max_tokens_a=40, max_tokens_b=64,
-        )
+        cartridge = Cartridge.from_corpus(text, lm, num_tokens=args.tokens, num_conversations=args.conversations,
+                                          epochs=args.epochs, output_dir=args.work_dir, **SMALL_CORPUS)
     print(f"cartridge: {cartridge.num_tokens} tokens, {cartridge.nbytes / 2**20:.1f} MiB of KV, "
           f"made in {time.perf_counter() - start:.0f}s")
 

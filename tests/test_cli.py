@@ -77,13 +77,14 @@ def test_console_script_runs():
 
 
 TINY = ["--set", "conversations_per_chunk=4", "--set", "max_tokens_a=8", "--set", "max_tokens_b=8",
-        "--set", "min_chunk=64", "--set", "max_chunk=128"]
+        "--set", "min_chunk=64", "--set", "max_chunk=128", "--set", "document_windows=2", "--set", "window_tokens=32"]
 
 
 def test_synthesize_then_train(tmp_path, capsys):
     corpus = str(DATA / "harrow_point.txt")
     data = tmp_path / "data.parquet"
     assert main(["synthesize", corpus, "-o", str(data), "--conversations", "4", *TINY]) == 0
+    assert "4 conversations, 2 document windows" in capsys.readouterr().out
     assert main(["train", str(data), "-o", str(tmp_path / "c.safetensors"), "--tokens", "16", "--set", "lr=0.01"]) == 0
     c = Cartridge.load(tmp_path / "c.safetensors")
     assert c.meta.init == "trained" and c.meta.training["config"]["lr"] == 0.01

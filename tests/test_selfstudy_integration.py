@@ -23,7 +23,8 @@ P = 64
 # the quality check's run (minutes); see docs/self-study.md for the measurements behind the recipe
 SETTINGS = dict(num_conversations=48, epochs=2, conversations_per_chunk=16, max_tokens_a=40, max_tokens_b=64)
 # the plumbing checks' run: small enough for the default tier
-SMALL = dict(num_conversations=8, epochs=1, conversations_per_chunk=4, max_tokens_a=16, max_tokens_b=16)
+SMALL = dict(num_conversations=8, epochs=1, conversations_per_chunk=4, max_tokens_a=16, max_tokens_b=16,
+             document_windows=4, window_tokens=32, windows_per_chunk=2)
 
 pytestmark = pytest.mark.default_model
 

@@ -44,7 +44,7 @@ class FakeSynthesizer(Synthesizer):
 
 def _config(**kw):
     base = dict(num_conversations=10, conversations_per_chunk=4, min_chunk=40, max_chunk=120, max_tokens_a=16,
-                max_tokens_b=24, top_k=5, seed=3)
+                max_tokens_b=24, top_k=5, seed=3, document_windows=0)
     return SynthesisConfig(**{**base, **kw})
 
 
@@ -135,3 +135,61 @@ def test_targets_all_scores_every_token_and_agrees_on_answers(tiny_lm, tmp_path)
         rows = b.target_positions - 1  # position t is the (t-1)-th row of the 'all' arrays
         assert np.array_equal(a.topk_ids[rows], b.topk_ids)
         assert np.abs(a.topk_logprobs[rows] - b.topk_logprobs).max() <= 1e-4
+
+
+def test_document_windows_are_the_teachers_reread_of_its_chunk(tiny_lm, tmp_path):
+    """Windows are consecutive slices of a chunk; each one's targets are the teacher's top-k for the window read
+    right after the whole chunk, and their ids come after every conversation's."""
+    from cartridges_sdk import Corpus
+
+    cfg = _config(num_conversations=4, document_windows=5, windows_per_chunk=2, window_tokens=30)
+    ds = synthesize(TEXT, tiny_lm, tmp_path / "d", cfg, synthesizer=HFSynthesizer(tiny_lm), progress=False)
+    corpus_ids = Corpus.coerce(TEXT).token_ids(tiny_lm)
+    convs = ds.conversations()
+    windows = sorted((c for c in convs if c.seed_kind == "document"), key=lambda c: c.conv_id)
+    assert [c.conv_id for c in windows] == [4, 5, 6, 7, 8]
+    assert sorted(c.conv_id for c in convs if c.seed_kind != "document") == [0, 1, 2, 3]
+    assert [len(set(c.group for c in windows[i : i + 2])) for i in (0, 2)] == [1, 1]
+    for k, c in enumerate(windows):
+        start, end = c.chunk
+        offset = start + (k % 2) * 30
+        assert c.input_ids.tolist() == corpus_ids[offset : offset + 30]
+        assert c.target_positions.tolist() == list(range(1, 30))
+        context = tiny_lm.encode(tiny_lm.tokenizer.decode(corpus_ids[start:end]))
+        logp = tiny_lm.logits(context + c.input_ids.tolist()).log_softmax(-1)[len(context) : -1]
+        want = torch.topk(logp, 5, dim=-1)
+        assert np.array_equal(c.topk_ids, want.indices.numpy())
+        assert np.abs(c.topk_logprobs - want.values.numpy()).max() <= 1e-4
+
+
+def test_killed_window_synthesis_resumes(tiny_lm, tmp_path):
+    cfg = _config(num_conversations=4, document_windows=6, windows_per_chunk=2, window_tokens=20)
+    whole = synthesize(TEXT, tiny_lm, tmp_path / "whole", cfg, synthesizer=HFSynthesizer(tiny_lm), progress=False)
+
+    killed = HFSynthesizer(tiny_lm)
+    calls = []
+
+    def score(*args, **kw):  # dies on the second window group, after the first was written
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return HFSynthesizer.score(killed, *args, **kw)
+
+    killed.score = score
+    with pytest.raises(KeyboardInterrupt):
+        synthesize(TEXT, tiny_lm, tmp_path / "part", cfg, synthesizer=killed, progress=False)
+    assert SelfStudyDataset(tmp_path / "part").done_groups() == {0, 1}
+    resumed = synthesize(TEXT, tiny_lm, tmp_path / "part", cfg, synthesizer=HFSynthesizer(tiny_lm), progress=False)
+    a = sorted(whole.conversations(), key=lambda c: c.conv_id)
+    b = sorted(resumed.conversations(), key=lambda c: c.conv_id)
+    assert [c.conv_id for c in b] == list(range(10))
+    for x, y in zip(a, b):
+        assert np.array_equal(x.input_ids, y.input_ids) and np.array_equal(x.topk_ids, y.topk_ids)
+
+
+def test_windows_need_a_synthesizer_that_scores(tiny_lm, tmp_path):
+    from cartridges_sdk import PluginError
+
+    with pytest.raises(PluginError, match="document_windows=0"):
+        synthesize(TEXT, tiny_lm, tmp_path / "d", _config(document_windows=2), synthesizer=FakeSynthesizer(tiny_lm),
+                   progress=False)
