@@ -109,7 +109,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def _settings(pairs: list[str]) -> dict[str, Any]:
+def parse_settings(pairs: list[str]) -> dict[str, Any]:
     """``--set key=value`` pairs; values are read as JSON when they parse (numbers, true/false, lists)."""
     out: dict[str, Any] = {}
     for pair in pairs or []:
@@ -139,7 +139,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     c = Cartridge.from_corpus(
         _corpus(args), lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
-        init=args.init, seed=args.seed, output_dir=work, **_settings(args.set),
+        init=args.init, seed=args.seed, output_dir=work, **parse_settings(args.set),
     )
     c.save(args.output)
     print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)} (work files in {work})")
@@ -150,7 +150,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     from .selfstudy import split_settings
     from .synthesis import SynthesisConfig, synthesize
 
-    synth, train = split_settings(_settings(args.set))
+    synth, train = split_settings(parse_settings(args.set))
     if train:
         raise CartridgeError(f"{sorted(train)} are training settings; pass them to `cartridges train`.")
     lm = _model_for(args.model, device=args.device)
@@ -165,7 +165,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .dataset import SelfStudyDataset
     from .selfstudy import split_settings, train_cartridge
 
-    synth, train = split_settings(_settings(args.set))
+    synth, train = split_settings(parse_settings(args.set))
     if synth:
         raise CartridgeError(f"{sorted(synth)} are synthesis settings; pass them to `cartridges synthesize`.")
     dataset = SelfStudyDataset(args.data)
