@@ -43,14 +43,13 @@ def main() -> None:
     for d in (int(x) for x in args.docs.split(",")):
         doc = json.loads(lines[d])
         text, qa = doc["input"], list(zip(doc["instructions"], doc["outputs"]))
-        untrained = score(lm, text, Cartridge.from_prefix(lm, text, args.tokens), qa)
         start = time.perf_counter()
         trained = Cartridge.from_corpus(
             text, lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
             seed=args.seed, output_dir=args.work / f"{args.data.stem}-{d}-p{args.tokens}-s{args.seed}", **settings,
         )
         seconds = time.perf_counter() - start
-        got = score(lm, text, trained, qa)
+        untrained, got = score(lm, text, [Cartridge.from_prefix(lm, text, args.tokens), trained], qa)
         row = {
             "doc": d, "corpus_tokens": len(lm.encode(text)), "questions": len(qa), "seconds": round(seconds, 1),
             "nll_none": got.nll_none, "nll_icl": got.nll_icl,

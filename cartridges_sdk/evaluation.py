@@ -60,16 +60,23 @@ class QualityReport:
         return (self.nll_none - self.nll_cartridge) / gap if gap else float("nan")
 
 
-def score(lm: LM, document: str, cartridge: Cartridge, qa: Sequence[tuple[str, str]]) -> QualityReport:
-    """Score `cartridge` against the whole `document` in context and against no context on question/answer pairs."""
-    none, icl, cart, kls = [], [], [], []
+def score(
+    lm: LM, document: str, cartridges: Sequence[Cartridge], qa: Sequence[tuple[str, str]]
+) -> list[QualityReport]:
+    """Score each cartridge against the whole `document` in context and against no context on question/answer pairs.
+
+    The no-context and in-context passes (the expensive one) run once per question, shared by all cartridges.
+    """
+    none, icl = [], []
+    carts: list[list[float]] = [[] for _ in cartridges]
+    kls: list[list[float]] = [[] for _ in cartridges]
     for q, a in qa:
-        lp_none = answer_logprobs(lm, q, a)
         lp_icl = answer_logprobs(lm, q, a, document=document)
-        lp_cart = answer_logprobs(lm, q, a, cartridges=[cartridge])
-        none.append(nll(lp_none, lm, a))
+        none.append(nll(answer_logprobs(lm, q, a), lm, a))
         icl.append(nll(lp_icl, lm, a))
-        cart.append(nll(lp_cart, lm, a))
-        kls.append(kl(lp_icl, lp_cart))
+        for i, cartridge in enumerate(cartridges):
+            lp_cart = answer_logprobs(lm, q, a, cartridges=[cartridge])
+            carts[i].append(nll(lp_cart, lm, a))
+            kls[i].append(kl(lp_icl, lp_cart))
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return QualityReport(mean(none), mean(icl), mean(cart), mean(kls), len(qa))
+    return [QualityReport(mean(none), mean(icl), mean(c), mean(k), len(qa)) for c, k in zip(carts, kls)]

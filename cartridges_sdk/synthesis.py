@@ -256,9 +256,9 @@ def synthesize(
         g = num_groups + w
         if g in done:
             continue
-        windows = _document_windows(lm, synthesizer, config, g, ids, w * config.windows_per_chunk)
-        dataset.write_group(g, windows)
-        bar.update(_group_size(config, g, num_groups))
+        size = _group_size(config, g, num_groups)
+        dataset.write_group(g, _document_windows(lm, synthesizer, config, g, ids, w * config.windows_per_chunk, size))
+        bar.update(size)
     bar.close()
     if skipped:
         warnings.warn(f"Skipped {len(skipped)} bad conversation(s): " + " | ".join(skipped[:5]), stacklevel=2)
@@ -274,7 +274,7 @@ def _group_size(config: SynthesisConfig, group: int, num_groups: int) -> int:
 
 
 def _document_windows(
-    lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, group: int, ids: Sequence[int], first_id: int
+    lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, group: int, ids: Sequence[int], first_id: int, size: int
 ) -> list[Conversation]:
     """Windows of one chunk, each re-read by the teacher after the whole chunk and by the student after the cartridge.
 
@@ -283,7 +283,6 @@ def _document_windows(
     each window token as the text in context would (near-copies, soft where the model is unsure), which is what
     the cartridge should make the student do without the chunk. See docs/self-study.md for the measurements.
     """
-    size = min(config.document_windows - first_id, config.windows_per_chunk)
     width = min(config.window_tokens, len(ids))
     length = min(size * width, len(ids))
     rng = random.Random(f"{config.seed}:windows:{group}")
