@@ -146,28 +146,35 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_synthesize(args: argparse.Namespace) -> int:
+def _stage_settings(args: argparse.Namespace, stage: str) -> dict[str, Any]:
+    """The `--set` settings of one stage (`synthesize` or `train`); the other stage's are refused by name."""
     from .selfstudy import split_settings
-    from .synthesis import SynthesisConfig, synthesize
 
     synth, train = split_settings(parse_settings(args.set))
-    if train:
-        raise CartridgeError(f"{sorted(train)} are training settings; pass them to `cartridges train`.")
+    mine, other, other_stage = (synth, train, "train") if stage == "synthesize" else (train, synth, "synthesize")
+    if other:
+        raise CartridgeError(f"{sorted(other)} are settings of `cartridges {other_stage}`; pass them there.")
+    return mine
+
+
+def cmd_synthesize(args: argparse.Namespace) -> int:
+    from .dataset import SEED_KIND_DOCUMENT
+    from .synthesis import SynthesisConfig, synthesize
+
+    synth = _stage_settings(args, "synthesize")
     lm = _model_for(args.model, device=args.device)
     config = SynthesisConfig(num_conversations=args.conversations, seed=args.seed, **synth)
     ds = synthesize(_corpus(args), lm, args.output, config)
-    windows = sum(c.seed_kind == "document" for c in ds)
+    windows = sum(c.seed_kind == SEED_KIND_DOCUMENT for c in ds)
     print(f"wrote {args.output}: {len(ds) - windows} conversations, {windows} document windows")
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .dataset import SelfStudyDataset
-    from .selfstudy import split_settings, train_cartridge
+    from .selfstudy import train_cartridge
 
-    synth, train = split_settings(parse_settings(args.set))
-    if synth:
-        raise CartridgeError(f"{sorted(synth)} are synthesis settings; pass them to `cartridges synthesize`.")
+    train = _stage_settings(args, "train")
     dataset = SelfStudyDataset(args.data)
     source = dataset.header.get("model", {}).get("source")
     lm = _model_for(args.model or source, device=args.device)

@@ -24,6 +24,7 @@ DATASET_VERSION = 1
 
 # role of every token of a student sequence
 ROLE_TEMPLATE, ROLE_USER, ROLE_ASSISTANT, ROLE_DOCUMENT = 0, 1, 2, 3
+SEED_KIND_DOCUMENT = "document"  # the seed kind of document windows (not a seed prompt; reserved)
 
 
 @attrs.frozen

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 
+from .dataset import SEED_KIND_DOCUMENT
 from .errors import ConfigError
 
 SeedFn = Callable[[random.Random], str]
@@ -100,6 +101,8 @@ def register_seed(name: str, fn: SeedFn) -> None:
     """Add (or replace) a seed prompt kind; `fn(rng)` returns the prompt text."""
     if not callable(fn):
         raise ConfigError(f"Seed prompt {name!r} must be a callable taking a random.Random, got {fn!r}.")
+    if name == SEED_KIND_DOCUMENT:
+        raise ConfigError(f"The seed kind {name!r} is reserved for document windows; register the prompt under another name.")
     _REGISTRY[name] = fn
 
 

@@ -21,7 +21,7 @@ import torch
 
 from .checks import at_least_one, non_negative
 from .corpus import ChunkSampler, Corpus
-from .dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, Conversation, SelfStudyDataset
+from .dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset
 from .errors import ConfigError, IncompatibleCartridgeError
 from .models import LM, Message, autocast
 from .plugins import Completion, GenerationParams, SynthesisRequest, Synthesizer
@@ -54,7 +54,7 @@ class SynthesisConfig:
     targets: str = attrs.field(default="assistant")
     a_context: str = attrs.field(default="message")
     document_windows: int = attrs.field(default=192, validator=non_negative)
-    window_tokens: int = attrs.field(default=256, validator=at_least_one)
+    window_tokens: int = attrs.field(default=256)
     windows_per_chunk: int = attrs.field(default=4, validator=at_least_one)
     seed: int = 0
 
@@ -62,6 +62,11 @@ class SynthesisConfig:
     def _check_a_context(self, _attribute, value):
         if value not in ("message", "prefix"):
             raise ConfigError(f"a_context={value!r} must be 'message' (chunk inside A's prompt) or 'prefix' (before the chat).")
+
+    @window_tokens.validator
+    def _check_window_tokens(self, _attribute, value):
+        if not isinstance(value, int) or value < 2:
+            raise ConfigError(f"window_tokens={value!r} must be an integer >= 2: a window needs a token to predict after its first.")
 
     @targets.validator
     def _check_targets(self, _attribute, value):
@@ -207,6 +212,10 @@ def synthesize(
             f"({other.mismatch(lm.identity)}); self-study needs the same model on both sides."
         )
     ids = corpus.token_ids(lm)
+    if config.document_windows and len(ids) < 2:
+        raise ConfigError(
+            f"The corpus has {len(ids)} token(s), too few for document windows; give a longer corpus or document_windows=0."
+        )
     sampler = ChunkSampler(config.min_chunk, config.max_chunk)
     header = {
         "model": lm.identity.to_dict(),
@@ -273,6 +282,26 @@ def _group_size(config: SynthesisConfig, group: int, num_groups: int) -> int:
     return min(config.windows_per_chunk, config.document_windows - first)
 
 
+def window_chunk_start(n_tokens: int, length: int, width: int, index: int, seed: int) -> int:
+    """Start of the `index`-th document-window chunk (`length` tokens, read as windows of `width`).
+
+    Uniformly random starts would train the corpus's first and last windows several times less often than its
+    middle, and a document's opening (title, abstract, summary) is often what questions are about. Instead, starts
+    sweep the corpus evenly (each sweep in a random order, with jitter) over a range that reaches a chunk's length
+    beyond both ends, then are clamped into the corpus, so every window position is trained about equally often.
+    """
+    if n_tokens <= length:
+        return 0
+    lo, hi = -(length - width), n_tokens - width
+    tiles = math.ceil((hi - lo) / width) + 1
+    sweep, slot = divmod(index, tiles)
+    order = list(range(tiles))
+    random.Random(f"{seed}:windows:sweep:{sweep}").shuffle(order)
+    spacing = (hi - lo) / (tiles - 1)
+    jitter = random.Random(f"{seed}:windows:{index}").uniform(-spacing / 2, spacing / 2)
+    return min(max(round(lo + order[slot] * spacing + jitter), 0), n_tokens - length)
+
+
 def _document_windows(
     lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, group: int, ids: Sequence[int], first_id: int, size: int
 ) -> list[Conversation]:
@@ -285,11 +314,10 @@ def _document_windows(
     """
     width = min(config.window_tokens, len(ids))
     length = min(size * width, len(ids))
-    rng = random.Random(f"{config.seed}:windows:{group}")
-    start = rng.randrange(0, len(ids) - length + 1)
+    start = window_chunk_start(len(ids), length, width, first_id // config.windows_per_chunk, config.seed)
     context = chunk_context(lm.tokenizer.decode(ids[start : start + length]), config.description)
     spans = [(start + k * width, min(start + (k + 1) * width, start + length)) for k in range(size)]
-    spans = [(a, b) for a, b in spans if b - a >= 2] or [(start, start + length)]
+    spans = [(a, b) for a, b in spans if b - a >= 2]  # synthesize() refuses corpora too short for any window
     scores = synthesizer.score(context, [list(ids[a:b]) for a, b in spans], config.top_k)
     out = []
     for k, ((a, b), (top_ids, top_lps)) in enumerate(zip(spans, scores)):
@@ -299,7 +327,7 @@ def _document_windows(
                 conv_id=config.num_conversations + first_id + k,  # after every conversation id
                 group=group,
                 chunk=(start, start + length),
-                seed_kind="document",
+                seed_kind=SEED_KIND_DOCUMENT,
                 input_ids=np.asarray(ids[a:b], dtype=np.int32),
                 role_mask=np.full(n, ROLE_DOCUMENT, dtype=np.int8),
                 target_positions=np.arange(1, n, dtype=np.int32),

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from .cartridge import Cartridge, CartridgeMeta
-from .dataset import Conversation, SelfStudyDataset
-from .checks import fraction, one_of, positive
+from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset
+from .checks import fraction, non_negative, one_of, positive
 from .errors import ConfigError
 from .files import atomic_write
 from .models import LM, autocast
@@ -46,6 +46,8 @@ class TrainConfig:
     min_lr_ratio: float = attrs.field(default=0.1, validator=fraction)
     max_grad_norm: float | None = attrs.field(default=1.0, validator=positive)
     objective: str = attrs.field(default="distill", validator=one_of("distill", "ntp"))
+    # weight of conversation target tokens against document-window tokens (seed kind "document") in the mean loss
+    conversation_weight: float = attrs.field(default=1.0, validator=non_negative)
     eval_fraction: float = attrs.field(default=0.05, validator=fraction)
     eval_every: int = attrs.field(default=25, validator=positive)
     checkpoint_every: int = attrs.field(default=25, validator=positive)
@@ -107,10 +109,21 @@ class TrainableCartridge(torch.nn.Module):
         return Cartridge([k.detach().to(dtype).clone() for k, _ in kv], [v.detach().to(dtype).clone() for _, v in kv], meta, lm=lm)
 
 
+def target_weights(batch: Sequence[Conversation], conversation_weight: float = 1.0) -> np.ndarray:
+    """Each target token's weight in the loss: 1 for document windows, `conversation_weight` for conversations."""
+    return np.concatenate([
+        np.full(len(c.target_positions), 1.0 if c.seed_kind == SEED_KIND_DOCUMENT else conversation_weight, np.float32)
+        for c in batch
+    ])
+
+
 def student_loss(
-    lm: LM, cartridge: TrainableCartridge, batch: Sequence[Conversation], objective: str = "distill"
-) -> tuple[torch.Tensor, int]:
-    """Summed loss over the batch's target tokens, and how many there were (divide for the per-token mean)."""
+    lm: LM, cartridge: TrainableCartridge, batch: Sequence[Conversation], objective: str = "distill",
+    conversation_weight: float = 1.0,
+) -> tuple[torch.Tensor, float]:
+    """Weighted sum of the loss over the batch's target tokens, and the sum of weights (divide for the mean).
+
+    With the default weights each target token counts once, so the second value is the number of target tokens."""
     from transformers import DynamicCache
 
     device = lm.device
@@ -141,12 +154,15 @@ def student_loss(
     logp = logits.log_softmax(-1)
     if objective == "ntp":
         targets = ids[row_idx.to(device), pos.to(device)]
-        loss = -logp.gather(-1, targets[:, None]).sum()
+        per_token = -logp.gather(-1, targets[:, None])[:, 0]
     else:
         top_ids = torch.from_numpy(np.concatenate([c.topk_ids for c in batch]).astype(np.int64)).to(device)
         top_p = torch.from_numpy(np.concatenate([c.topk_logprobs for c in batch])).to(device).exp()
-        loss = -(top_p * logp.gather(-1, top_ids)).sum()
-    return loss, int(pos.numel())
+        per_token = -(top_p * logp.gather(-1, top_ids)).sum(-1)
+    weights = target_weights(batch, conversation_weight)
+    if conversation_weight == 1.0:
+        return per_token.sum(), float(len(weights))
+    return (per_token * torch.from_numpy(weights).to(device)).sum(), float(weights.sum())
 
 
 def _peak_memory_mb(device: torch.device) -> float:
@@ -185,7 +201,7 @@ class TorchTrainer(Trainer):
         total, count = 0.0, 0
         for batch in pack(conversations, self.config.batch_tokens, random.Random(0)):
             with self._autocast(lm):
-                loss, n = student_loss(lm, cartridge, batch, self.config.objective)
+                loss, n = student_loss(lm, cartridge, batch, self.config.objective, self.config.conversation_weight)
             total, count = total + float(loss), count + n
         return total / max(count, 1)
 
@@ -200,6 +216,11 @@ class TorchTrainer(Trainer):
         conversations = list(dataset)
         if not conversations:
             raise ConfigError("The self-study dataset has no conversations to train on.")
+        if cfg.conversation_weight == 0:  # weightless conversations would only cost time (and empty batches)
+            conversations = [c for c in conversations if c.seed_kind == SEED_KIND_DOCUMENT]
+            if not conversations:
+                raise ConfigError("conversation_weight=0 but the dataset has no document windows to train on; "
+                                  "give conversations a weight > 0 or synthesize with document_windows > 0.")
         train, held_out = split_eval(conversations, cfg.eval_fraction, cfg.seed)
         epoch_batches = [pack(train, cfg.batch_tokens, random.Random(f"{cfg.seed}:{e}")) for e in range(cfg.epochs)]
         micro = [b for batches in epoch_batches for b in batches]
@@ -235,12 +256,12 @@ class TorchTrainer(Trainer):
                 for group in opt.param_groups:
                     group["lr"] = lr
                 chunk = micro[step * cfg.grad_accum : (step + 1) * cfg.grad_accum]
-                n_targets = sum(len(c.target_positions) for b in chunk for c in b)
+                n_targets = sum(float(target_weights(b, cfg.conversation_weight).sum()) for b in chunk)
                 opt.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 for batch in chunk:
                     with self._autocast(lm):
-                        loss, _ = student_loss(lm, cart, batch, cfg.objective)
+                        loss, _ = student_loss(lm, cart, batch, cfg.objective, cfg.conversation_weight)
                     (loss / n_targets).backward()
                     loss_sum += float(loss.detach())
                     tokens_seen += sum(c.num_tokens for c in batch)

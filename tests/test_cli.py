@@ -92,6 +92,8 @@ def test_synthesize_then_train(tmp_path, capsys):
     # a training setting given to synthesize is refused with a pointer to the right command
     assert main(["synthesize", corpus, "-o", str(tmp_path / "x"), "--set", "lr=0.1"]) == 2
     assert "cartridges train" in capsys.readouterr().err
+    assert main(["train", str(data), "-o", str(tmp_path / "y.safetensors"), "--tokens", "16", "--set", "top_k=5"]) == 2
+    assert "cartridges synthesize" in capsys.readouterr().err
 
 
 def test_build(tmp_path):

@@ -193,3 +193,10 @@ def test_windows_need_a_synthesizer_that_scores(tiny_lm, tmp_path):
     with pytest.raises(PluginError, match="document_windows=0"):
         synthesize(TEXT, tiny_lm, tmp_path / "d", _config(document_windows=2), synthesizer=FakeSynthesizer(tiny_lm),
                    progress=False)
+
+
+def test_window_settings_that_cannot_make_a_target_are_refused(tiny_lm, tmp_path):
+    with pytest.raises(ConfigError, match="window_tokens=1"):
+        _config(window_tokens=1)
+    with pytest.raises(ConfigError, match="document_windows=0"):
+        synthesize("x", tiny_lm, tmp_path / "d", _config(num_conversations=1, document_windows=1), progress=False)

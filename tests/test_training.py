@@ -44,6 +44,32 @@ def test_loss_equals_hand_computation(tiny_lm):
     assert abs(float(loss) - want) <= 1e-3 * max(1.0, abs(want))
 
 
+def test_conversation_weight_scales_conversation_tokens_only(tiny_lm):
+    """Loss = sum(w * token loss) / sum(w), w = 1 for document windows and `conversation_weight` otherwise."""
+    import attrs
+
+    init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
+    cart = TrainableCartridge(init)
+    conv, window = _conversations(tiny_lm, n=2)
+    window = attrs.evolve(window, seed_kind="document")
+    (lc, nc), (lw, nw) = (student_loss(tiny_lm, cart, [c]) for c in (conv, window))
+    loss, weight = student_loss(tiny_lm, cart, [conv, window], conversation_weight=0.25)
+    assert weight == pytest.approx(0.25 * nc + nw)
+    assert float(loss.detach()) == pytest.approx(0.25 * float(lc.detach()) + float(lw.detach()), rel=1e-4)
+
+
+def test_zero_conversation_weight_trains_on_windows_or_says_why_not(tiny_lm):
+    import attrs
+
+    init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
+    convs = _conversations(tiny_lm)
+    with pytest.raises(ConfigError, match="no document windows"):
+        TorchTrainer(TrainConfig(conversation_weight=0.0), progress=False).fit(init, convs, tiny_lm)
+    trainer = TorchTrainer(TrainConfig(conversation_weight=0.0, eval_fraction=0.0), progress=False)
+    trainer.fit(init, convs[:3] + [attrs.evolve(c, seed_kind="document") for c in convs[3:]], tiny_lm)
+    assert trainer.history[-1]["step"] == 1  # three windows fit one batch; the three conversations were left out
+
+
 def test_next_token_objective(tiny_lm):
     init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
     c = _conversations(tiny_lm, n=1)[0]
