@@ -37,7 +37,7 @@ class TrainConfig:
     """How a cartridge is trained: Adam as in the paper, with the learning rate and batch measured best for small
     models on a CPU (the paper's lr 2e-2 at its scale; see docs/self-study.md)."""
 
-    lr: float = attrs.field(default=1e-2, validator=positive)
+    lr: float = attrs.field(default=3e-3, validator=positive)
     epochs: int = attrs.field(default=1, validator=positive)
     batch_tokens: int = attrs.field(default=2048, validator=positive)
     grad_accum: int = attrs.field(default=1, validator=positive)
@@ -47,7 +47,7 @@ class TrainConfig:
     max_grad_norm: float | None = attrs.field(default=1.0, validator=positive)
     objective: str = attrs.field(default="distill", validator=one_of("distill", "ntp"))
     # weight of conversation target tokens against document-window tokens (seed kind "document") in the mean loss
-    conversation_weight: float = attrs.field(default=1.0, validator=non_negative)
+    conversation_weight: float = attrs.field(default=0.25, validator=non_negative)
     eval_fraction: float = attrs.field(default=0.05, validator=fraction)
     eval_every: int = attrs.field(default=25, validator=positive)
     checkpoint_every: int = attrs.field(default=25, validator=positive)

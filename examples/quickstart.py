@@ -18,7 +18,7 @@ from cartridges_sdk import Cartridge, load_model
 HERE = Path(__file__).parent
 # a ~400-token corpus: short messages, and windows that fit it (docs/self-study.md explains each setting)
 SMALL_CORPUS = dict(conversations_per_chunk=16, max_tokens_a=40, max_tokens_b=64, document_windows=64,
-                    window_tokens=128, batch_tokens=1024, lr=1e-2)
+                    window_tokens=128, batch_tokens=1024)
 QUESTIONS = [
     "When was the Harrow Point lighthouse built, and by whom?",
     "How many ships were lost on the Skerra Reef between 1850 and 1870?",

@@ -45,7 +45,8 @@ def test_trained_beats_untrained_on_held_out_questions(default_lm, tmp_path):
     nll_u, kl_u = before.nll_cartridge, before.kl_icl_cartridge
     nll_t, kl_t = after.nll_cartridge, after.kl_icl_cartridge
     print(f"untrained: nll {nll_u:.3f} kl {kl_u:.3f} | trained: nll {nll_t:.3f} kl {kl_t:.3f}")
-    # measured with seeds 0 and 1: NLL 4.106 -> 3.936 / 3.912, KL 0.976 -> 0.933 / 0.943
+    # measured with seeds 0 and 1 (default lr 3e-3, conversation_weight 0.25): NLL 4.106 -> 3.956 / 3.966,
+    # KL 0.976 -> 0.945 / 0.946
     assert nll_t < nll_u - 0.1
     assert kl_t < kl_u - 0.015
 
