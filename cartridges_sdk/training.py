@@ -160,8 +160,6 @@ def student_loss(
         top_p = torch.from_numpy(np.concatenate([c.topk_logprobs for c in batch])).to(device).exp()
         per_token = -(top_p * logp.gather(-1, top_ids)).sum(-1)
     weights = target_weights(batch, conversation_weight)
-    if conversation_weight == 1.0:
-        return per_token.sum(), float(len(weights))
     return (per_token * torch.from_numpy(weights).to(device)).sum(), float(weights.sum())
 
 
