@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
 
 from cartridges_sdk import Cartridge, load_model
 
-EVALDATA = Path(__file__).resolve().parent.parent.parent / "shared" / "evaldata" / "scientific_qa_dev.jsonl"
+from . import provenance
+from .data import DEFAULT_DATA
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=EVALDATA, help="L-Eval-format JSONL (input + instructions)")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="L-Eval-format JSONL (input + instructions)")
     parser.add_argument("--docs", type=int, default=3, help="how many documents")
     parser.add_argument("--sizes", default="17,64,100,256,333,512,1000")
     parser.add_argument("--questions", type=int, default=3, help="questions per document")
@@ -54,13 +53,12 @@ def main() -> None:
         "over_1e-4": int((diffs > 1e-4).sum()),
         "exactly_equal": int((diffs == 0).sum()),
     }
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {
         "model": lm.name,
         "dtype": str(lm.dtype),
         "data": str(args.data),
-        "commit": commit,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "commit": provenance.commit(),
+        "machine": provenance.machine(),
         "summary": summary,
         "rows": rows,
     }

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -20,12 +18,13 @@ from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.cli import parse_settings
 from cartridges_sdk.evaluation import score
 
-from .exactness import EVALDATA
+from . import provenance
+from .data import DEFAULT_DATA
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=EVALDATA, help="L-Eval-format JSONL (input, instructions, outputs)")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="L-Eval-format JSONL (input, instructions, outputs)")
     parser.add_argument("--docs", default="1", help="comma-separated document indices")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--conversations", type=int, default=256)
@@ -60,11 +59,10 @@ def main() -> None:
         print(f"doc {d} ({row['corpus_tokens']} tokens, {len(qa)} questions, {seconds:.0f} s): closure "
               f"{untrained.gap_closure:.3f} -> {got.gap_closure:.3f}, KL {untrained.kl_icl_cartridge:.3f} -> "
               f"{got.kl_icl_cartridge:.3f}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "data": str(args.data), "tokens": args.tokens, "conversations": args.conversations, "epochs": args.epochs,
-        "seed": args.seed, "settings": settings, "model": lm.name, "commit": commit, "machine": platform.platform(),
+        "seed": args.seed, "settings": settings, "model": lm.name, "commit": provenance.commit(), "machine": provenance.machine(),
         "rows": rows,
     }, indent=2))
     print(f"wrote {args.out}")

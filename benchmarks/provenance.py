@@ -1,0 +1,34 @@
+"""What every results file records about where its figures came from: the commit and the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=False,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except OSError:  # no git on this machine
+        return ""
+
+
+def commit() -> str:
+    return _git("rev-parse", "--short", "HEAD")
+
+
+def dirty() -> bool:
+    """Whether the working tree differs from the commit (then the commit alone does not reproduce the figures)."""
+    return bool(_git("status", "--porcelain", "--untracked-files=no"))
+
+
+def machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version()}

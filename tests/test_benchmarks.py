@@ -1,0 +1,175 @@
+"""The benchmark harness (benchmarks/): data parsing, budgets, and a whole run on a tiny model whose ICL and
+untrained-cartridge figures are checked against a direct re-computation with the plain transformers model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TEXT
+
+from benchmarks import measure, methods
+from benchmarks.data import DEFAULT_DATA, EVALDATA, load_corpora, parse_question
+from benchmarks.profiles import Profile, get_profile
+from benchmarks.run import run
+from cartridges_sdk.errors import ConfigError
+
+DOC = TEXT[:700]
+FREE = [("Who built the lighthouse?", "Margaret Ellison"), ("When was it built?", "In 1871.")]
+MC = [
+    ("What is Harrow Point?\n\n (A) a lighthouse \n (B) a harbour \n (C) a ship \n (D) a town", "(A) a lighthouse"),
+    ("Which sea?\nA. the north one\nB. the south one\nC. the east one", "B"),
+]
+TINY = Profile("test", sizes=(16, 64, 5000), conversations=2, document_windows=2, generic_conversations=2,
+               mmlu_per_topic=1, kv_budget_gib=0.0005, decode_tokens=2)
+
+
+def _write(path: Path, docs: list[tuple[str, list[tuple[str, str]]]]) -> Path:
+    with path.open("w") as f:
+        for text, qa in docs:
+            f.write(json.dumps({"input": text, "instructions": [q for q, _ in qa], "outputs": [a for _, a in qa]}) + "\n")
+    return path
+
+
+def test_parse_question_finds_options_and_gold_letters():
+    q = parse_question(*MC[0])
+    assert q.options == ("A", "B", "C", "D") and q.gold == "A" and q.multiple_choice
+    q = parse_question(*MC[1])
+    assert q.options == ("A", "B", "C") and q.gold == "B"
+    q = parse_question("How did they obtain the dataset?", "public resources")
+    assert not q.multiple_choice
+    # a free-form answer that happens to start with a capital letter is not a choice
+    assert not parse_question("Name it.", "A lighthouse").multiple_choice
+
+
+def test_load_corpora_single_concat_and_errors(tmp_path):
+    data = _write(tmp_path / "d.jsonl", [(DOC, FREE), (DOC[::-1], MC)])
+    singles = load_corpora(data, "0,1")
+    assert [c.name for c in singles] == ["d-0", "d-1"]
+    assert not singles[0].multiple_choice and singles[1].multiple_choice
+    (joined,) = load_corpora(data, "0,1", concat=True)
+    assert joined.text == DOC + "\n\n" + DOC[::-1] and len(joined.questions) == 4 and joined.doc_indices == (0, 1)
+    with pytest.raises(ConfigError, match="documents 0..1"):
+        load_corpora(data, "2")
+    with pytest.raises(ConfigError, match="comma-separated"):
+        load_corpora(data, "first")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_corpora(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"input": DOC, "instructions": ["q1", "q2"], "outputs": ["a1"]}) + "\n")
+    with pytest.raises(ConfigError, match="2 instructions and 1 outputs"):
+        load_corpora(bad)
+    bad.write_text("{not json\n")
+    with pytest.raises(ConfigError, match="bad.jsonl:1 is not JSON"):
+        load_corpora(bad)
+
+
+@pytest.mark.skipif(not EVALDATA.is_dir(), reason="../shared/evaldata is not on this machine")
+def test_real_multiple_choice_files_parse_as_multiple_choice():
+    for name in ("quality_dev.jsonl", "tpo_dev.jsonl"):
+        corpora = load_corpora(EVALDATA / name, ",".join(str(i) for i in range(8)))
+        assert all(c.multiple_choice for c in corpora), name
+    assert not any(c.multiple_choice for c in load_corpora(DEFAULT_DATA, "0,1,2"))
+
+
+def test_profile_overrides_are_checked_and_renamed():
+    custom = get_profile("quick", sizes=[128], conversations=8)
+    assert custom.name == "quick+custom" and custom.sizes == (128,)
+    assert get_profile("full").sizes == (128, 512, 2048)
+    with pytest.raises(ConfigError, match="Unknown profile setting"):
+        get_profile("quick", lr=0.1)
+    with pytest.raises(ConfigError, match="sizes"):
+        get_profile("quick", sizes=[])
+    with pytest.raises(ConfigError, match="--profile 'fast'"):
+        get_profile("fast")
+
+
+def test_raw_windows_are_next_token_targets_that_cover_both_ends(tiny_llama):
+    ids = list(range(10, 10 + 1000))
+    windows = methods.raw_windows(ids, 12, seed=0, width=100)
+    assert len(windows) == 12 and all(w.num_tokens == 100 for w in windows)
+    for w in windows:
+        assert (w.topk_ids[:, 0] == w.input_ids[1:]).all() and (w.topk_logprobs == 0).all()
+    starts = sorted(int(w.input_ids[0]) - 10 for w in windows)
+    assert starts[0] == 0 and starts[-1] == 900  # the opening and the end are both trained
+
+
+def test_training_flops_grow_with_cartridge_size(tiny_llama):
+    windows = methods.raw_windows(list(range(20, 300)), 3, seed=0, width=50)
+    small, large = (methods.training_flops(tiny_llama, windows, p, 1) for p in (8, 64))
+    assert 0 < small < large
+    assert methods.training_flops(tiny_llama, windows, 8, 2) == pytest.approx(2 * small)
+
+
+def _hand_nll(lm, prefix_ids: list[int], question: str, answer: str) -> float:
+    """Gold-answer NLL with the plain transformers model: prefix + chat turn + answer, one forward, no SDK scoring."""
+    tok = lm.tokenizer
+    chat = list(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"])
+    if prefix_ids and chat[0] == tok.bos_token_id:
+        chat = chat[1:]
+    ans = tok(answer.strip(), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    seq = prefix_ids + chat
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([seq + ans])).logits[0].float()
+    logp = logits[len(seq) - 1 : len(seq) - 1 + len(ans)].log_softmax(-1)
+    return float(-logp.gather(-1, torch.tensor(ans)[:, None]).mean())
+
+
+def test_whole_run_on_a_tiny_model(tmp_path, tiny_llama):
+    lm = tiny_llama
+    data = _write(tmp_path / "held.jsonl", [(DOC, FREE), (DOC[200:], MC)])
+    out = tmp_path / "out"
+    result = run(profile=TINY, data=data, docs="0,1", concat=False, model=lm, seed=0, out=out)
+
+    doc_ids = lm.tokenizer(DOC)["input_ids"]
+    first = result["corpora"][0]
+    assert first["tokens"] == len(doc_ids) and first["skipped_sizes"] == [5000]
+    rows = {(r["method"], r["p"]): r for r in first["rows"]}
+    assert set(rows) == {("icl", None), ("none", None)} | {(m, p) for m in methods.SIZED for p in (16, 64)}
+    # the reference and the untrained cartridge against an independent computation
+    icl = sum(_hand_nll(lm, doc_ids, q, a) for q, a in FREE) / len(FREE)
+    none = sum(_hand_nll(lm, [], q, a) for q, a in FREE) / len(FREE)
+    assert first["nll_icl"] == pytest.approx(icl, abs=1e-4) and first["nll_none"] == pytest.approx(none, abs=1e-4)
+    for p in (16, 64):
+        truncated = sum(_hand_nll(lm, doc_ids[:p], q, a) for q, a in FREE) / len(FREE)
+        assert rows[("untrained", p)]["nll"] == pytest.approx(truncated, abs=1e-4)
+        assert rows[("untrained", p)]["closure"] == pytest.approx((none - truncated) / (none - icl), abs=1e-3)
+        assert rows[("untrained", p)]["kv_bytes"] == p * measure.kv_bytes_per_token(lm) == p * 2 * 3 * 2 * 16 * 4
+        assert rows[("untrained", p)]["kl_vs_untrained"] == pytest.approx(1.0)
+    assert rows[("icl", None)]["closure"] == pytest.approx(1.0) and rows[("icl", None)]["kl"] == pytest.approx(0.0)
+    assert first["max_nll_diff_truncated_vs_untrained"] < 1e-4
+    for kind in methods.TRAINED:
+        cost = rows[(kind, 16)]["cost"]
+        assert cost["training_tokens"] > 0 and cost["training_s"] > 0 and cost["fraction_of_matmul_peak"] > 0
+        assert rows[(kind, 16)]["mmlu"] is not None
+    assert rows[("selfstudy", 16)]["cost"]["generated_tokens"] > 0 and rows[("ntp", 16)]["cost"]["generated_tokens"] == 0
+
+    second = result["corpora"][1]
+    assert second["multiple_choice"] and second["chance"] == pytest.approx((1 / 4 + 1 / 3) / 2)
+    assert all(0 <= r["mc_accuracy"] <= 1 for r in second["rows"])
+    curves = result["throughput"]["curves"]
+    assert curves["icl"]["max_batch"] < curves["cartridge:16"]["max_batch"]
+    assert curves["cartridge:16"]["points"][-1]["batch"] == curves["cartridge:16"]["max_batch"]
+    for name in ("results.json", "results.md", "frontier-held-0.png", "frontier-held-1.png", "throughput.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert "| untrained cartridge, p=16 |" in (out / "results.md").read_text()
+
+    # a re-run reuses every trained cartridge and the scores
+    trained = out / "work" / "held-0" / "selfstudy-p16.safetensors"
+    stamp = trained.stat().st_mtime_ns
+    costs_before = json.loads((out / "work" / "held-0" / "cost.json").read_text())
+    again = run(profile=TINY, data=data, docs="0,1", concat=False, model=lm, seed=0, out=out, throughput=False)
+    assert trained.stat().st_mtime_ns == stamp
+    costs_after = json.loads((out / "work" / "held-0" / "cost.json").read_text())
+    assert {k: v for k, v in costs_after.items() if k.startswith("training")} == \
+        {k: v for k, v in costs_before.items() if k.startswith("training")}
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "cost"} for r in rows]
+    assert strip(again["corpora"][0]["rows"]) == strip(first["rows"])  # the peak, hence % of it, is re-measured
+    assert [r["cost"]["training_s"] for r in again["corpora"][0]["rows"] if "cost" in r] == \
+        [r["cost"]["training_s"] for r in first["rows"] if "cost" in r]
+    # other settings in the same folder are refused rather than mixed in
+    with pytest.raises(ConfigError, match="other settings"):
+        run(profile=TINY, data=data, docs="0,1", concat=False, model=lm, seed=1, out=out)
