@@ -108,7 +108,8 @@ def _hand_nll(lm, prefix_ids: list[int], question: str, answer: str) -> float:
     tok = lm.tokenizer
     chat = list(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                         tokenize=True, return_dict=True)["input_ids"])
-    if prefix_ids and chat[0] == tok.bos_token_id:
+    adds_bos = len(tok("a")["input_ids"]) > len(tok("a", add_special_tokens=False)["input_ids"])
+    if prefix_ids and adds_bos:  # the sequence already began; SmolLM2's bos is <|im_start|> and must stay
         chat = chat[1:]
     ans = tok(answer.strip(), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     seq = prefix_ids + chat
