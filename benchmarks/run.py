@@ -161,7 +161,8 @@ def run(*, profile: Profile, data: Path, docs: str | None, concat: bool, model: 
         _log(f"loading model {model or 'default'}")
         lm = load_model(model)
     work_root = out / "work"
-    identity = {"profile": attrs.asdict(profile), "model": lm.identity.fingerprint, "seed": seed,
+    budgets = {k: v for k, v in attrs.asdict(profile).items() if k != "expected_minutes_per_document"}
+    identity = {"profile": budgets, "model": lm.identity.fingerprint, "seed": seed,
                 "data": str(Path(data).resolve()), "concat": concat}
     check_work(work_root, identity)
     peak = measure.matmul_peak(lm.dtype)
