@@ -67,6 +67,8 @@ def build_cartridges(lm: LM, corpus: Corpus, ids: list[int], sizes: list[int], w
                      seed: int, costs: methods.CostBook) -> dict[tuple[str, int], Cartridge]:
     """Every cartridge the run scores: untrained prefixes, then the three trained methods at each size."""
     carts: dict[tuple[str, int], Cartridge] = {("untrained", p): Cartridge.from_prefix(lm, ids, p) for p in sizes}
+    if not sizes:  # a document shorter than every size: only ICL and no context apply
+        return carts
     data = {}
     for kind in ("selfstudy", "generic"):
         _log(f"{corpus.name}: self-study synthesis ({kind})")
@@ -170,11 +172,12 @@ def run(*, profile: Profile, data: Path, docs: str | None, concat: bool, model: 
     mmlu_none = None
     if mmlu:
         mmlu_none = measure.mmlu_accuracy(lm, mmlu_questions, None, "MMLU, no cartridge")
+    tokenized = [(corpus, lm.encode(corpus.text)) for corpus in corpora]
+    for corpus, ids in tokenized:  # every corpus is checked before the first one's half hour of work
+        check_fits(lm, corpus, len(ids))
     results = []
     first_cache: tuple[list[int], list[int], Corpus] | None = None
-    for corpus in corpora:
-        ids = lm.encode(corpus.text)
-        check_fits(lm, corpus, len(ids))
+    for corpus, ids in tokenized:
         sizes = [p for p in profile.sizes if p < len(ids)]
         skipped = [p for p in profile.sizes if p >= len(ids)]
         if skipped:

@@ -174,3 +174,18 @@ def test_whole_run_on_a_tiny_model(tmp_path, tiny_llama):
     # other settings in the same folder are refused rather than mixed in
     with pytest.raises(ConfigError, match="other settings"):
         run(profile=TINY, data=data, docs="0,1", concat=False, model=lm, seed=1, out=out)
+
+
+def test_short_documents_and_too_long_corpora(tmp_path, tiny_llama):
+    data = _write(tmp_path / "short.jsonl", [(DOC[:40], FREE), (DOC, FREE), (DOC, FREE), (DOC, FREE)])
+    only = Profile("test", sizes=(64,), conversations=2, document_windows=2, generic_conversations=2)
+    result = run(profile=only, data=data, docs="0", concat=False, model=tiny_llama, seed=0, out=tmp_path / "a",
+                 mmlu=False, throughput=False)
+    (corpus,) = result["corpora"]
+    assert corpus["skipped_sizes"] == [64] and [r["method"] for r in corpus["rows"]] == ["icl", "none"]
+    assert not (tmp_path / "a" / "work" / "short-0" / "data-selfstudy").exists()  # no synthesis for nothing
+    # three 700-character documents joined exceed the tiny model's 2048 positions: refused before any work
+    with pytest.raises(ConfigError, match="cannot be computed"):
+        run(profile=only, data=data, docs="1,2,3", concat=True, model=tiny_llama, seed=0, out=tmp_path / "b",
+            mmlu=False, throughput=False)
+    assert not (tmp_path / "b" / "work" / "short-1+2+3").exists()
