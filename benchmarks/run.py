@@ -154,6 +154,7 @@ def run(*, profile: Profile, data: Path, docs: str | None, concat: bool, model: 
         out: Path, mmlu: bool = True, throughput: bool = True) -> dict[str, Any]:
     """Everything `python -m benchmarks run` does; `model` is a `load_model` spec or an already loaded `LM`."""
     started = time.perf_counter()
+    code = {"commit": provenance.commit(), "dirty": provenance.dirty()}  # the code that runs, not what is there at the end
     corpora = load_corpora(data, docs, concat=concat)
     if mmlu:
         mmlu_questions = measure.mmlu_subset(profile.mmlu_per_topic, seed)  # fails now, not after an hour
@@ -201,8 +202,7 @@ def run(*, profile: Profile, data: Path, docs: str | None, concat: bool, model: 
     result = {
         "profile": attrs.asdict(profile), "data": str(data), "docs": docs, "concat": concat, "seed": seed,
         "model": {"name": lm.name, "fingerprint": lm.identity.fingerprint, "dtype": str(lm.dtype).removeprefix("torch.")},
-        "commit": provenance.commit(), "dirty": provenance.dirty(),
-        "machine": provenance.machine(), "matmul_peak_flops": peak,
+        **code, "machine": provenance.machine(), "matmul_peak_flops": peak,
         "mmlu": {"questions": len(mmlu_questions), "per_topic": profile.mmlu_per_topic, "chance": 0.25,
                  "none": mmlu_none} if mmlu else None,
         "corpora": results, "throughput": speed,
