@@ -18,7 +18,7 @@ import numpy as np
 from cartridges_sdk import Cartridge
 from cartridges_sdk.corpus import Corpus as SDKCorpus
 from cartridges_sdk.dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset
-from cartridges_sdk.files import atomic_write
+from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.models import LM
 from cartridges_sdk.selfstudy import initial_cartridge
 from cartridges_sdk.synthesis import HFSynthesizer, SynthesisConfig, synthesize, window_chunk_start
@@ -74,8 +74,7 @@ class CostBook:
         return self.data.get(key, {"seconds": 0.0, "runs": 0})
 
     def _save(self) -> None:
-        text = json.dumps(self.data, indent=2)
-        atomic_write(self.path, lambda tmp: Path(tmp).write_text(text))
+        atomic_write_json(self.path, self.data)
 
 
 def generated_tokens(lm: LM, conversations: Sequence[Conversation]) -> int:

@@ -17,7 +17,7 @@ import attrs
 
 from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.errors import ConfigError
-from cartridges_sdk.files import atomic_write
+from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.models import LM
 
 from . import measure, methods, provenance, report
@@ -29,11 +29,6 @@ SCORES = "scores.json"
 
 def _log(msg: str) -> None:
     print(f"[{_dt.datetime.now():%H:%M:%S}] {msg}", flush=True)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    text = json.dumps(data, indent=2)
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def check_work(work: Path, identity: dict[str, Any]) -> None:
@@ -50,7 +45,7 @@ def check_work(work: Path, identity: dict[str, Any]) -> None:
             )
     else:
         work.mkdir(parents=True, exist_ok=True)
-        _write_json(path, identity)
+        atomic_write_json(path, identity)
 
 
 def check_fits(lm: LM, corpus: Corpus, n_tokens: int) -> None:
@@ -98,7 +93,7 @@ def score_corpus(lm: LM, corpus: Corpus, ids: list[int], sizes: list[int],
             return saved
     _log(f"{corpus.name}: scoring {len(contexts)} methods x sizes on {len(corpus.questions)} questions")
     scores = measure.score_questions(lm, corpus.questions, contexts, desc=f"scoring {corpus.name}")
-    _write_json(path, scores)
+    atomic_write_json(path, scores)
     return scores
 
 
@@ -210,7 +205,7 @@ def run(*, profile: Profile, data: Path, docs: str | None, concat: bool, model: 
         "seconds": time.perf_counter() - started,
     }
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "results.json", result)
+    atomic_write_json(out / "results.json", result)
     (out / "results.md").write_text(report.markdown(result))
     plots = report.plots(result, out)
     _log(f"wrote {out / 'results.json'}, {out / 'results.md'}" + "".join(f", {p}" for p in plots))
@@ -225,7 +220,7 @@ def _mmlu_cached(lm: LM, questions, carts: dict[tuple[str, int], Cartridge], siz
             key = f"{kind}:{p}"
             if key not in done:
                 done[key] = measure.mmlu_accuracy(lm, questions, carts[(kind, p)], f"MMLU, {kind} p={p}")
-                _write_json(path, done)
+                atomic_write_json(path, done)
     return dict(done)
 
 

@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 
 from .errors import CartridgeFormatError, ConfigError
-from .files import atomic_write
+from .files import atomic_write, atomic_write_json
 
 HEADER = "header.json"
 DATASET_FORMAT = "cartridges-sdk-selfstudy"
@@ -132,7 +132,7 @@ class SelfStudyDataset:
         if path.exists() and any(path.iterdir()):
             raise ConfigError(f"{str(path)!r} exists and is not a self-study dataset; choose an empty or new folder.")
         path.mkdir(parents=True, exist_ok=True)
-        atomic_write(path / HEADER, lambda tmp: Path(tmp).write_text(json.dumps(header, indent=2)))
+        atomic_write_json(path / HEADER, header)
         return cls(path)
 
     def done_groups(self) -> set[int]:

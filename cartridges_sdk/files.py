@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
@@ -26,3 +28,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any) -> Path:
+    """`data` as indented JSON, written atomically."""
+    text = json.dumps(data, indent=2)
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
