@@ -172,7 +172,7 @@ def run(*, profile: Profile, data: Path, docs: str | None, concat: bool, model: 
     for corpus, ids in tokenized:  # every corpus is checked before the first one's half hour of work
         check_fits(lm, corpus, len(ids))
     results = []
-    first_cache: tuple[list[int], list[int], Corpus] | None = None
+    first: tuple[Corpus, list[int], dict[tuple[str, int], Cartridge]] | None = None
     for corpus, ids in tokenized:
         sizes = [p for p in profile.sizes if p < len(ids)]
         skipped = [p for p in profile.sizes if p >= len(ids)]
@@ -189,11 +189,8 @@ def run(*, profile: Profile, data: Path, docs: str | None, concat: bool, model: 
         summary = summarize(lm, corpus, len(ids), sizes, scores, costs, peak, retention)
         summary["skipped_sizes"] = skipped
         results.append(summary)
-        first_cache = first_cache or (ids, sizes, corpus)
-    speed = None
-    if throughput and first_cache:
-        ids, sizes, corpus = first_cache
-        speed = _throughput(lm, corpus, ids, sizes, profile)
+        first = first or (corpus, ids, carts)
+    speed = _throughput(lm, *first, profile) if throughput and first else None
     result = {
         "profile": attrs.asdict(profile), "data": str(data), "docs": docs, "concat": concat, "seed": seed,
         "model": {"name": lm.name, "fingerprint": lm.identity.fingerprint, "dtype": str(lm.dtype).removeprefix("torch.")},
@@ -224,15 +221,19 @@ def _mmlu_cached(lm: LM, questions, carts: dict[tuple[str, int], Cartridge], siz
     return dict(done)
 
 
-def _throughput(lm: LM, corpus: Corpus, ids: list[int], sizes: list[int], profile: Profile) -> dict[str, Any]:
-    """ICL and cartridges in the same runtime (the SDK's Hugging Face one) and the same run, at one KV budget."""
+def _throughput(lm: LM, corpus: Corpus, ids: list[int], carts: dict[tuple[str, int], Cartridge],
+                profile: Profile) -> dict[str, Any]:
+    """ICL and cartridges in the same runtime (the SDK's Hugging Face one) and the same run, at one KV budget.
+
+    The untrained cartridges stand for every method of their size: decode cost depends on shapes, not values."""
     budget = int(profile.kv_budget_gib * 2**30)
     prompt = measure.throughput_prompt(lm, corpus.questions[0].question)
     _log(f"decode throughput at a {profile.kv_budget_gib:g} GiB KV budget")
     curves = {"icl": measure.throughput_curve(lm, Cartridge.from_prefix(lm, ids, len(ids)), prompt,
                                               profile.decode_tokens, budget, "throughput ICL")}
-    for p in sizes:
-        curves[f"cartridge:{p}"] = measure.throughput_curve(
-            lm, Cartridge.from_prefix(lm, ids, p), prompt, profile.decode_tokens, budget, f"throughput p={p}")
+    for (kind, p), cartridge in carts.items():
+        if kind == "untrained":
+            curves[f"cartridge:{p}"] = measure.throughput_curve(
+                lm, cartridge, prompt, profile.decode_tokens, budget, f"throughput p={p}")
     return {"corpus": corpus.name, "runtime": "hf", "kv_budget_bytes": budget, "prompt_tokens": len(prompt),
             "decode_tokens": profile.decode_tokens, "curves": curves}
