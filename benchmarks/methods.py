@@ -21,8 +21,9 @@ from cartridges_sdk.dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, SEED_KIND_DOCU
 from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.models import LM
 from cartridges_sdk.selfstudy import initial_cartridge
-from cartridges_sdk.synthesis import HFSynthesizer, SynthesisConfig, synthesize, window_chunk_start
-from cartridges_sdk.training import TorchTrainer, TrainConfig, split_eval
+from cartridges_sdk.plugins import synthesizers, trainers
+from cartridges_sdk.synthesis import SynthesisConfig, synthesize, window_chunk_start
+from cartridges_sdk.training import TrainConfig, split_eval
 
 from .profiles import Profile
 
@@ -95,7 +96,7 @@ def synthesize_data(lm: LM, text: str, work: Path, kind: str, profile: Profile, 
         return list(SelfStudyDataset(folder))
     config = synthesis_config(kind, profile, seed)
     start = time.perf_counter()
-    dataset = synthesize(text, lm, folder, config, synthesizer=HFSynthesizer(lm))
+    dataset = synthesize(text, lm, folder, config, synthesizer=synthesizers.create("hf", lm))
     conversations = list(dataset)
     costs.add_seconds(key, time.perf_counter() - start)
     costs.set(key, sequences=len(conversations), generated_tokens=generated_tokens(lm, conversations),
@@ -164,9 +165,9 @@ def train_method(lm: LM, kind: str, p: int, conversations: list[Conversation], p
         return Cartridge.load(path, lm)
     config = train_config(kind, seed, profile.epochs)
     start = time.perf_counter()
-    trainer = TorchTrainer(config, output_dir=work / f"train-{kind}-p{p}")
     init = initial_cartridge(lm, prefix_ids, p, "prefix", seed)
-    cartridge = trainer.fit(init.bind(lm), conversations, lm)
+    cartridge = trainers.create("torch", lm).fit(init.bind(lm), conversations, lm, config,
+                                                 output_dir=work / f"train-{kind}-p{p}")
     costs.add_seconds(key, time.perf_counter() - start)
     train, _ = split_eval(conversations, config.eval_fraction, config.seed)
     costs.set(key, tokens=int(sum(c.num_tokens for c in train)) * config.epochs, steps=cartridge.meta.training["steps"],

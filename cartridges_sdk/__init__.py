@@ -3,19 +3,36 @@
 from .cartridge import Cartridge, CartridgeMeta
 from .corpus import Corpus, Document
 from .errors import (
+    BackendError,
+    BackendUnavailableError,
     CartridgeError,
     CartridgeFormatError,
     ConfigError,
     IncompatibleCartridgeError,
     ModelNotAvailableError,
     PluginError,
+    RateLimitedError,
+    TransientBackendError,
     UnsupportedModelError,
 )
 from .models import LM, ModelIdentity, default_cache_dir, load_model
-from .plugins import Completion, GenerationParams, Runtime, Synthesizer, Trainer
+from .plugins import (
+    Backend,
+    Completion,
+    GenerationParams,
+    GenerationRequest,
+    Runtime,
+    SynthesisRequest,
+    Synthesizer,
+    SynthesizerCapabilities,
+    Trainer,
+)
 
 __all__ = [
     "LM",
+    "Backend",
+    "BackendError",
+    "BackendUnavailableError",
     "Cartridge",
     "CartridgeError",
     "CartridgeFormatError",
@@ -25,13 +42,18 @@ __all__ = [
     "Corpus",
     "Document",
     "GenerationParams",
+    "GenerationRequest",
     "IncompatibleCartridgeError",
     "ModelIdentity",
     "ModelNotAvailableError",
     "PluginError",
+    "RateLimitedError",
     "Runtime",
+    "SynthesisRequest",
     "Synthesizer",
+    "SynthesizerCapabilities",
     "Trainer",
+    "TransientBackendError",
     "UnsupportedModelError",
     "default_cache_dir",
     "load_model",

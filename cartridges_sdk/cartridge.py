@@ -7,21 +7,26 @@ Keys are stored after RoPE for positions ``0..p-1``; whatever follows the cartri
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
+import functools
 import json
 import numbers
 import os
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from .errors import CartridgeFormatError, ConfigError, IncompatibleCartridgeError
 from .files import atomic_write
-from .models import LM, Message, ModelIdentity
+from .identity import ModelIdentity, content_fingerprint, token_fingerprint
+from .models import LM, Message
+from .rope import DEFAULT_KEY_LAYOUT, ROTATE_HALF, check_key_layout, convert_pairing, key_layout
+
+if TYPE_CHECKING:
+    from .plugins import Runtime
 
 FORMAT_NAME = "cartridges-sdk"
 FORMAT_VERSION = 1
@@ -35,11 +40,6 @@ def sdk_version() -> str:
         return version("cartridges-sdk")
     except Exception:
         return "unknown"
-
-
-def token_fingerprint(ids: Sequence[int]) -> str:
-    """A short hash of a token sequence: names the corpus a cartridge came from without storing it."""
-    return hashlib.sha256(torch.as_tensor(list(ids), dtype=torch.int64).numpy().tobytes()).hexdigest()[:16]
 
 
 def _check_num_frozen(inst: CartridgeMeta, _attr, value: int) -> None:
@@ -67,6 +67,9 @@ class CartridgeMeta:
     training: dict[str, Any] | None = None
     parts: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=tuple)
     extra: dict[str, Any] = attrs.field(factory=dict)
+    # how keys are stored (RoPE applied for positions 0..p-1, and which dimensions pair up); files written before
+    # this field existed were all in the Hugging Face rotate-half layout, which is the default
+    key_layout: dict[str, Any] = attrs.field(factory=lambda: dict(DEFAULT_KEY_LAYOUT), converter=check_key_layout)
     created: str = attrs.field(factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     sdk_version: str = attrs.field(factory=sdk_version)
     format_version: int = FORMAT_VERSION
@@ -132,6 +135,30 @@ class Cartridge:
     @property
     def num_layers(self) -> int:
         return len(self.keys)
+
+    @property
+    def pairing(self) -> str:
+        """Which key dimensions rotate together: ``"rotate_half"`` (Hugging Face) or ``"interleaved"``."""
+        return self.meta.key_layout["pairing"]
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A stable hash of the tensors and of what decides how they are served (model, layout, dtype): equal
+        content gives an equal fingerprint, so an engine installs a cartridge once and reuses it for every request."""
+        facts = {"model": self.meta.model.fingerprint, "key_layout": self.meta.key_layout, "num_tokens": self.num_tokens}
+        return content_fingerprint([t for pair in zip(self.keys, self.values) for t in pair], facts)
+
+    def in_key_pairing(self, pairing: str) -> Cartridge:
+        """This cartridge with its keys re-laid in `pairing` (itself when already so); exact, a permutation of each
+        head's dimensions. Engines whose RoPE pairs dimensions otherwise convert explicitly with this."""
+        if pairing == self.pairing:
+            return self
+        arch = self.meta.model.architecture
+        head_dim = self.keys[0].shape[-1]
+        rotary = int(round(head_dim * float(arch.get("partial_rotary_factor", 1.0))))
+        keys = [convert_pairing(k, self.pairing, pairing, rotary) for k in self.keys]
+        meta = attrs.evolve(self.meta, key_layout=key_layout(pairing))
+        return Cartridge(keys, self.values, meta, lm=self.lm)
 
     @property
     def nbytes(self) -> int:
@@ -279,7 +306,7 @@ class Cartridge:
             )
         try:
             meta = CartridgeMeta.from_dict(json.loads(header["meta"]))
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, CartridgeFormatError) as err:
             raise CartridgeFormatError(f"{str(path)!r} has unreadable cartridge metadata: {err}") from err
         num_layers = sum(1 for n in names if n.endswith(".keys"))
         expected = {f"layers.{i}.{kind}" for i in range(num_layers) for kind in ("keys", "values")}
@@ -344,8 +371,11 @@ class Cartridge:
                     f"{other.meta.model.name!r}: {problem}."
                 )
         lm = model or next((c.lm for c in cartridges if c.lm is not None), None)
+        # one key layout for all parts; shifting positions is done in the rotate-half layout
+        pairing = ROTATE_HALF if reposition else first.pairing
+        cartridges = [c.in_key_pairing(pairing) for c in cartridges]
         if reposition:
-            from .kv import rope_inv_freq, shift_keys
+            from .rope import rope_inv_freq, shift_keys
 
             if lm is None:
                 raise ConfigError("compose(reposition=True) needs the model: bind the cartridges or pass model=lm.")
@@ -377,17 +407,28 @@ class Cartridge:
             init="composed",
             parts=tuple(parts),
             extra={"reposition": reposition},
+            key_layout=key_layout(pairing),
         )
         return cls(cat_k, cat_v, meta, lm=lm)
 
     # -- answering -------------------------------------------------------------------------------------
-    def ask(self, question: str | Sequence[str], **gen: Any) -> str | list[str]:
-        """Answer a question (or a batch of them) with this cartridge as the model's context."""
-        return self._bound().ask(question, cartridges=[self], **gen)
+    def ask(
+        self, question: str | Sequence[str], *, runtime: str | Runtime = "hf",
+        runtime_options: dict[str, Any] | None = None, **gen: Any,
+    ) -> str | list[str]:
+        """Answer a question (or a batch of them) with this cartridge as the model's context.
 
-    def chat(self, messages: Sequence[Message], stream: bool = False, **gen: Any) -> str | Iterator[str]:
+        `runtime` is a registered runtime name (``"hf"``, or an installed plugin's) or a `Runtime` object.
+        """
+        return self._bound().ask(question, cartridges=[self], runtime=runtime, runtime_options=runtime_options, **gen)
+
+    def chat(
+        self, messages: Sequence[Message], stream: bool = False, *, runtime: str | Runtime = "hf",
+        runtime_options: dict[str, Any] | None = None, **gen: Any,
+    ) -> str | Iterator[str]:
         """Continue a conversation with this cartridge as context; `stream=True` yields text as it is generated."""
-        return self._bound().chat(messages, cartridges=[self], stream=stream, **gen)
+        return self._bound().chat(messages, cartridges=[self], stream=stream, runtime=runtime,
+                                  runtime_options=runtime_options, **gen)
 
     def logits(self, input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Next-token logits of `input_ids` placed after this cartridge (see `LM.logits`)."""

@@ -120,8 +120,9 @@ class SelfStudyDataset:
         header = {"format": DATASET_FORMAT, "format_version": DATASET_VERSION, **header}
         if (path / HEADER).is_file():
             existing = json.loads((path / HEADER).read_text())
-            mine = {k: v for k, v in header.items() if k != "created"}
-            theirs = {k: v for k, v in existing.items() if k != "created"}
+            # when it was made and how the model was checked (a probe's figures vary a little) are not settings
+            mine = {k: v for k, v in header.items() if k not in ("created", "model_check")}
+            theirs = {k: v for k, v in existing.items() if k not in ("created", "model_check")}
             if mine != theirs:
                 changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
                 raise ConfigError(

@@ -32,3 +32,26 @@ class PluginError(CartridgeError):
 
 class UnsupportedModelError(CartridgeError):
     """The model lacks something an operation needs (for example a position-additive RoPE for repositioning)."""
+
+
+class BackendError(CartridgeError):
+    """An engine behind a backend failed; raised at the adapter boundary so callers never see engine internals."""
+
+
+class BackendUnavailableError(BackendError, PluginError):
+    """A backend cannot run here: its package fails to import, its engine cannot start, or its server is unreachable."""
+
+
+class TransientBackendError(BackendError):
+    """A failure that may pass if the same call is made again (a timeout, a dropped connection, a 5xx answer).
+
+    `retry_after` is the delay the engine asked for, in seconds, when it said one.
+    """
+
+    def __init__(self, message: str, *, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RateLimitedError(TransientBackendError):
+    """The engine refused the call for now because of load or quota (HTTP 429); wait `retry_after` and retry."""

@@ -1,4 +1,4 @@
-"""KV-cache plumbing shared by the runtime, scoring and composition: cartridges -> transformers cache, RoPE shifts."""
+"""KV-cache plumbing shared by the HF runtime, scoring and training: cartridges -> a transformers cache."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import IncompatibleCartridgeError, UnsupportedModelError
+from .errors import IncompatibleCartridgeError
+from .rope import ROTATE_HALF
 
 if TYPE_CHECKING:
     from .cartridge import Cartridge
     from .models import LM
-
-# RoPE variants whose rotation angle is position * inv_freq, so a shift by d positions is one extra rotation.
-POSITION_ADDITIVE_ROPE = {"default", "linear", "llama3", "yarn"}
 
 
 def concat_layers(lm: LM, cartridges: Sequence[Cartridge]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -27,6 +25,7 @@ def concat_layers(lm: LM, cartridges: Sequence[Cartridge]) -> list[tuple[torch.T
                 f"Cartridge for model {c.meta.model.name!r} cannot run on model {lm.name!r} ({problem}). "
                 f"Load it with the model it was made for."
             )
+    cartridges = [c.in_key_pairing(ROTATE_HALF) for c in cartridges]  # the layout transformers' RoPE writes
     layers = []
     for i in range(lm.num_layers):
         ks = [c.keys[i].to(lm.device, lm.dtype) for c in cartridges]
@@ -44,17 +43,46 @@ def prefix_cache(lm: LM, cartridges: Sequence[Cartridge], batch_size: int, *, ca
     """
     if not cartridges:  # the model makes its own cache
         return None, 0
+    layers = concat_layers(lm, cartridges)
+    data = [(k[None].expand(batch_size, -1, -1, -1), v[None].expand(batch_size, -1, -1, -1)) for k, v in layers]
+    return _cache(lm, data, capacity), layers[0][0].shape[1]
+
+
+def rows_prefix_cache(lm: LM, rows: Sequence[list[tuple[torch.Tensor, torch.Tensor]] | None], *, capacity: int | None = None):
+    """A cache where every row has its own prefix (per-layer KV, or None for none), right-aligned: row i's prefix
+    fills the last ``len_i`` of ``width`` slots. Returns the cache (None when no row has a prefix), the width, and
+    a ``[rows, width]`` mask that is 1 on real prefix slots."""
+    lengths = [rows_layers[0][0].shape[1] if rows_layers else 0 for rows_layers in rows]
+    width = max(lengths, default=0)
+    mask = torch.zeros(len(rows), width, dtype=torch.long, device=lm.device)
+    if width == 0:
+        return None, 0, mask
+    template = next(r for r in rows if r)
+    data = []
+    for layer in range(len(template)):
+        k0, v0 = template[layer]
+        keys = k0.new_zeros((len(rows), k0.shape[0], width, k0.shape[2]))
+        values = v0.new_zeros((len(rows), v0.shape[0], width, v0.shape[2]))
+        for i, r in enumerate(rows):
+            if r:
+                keys[i, :, width - lengths[i] :] = r[layer][0]
+                values[i, :, width - lengths[i] :] = r[layer][1]
+        data.append((keys, values))
+    for i, n in enumerate(lengths):
+        mask[i, width - n :] = 1
+    return _cache(lm, data, capacity), width, mask
+
+
+def _cache(lm: LM, data: list[tuple[torch.Tensor, torch.Tensor]], capacity: int | None):
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    layers = concat_layers(lm, cartridges)
-    data = [(k[None].expand(batch_size, -1, -1, -1), v[None].expand(batch_size, -1, -1, -1)) for k, v in layers]
     cache = DynamicCache(ddp_cache_data=data, config=lm.model.config)
     if capacity is not None:
         for i, layer in enumerate(cache.layers):
             if type(layer) is DynamicLayer:
                 cache.layers[i] = _preallocated_layer_class()(data[i][0], data[i][1], capacity)
-    return cache, layers[0][0].shape[1]
+    return cache
 
 
 @functools.cache
@@ -95,42 +123,6 @@ def _preallocated_layer_class():
     return PreallocatedLayer
 
 
-
-
-def rope_inv_freq(lm: LM) -> torch.Tensor:
-    """The model's RoPE inverse frequencies, refusing RoPE variants where a position shift is not a rotation."""
-    rope = lm.identity.architecture.get("rope") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in POSITION_ADDITIVE_ROPE:
-        raise UnsupportedModelError(
-            f"Model {lm.name!r} uses rope_type={rope_type!r}, whose angles are not position * frequency, so keys "
-            f"cannot be moved exactly; compose with reposition=False (supported: {sorted(POSITION_ADDITIVE_ROPE)})."
-        )
-    for name, buf in lm.model.named_buffers():
-        if name.endswith("inv_freq") and "original" not in name:
-            return buf.detach().float()
-    raise UnsupportedModelError(
-        f"Model {lm.name!r} has no RoPE inv_freq buffer; repositioning needs rotary position embeddings."
-    )
-
-
-def shift_keys(keys: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate post-RoPE keys ``[..., tokens, head_dim]`` as if each token sat `shift` positions later.
-
-    Uses the rotate-half layout of Hugging Face models; with partial rotary embeddings only the leading
-    ``2 * len(inv_freq)`` dims rotate, as in the model.
-    """
-    if shift == 0:
-        return keys.clone()
-    rot = 2 * inv_freq.numel()
-    angles = shift * inv_freq.to(device=keys.device, dtype=torch.float64)
-    cos = torch.cat([angles.cos(), angles.cos()])
-    sin = torch.cat([angles.sin(), angles.sin()])
-    k = keys.to(torch.float64)
-    head, tail = k[..., :rot], k[..., rot:]
-    x1, x2 = head[..., : rot // 2], head[..., rot // 2 :]
-    rotated = head * cos + torch.cat([-x2, x1], dim=-1) * sin
-    return torch.cat([rotated, tail], dim=-1).to(keys.dtype)
 
 
 ATTENTION_NAME = "cartridges_sdpa"

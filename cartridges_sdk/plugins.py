@@ -1,9 +1,12 @@
-"""Backend interfaces (small ABCs) and the entry-point registry that finds their implementations.
+"""Backend interfaces (small ABCs), what a synthesizer can do, and the entry-point registry that builds backends by name.
 
 A backend distribution registers classes under the entry-point groups ``cartridges_sdk.runtimes``,
-``cartridges_sdk.synthesizers`` and ``cartridges_sdk.trainers``; the built-in Hugging Face runtime registers the
+``cartridges_sdk.synthesizers`` and ``cartridges_sdk.trainers``; the built-in Hugging Face backend registers the
 same way (see ``pyproject.toml``). Nothing is imported until a name is asked for, so ``import cartridges_sdk``
 never imports vllm or llama_cpp.
+
+Every backend is built the same way, ``registry.create(name, model, **options)``: the student model (an `LM`)
+plus the options its ``Options`` class declares; an unknown option is refused with the list of valid ones.
 """
 
 from __future__ import annotations
@@ -12,22 +15,41 @@ import importlib
 import importlib.metadata
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
 
 from .checks import at_least_one, non_negative, unit_interval
-from .errors import ConfigError, PluginError
+from .errors import BackendUnavailableError, ConfigError, PluginError
 
 if TYPE_CHECKING:
     from .cartridge import Cartridge
+    from .identity import ModelIdentity
+    from .models import LM
+    from .training import TrainConfig
 
 Message = dict[str, str]
 
 
+def _token_ids(value: Any) -> tuple[int, ...]:
+    return tuple(int(t) for t in value)
+
+
+def _messages(value: Any) -> tuple[Message, ...]:
+    messages = tuple(value)
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ConfigError(f"Message {i} is {m!r}; every message needs a string 'role' and a string 'content'.")
+    return messages
+
+
 @attrs.frozen
 class GenerationParams:
-    """How to sample an answer. ``temperature=0`` is greedy decoding."""
+    """How to sample an answer. ``temperature=0`` is greedy decoding.
+
+    With ``top_logprobs=k`` the completion also carries, per generated token, the model's top-k candidates and
+    their log-probabilities before temperature (what the contract suite compares across engines).
+    """
 
     max_new_tokens: int = attrs.field(default=256, validator=at_least_one)
     temperature: float = attrs.field(default=0.0, validator=non_negative)
@@ -35,6 +57,7 @@ class GenerationParams:
     top_k: int = attrs.field(default=0, validator=non_negative)
     seed: int | None = None
     stop: tuple[str, ...] = attrs.field(default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s))
+    top_logprobs: int = attrs.field(default=0, validator=non_negative)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> GenerationParams:
@@ -49,7 +72,7 @@ class GenerationParams:
 class Completion:
     """One generated answer: the text, its token ids, and why it ended (``"stop"`` or ``"length"``).
 
-    Synthesizers also fill `top_ids` / `top_logprobs`: per generated token, the model's top-k candidates and their
+    `top_ids` / `top_logprobs`, when asked for: per generated token, the model's top-k candidates and their
     log-probabilities before temperature (arrays of shape ``[tokens, k]``).
     """
 
@@ -61,95 +84,194 @@ class Completion:
 
 
 @attrs.frozen
-class SynthesisRequest:
-    """One chat completion to sample for self-study.
+class GenerationRequest:
+    """One conversation to answer with its own cartridges (zero, one, or several used one after another).
 
-    `context` (the corpus chunk) is placed before the chat as plain tokens, exactly where a cartridge sits when
-    the student answers, so teacher and student differ only in chunk versus cartridge. Requests with the same
-    `group` share their context, so an engine can prefill it once.
+    `prefix_ids` are plain tokens placed after the cartridges and before the chat: a document in context, which is
+    how a runtime shows that a cartridge made from those tokens answers the same.
     """
 
-    messages: tuple[Message, ...] = attrs.field(converter=tuple)
-    context: str | None = None
+    messages: tuple[Message, ...] = attrs.field(converter=_messages)
+    cartridges: tuple[Cartridge, ...] = attrs.field(default=(), converter=tuple)
+    params: GenerationParams = attrs.field(factory=GenerationParams)
+    prefix_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
+
+
+@attrs.frozen
+class SynthesisRequest:
+    """One completion to sample for self-study, as token ids of the student's tokenizer.
+
+    `prompt_ids` is the teacher's whole prompt, rendered once by the SDK (the chunk, then the chat turn ready for
+    the answer) with the same rule the student's sequences follow, so an engine only continues it: it never applies
+    a chat template and needs no Hugging Face weights. Generation ends at any of `stop_ids` (kept as the last token)
+    or after `max_tokens`. Requests of one `group` share their chunk, so an engine can prefill it once.
+    """
+
+    prompt_ids: tuple[int, ...] = attrs.field(converter=_token_ids)
+    stop_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
     max_tokens: int = attrs.field(default=128, validator=at_least_one)
     temperature: float = attrs.field(default=1.0, validator=non_negative)
     top_logprobs: int = attrs.field(default=0, validator=non_negative)
     group: int | None = None
     seed: int | None = None
 
-
-class Runtime(ABC):
-    """Answers conversations with zero, one or several cartridges loaded as a cached prefix."""
-
-    @abstractmethod
-    def generate(
-        self, cartridges: Sequence[Cartridge], messages: Sequence[Message], params: GenerationParams
-    ) -> Completion: ...
-
-    def generate_batch(
-        self, cartridges: Sequence[Cartridge], conversations: Sequence[Sequence[Message]], params: GenerationParams
-    ) -> list[Completion]:
-        """Several conversations sharing the same cartridges; engines that batch override this."""
-        return [self.generate(cartridges, m, params) for m in conversations]
-
-    def stream(
-        self, cartridges: Sequence[Cartridge], messages: Sequence[Message], params: GenerationParams
-    ) -> Iterator[str]:
-        """Yield the answer's text as it is produced; by default all at once for runtimes that cannot stream."""
-        yield self.generate(cartridges, messages, params).text
+    @prompt_ids.validator
+    def _check_prompt(self, _attribute, value):
+        if not value:
+            raise ConfigError("A synthesis request needs at least one prompt token.")
 
 
-class Synthesizer(ABC):
-    """Samples chat completions with the teacher's top-k log-probabilities, for self-study.
+@attrs.frozen
+class SynthesizerCapabilities:
+    """What a synthesizer can do; the SDK refuses settings it cannot serve before the first conversation."""
 
-    Token ids must be in the student model's tokenizer: a backend serves the same model as the student.
+    max_top_logprobs: int = attrs.field(default=0, validator=non_negative)  # top-k it returns per sampled token
+    score: bool = False  # teacher top-k for given sequences (document windows and targets="all" need it)
+    prefix_reuse: bool = False  # a group's shared prompt is prefilled once
+
+
+@attrs.frozen
+class NoOptions:
+    """The options of a backend that takes none."""
+
+
+class Backend(ABC):
+    """What every backend shares: one way to be built, from the student model and named options, and closed.
+
+    Declare options as a frozen attrs class in ``Options`` (validators give errors that name the bad value); the
+    constructor receives the model and each option as a keyword. Override `create` only when building needs more
+    than that (e.g. starting an engine from the model's files).
+    """
+
+    Options: ClassVar[type] = NoOptions
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in attrs.fields(cls.Options)]
+
+    @classmethod
+    def parse_options(cls, options: dict[str, Any], label: str | None = None) -> Any:
+        """The options as a validated ``Options`` instance; unknown names are refused with the valid ones."""
+        label = label or cls.__name__
+        unknown = sorted(set(options) - set(cls.option_names()))
+        if unknown:
+            valid = cls.option_names()
+            raise ConfigError(f"Unknown option(s) {unknown} for {label}; valid options: {valid or 'none'}.")
+        return cls.Options(**options)
+
+    @classmethod
+    def create(cls, model: LM, **options: Any) -> Backend:
+        """The SDK's one constructor call for every backend."""
+        opts = cls.parse_options(options)
+        return cls(model, **{name: getattr(opts, name) for name in cls.option_names()})
+
+    def close(self) -> None:
+        """Release the engine (processes, memory, connections). Safe to call twice."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Runtime(Backend):
+    """Answers batches of requests, each with its own cartridges and messages: many users, one batch.
+
+    An engine installs a cartridge once and keys it on `Cartridge.fingerprint` (its content), so the same
+    cartridge sent again, by any user, is reused. Cartridges for another model are refused before the engine sees them.
     """
 
     @abstractmethod
-    def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]: ...
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        """One completion per request, in order; each as if it had been asked alone."""
 
-    def identity(self) -> Any:
-        """The `ModelIdentity` of the model it samples from, checked against the student before synthesis."""
+    def stream(self, request: GenerationRequest) -> Iterator[str]:
+        """Yield the answer's text as it is produced; by default all at once, for engines that cannot stream."""
+        yield self.generate([request])[0].text
+
+
+class Synthesizer(Backend):
+    """Samples the teacher's completions with its top-k log-probabilities, for self-study.
+
+    Token ids are in the student model's tokenizer: a synthesizer serves the same model as the student, which
+    `identity()` reports (field by field) or a probe of ids and log-probs proves before any synthesis.
+    """
+
+    capabilities: ClassVar[SynthesizerCapabilities] = SynthesizerCapabilities()
+
+    @abstractmethod
+    def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]:
+        """Continue each request's `prompt_ids`; fill `top_ids`/`top_logprobs` when `top_logprobs` > 0."""
+
+    def identity(self) -> ModelIdentity | None:
+        """The identity of the model it samples from, or None when it cannot tell (then a probe decides)."""
         return None
 
-    def score(self, context: str, sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[Any, Any]]:
+    def score(self, prefix_ids: Sequence[int], sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[Any, Any]]:
         """Teacher top-k ``(ids, logprobs)`` arrays ``[len(seq) - 1, k]`` predicting tokens 1.. of each sequence
-        placed after `context` (an optional ability, used for ``targets="all"`` and document windows)."""
+        placed after `prefix_ids` (when ``capabilities.score``)."""
         raise PluginError(
             f"{type(self).__name__} cannot score sequences, which targets='all' and document_windows > 0 need; "
-            "use targets='assistant' and document_windows=0, or a synthesizer that implements score()."
+            "use targets='assistant' and document_windows=0, or a synthesizer that can score."
         )
 
 
-class Trainer(ABC):
-    """Trains a cartridge from a self-study dataset (implemented by backends)."""
+class Trainer(Backend):
+    """Trains a cartridge from a self-study dataset."""
 
     @abstractmethod
-    def fit(self, init: Cartridge, dataset: Any, model: Any) -> Cartridge: ...
+    def fit(
+        self, init: Cartridge, dataset: Any, model: LM, config: TrainConfig | None = None, *,
+        output_dir: Any = None, progress: bool = True,
+    ) -> Cartridge:
+        """Train `init` (bound to `model`) on `dataset`; with `output_dir`, checkpoint there and resume from it."""
 
 
-T = TypeVar("T")
+T = TypeVar("T", bound=Backend)
 
 
 class Registry(Generic[T]):
     """Names -> implementations of one interface, from entry points plus anything registered at run time."""
 
-    def __init__(self, group: str, base: type[T]):
+    def __init__(self, group: str, base: type[T], kind: str):
         self.group = group
         self.base = base
+        self.kind = kind
         self._extra: dict[str, str | type[T]] = {}
 
-    def register(self, name: str, target: str | type[T]) -> None:
-        """Add an implementation by class or by ``"module:Class"`` string (handy for tests and notebooks)."""
+    def register(self, name: str, target: str | type[T], *, replace: bool = False) -> None:
+        """Add an implementation by class or by ``"module:Class"`` string (handy for tests and notebooks).
+
+        A name already taken (by an installed plugin or an earlier call) is refused unless ``replace=True``.
+        """
+        if not replace and name in self.names():
+            raise PluginError(
+                f"A {self.kind} named {name!r} is already registered ({self._target(name)}); "
+                "pick another name, or pass replace=True to override it on purpose."
+            )
         self._extra[name] = target
 
     def _entry_points(self) -> dict[str, importlib.metadata.EntryPoint]:
-        return {ep.name: ep for ep in importlib.metadata.entry_points(group=self.group)}
+        found: dict[str, importlib.metadata.EntryPoint] = {}
+        for ep in importlib.metadata.entry_points(group=self.group):
+            if ep.name in found and found[ep.name].value != ep.value:
+                raise PluginError(
+                    f"Two installed plugins register a {self.kind} named {ep.name!r} in {self.group!r}: "
+                    f"{found[ep.name].value} ({_dist(found[ep.name])}) and {ep.value} ({_dist(ep)}); uninstall one."
+                )
+            found[ep.name] = ep
+        return found
 
     def names(self) -> list[str]:
         return sorted(set(self._entry_points()) | set(self._extra))
 
+    def _target(self, name: str) -> str:
+        target = self._extra.get(name) or self._entry_points()[name].value
+        return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
     def get(self, name: str) -> type[T]:
+        """The class registered as `name`, imported now."""
         target: Any = self._extra.get(name)
         if target is None:
             ep = self._entry_points().get(name)
@@ -157,27 +279,65 @@ class Registry(Generic[T]):
                 hint = (
                     " The built-in backends are registered by installing cartridges-sdk (pip install -e .)."
                     if not self._entry_points()
-                    else ""
+                    else " `cartridges backends` lists what is installed."
                 )
-                raise PluginError(
-                    f"No {self.base.__name__} named {name!r} in entry-point group {self.group!r}; "
-                    f"available: {self.names() or 'none'}.{hint}"
-                )
+                raise PluginError(f"No {self.kind} named {name!r}; available: {self.names() or 'none'}.{hint}")
             target = ep.value
         if isinstance(target, str):
             module, _, attr = target.partition(":")
             try:
                 target = getattr(importlib.import_module(module), attr)
             except Exception as err:
-                raise PluginError(
-                    f"{self.base.__name__} plugin {name!r} ({module}:{attr}) failed to import: "
+                raise BackendUnavailableError(
+                    f"The {self.kind} plugin {name!r} ({module}:{attr}) failed to import: "
                     f"{type(err).__name__}: {err}. Install or fix that backend package."
                 ) from err
         if not (isinstance(target, type) and issubclass(target, self.base)):
             raise PluginError(f"Plugin {name!r} in {self.group!r} is {target!r}, not a subclass of {self.base.__name__}.")
         return target
 
+    def create(self, name: str, model: LM, **options: Any) -> T:
+        """Build the backend `name` for `model`; options are checked against what it declares before it starts."""
+        cls = self.get(name)
+        cls.parse_options(options, label=f"{self.kind} {name!r}")
+        return cls.create(model, **options)  # type: ignore[return-value]
 
-runtimes: Registry[Runtime] = Registry("cartridges_sdk.runtimes", Runtime)
-synthesizers: Registry[Synthesizer] = Registry("cartridges_sdk.synthesizers", Synthesizer)
-trainers: Registry[Trainer] = Registry("cartridges_sdk.trainers", Trainer)
+    def resolve(self, spec: str | T, model: LM, options: dict[str, Any] | None = None) -> tuple[T, bool]:
+        """`spec` as a backend: a name is built with `options` (returns it and True: the caller owns and closes
+        it); an object is used as it is (options must be empty; returns it and False)."""
+        if isinstance(spec, self.base):
+            if options:
+                raise ConfigError(f"{self.kind}_options go with a {self.kind} name; a {self.kind} object is already configured.")
+            return spec, False
+        if not isinstance(spec, str):
+            raise ConfigError(f"{self.kind}={spec!r} must be a registered name ({self.names()}) or a {self.base.__name__}.")
+        return self.create(spec, model, **(options or {})), True
+
+    def describe(self) -> list[dict[str, Any]]:
+        """For each registered name: where it comes from, whether it imports (and the error if not), its options."""
+        rows = []
+        eps = self._entry_points()
+        for name in self.names():
+            row: dict[str, Any] = {"name": name, "target": self._target(name),
+                                   "distribution": _dist(eps[name]) if name in eps and name not in self._extra else None}
+            try:
+                cls = self.get(name)
+            except PluginError as err:
+                row.update(ok=False, error=str(err))
+            else:
+                row.update(ok=True, options=cls.option_names())
+                if isinstance(getattr(cls, "capabilities", None), SynthesizerCapabilities):
+                    row["capabilities"] = attrs.asdict(cls.capabilities)
+            rows.append(row)
+        return rows
+
+
+def _dist(ep: importlib.metadata.EntryPoint) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return f"{dist.name} {dist.version}" if dist is not None else None
+
+
+runtimes: Registry[Runtime] = Registry("cartridges_sdk.runtimes", Runtime, "runtime")
+synthesizers: Registry[Synthesizer] = Registry("cartridges_sdk.synthesizers", Synthesizer, "synthesizer")
+trainers: Registry[Trainer] = Registry("cartridges_sdk.trainers", Trainer, "trainer")
+REGISTRIES = {"runtimes": runtimes, "synthesizers": synthesizers, "trainers": trainers}

@@ -17,9 +17,9 @@ from .corpus import Corpus
 from .dataset import SelfStudyDataset
 from .errors import ConfigError
 from .models import LM, load_model, resolve_dtype
-from .plugins import Synthesizer, Trainer
-from .synthesis import HFSynthesizer, SynthesisConfig, synthesize
-from .training import TorchTrainer, TrainConfig
+from .plugins import Synthesizer, Trainer, synthesizers, trainers
+from .synthesis import SynthesisConfig, check_capabilities, synthesize
+from .training import TrainConfig
 
 INITS = ("prefix", "random_text", "random")
 SYNTHESIS_SETTINGS = {f.name for f in attrs.fields(SynthesisConfig)} - {"num_conversations", "seed"}
@@ -82,15 +82,21 @@ def train_cartridge(
     init: str = "prefix",
     seed: int = 0,
     prefix_ids: Sequence[int] | None = None,
-    trainer: Trainer | None = None,
+    trainer: str | Trainer = "torch",
+    trainer_options: dict[str, Any] | None = None,
     output_dir: str | os.PathLike | None = None,
     num_frozen: int = 1,
     work_dtype: str | torch.dtype | None = None,
     progress: bool = True,
     **settings: Any,
 ) -> Cartridge:
-    """Train a `num_tokens` cartridge on a self-study dataset; the result is bound to `lm`."""
+    """Train a `num_tokens` cartridge on a self-study dataset; the result is bound to `lm`.
+
+    `trainer` is a registered trainer name (``"torch"``, built with `trainer_options`) or a `Trainer` object;
+    `settings` are `TrainConfig` fields.
+    """
     _, train_settings = split_settings(settings)
+    config = TrainConfig(epochs=epochs, seed=seed, **train_settings)
     header_model = dataset.header.get("model", {})
     if header_model.get("fingerprint") and header_model["fingerprint"] != lm.identity.fingerprint:
         raise ConfigError(
@@ -99,11 +105,14 @@ def train_cartridge(
         )
     corpus_info = dataset.header.get("corpus", {})
     prefix_ids = prefix_ids if prefix_ids is not None else corpus_info.get("prefix_ids")
-    config = TrainConfig(epochs=epochs, seed=seed, **train_settings)
     work = work_model(lm, work_dtype)
-    start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen)
-    trainer = trainer or TorchTrainer(config, output_dir=output_dir, progress=progress)
-    trained = trainer.fit(start.bind(work), dataset, work)
+    fitter, owned = trainers.resolve(trainer, work, trainer_options)
+    try:
+        start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen)
+        trained = fitter.fit(start.bind(work), dataset, work, config, output_dir=output_dir, progress=progress)
+    finally:
+        if owned:
+            fitter.close()
     meta = attrs.evolve(
         trained.meta,
         model=lm.identity,
@@ -112,6 +121,7 @@ def train_cartridge(
             **(trained.meta.training or {}),
             "init": init,
             "synthesis": dataset.header.get("config"),
+            "synthesizer": dataset.header.get("synthesizer"),
             "work_dtype": str(work.dtype).removeprefix("torch."),
         },
     )
@@ -127,8 +137,11 @@ def build_cartridge(
     epochs: int = 1,
     init: str = "prefix",
     seed: int = 0,
-    synthesizer: Synthesizer | None = None,
-    trainer: Trainer | None = None,
+    synthesizer: str | Synthesizer = "hf",
+    synthesizer_options: dict[str, Any] | None = None,
+    trainer: str | Trainer = "torch",
+    trainer_options: dict[str, Any] | None = None,
+    allow_unverified_model: bool = False,
     output_dir: str | os.PathLike | None = None,
     num_frozen: int = 1,
     work_dtype: str | torch.dtype | None = None,
@@ -138,27 +151,40 @@ def build_cartridge(
     """Synthesize `num_conversations` self-study conversations about `corpus`, then train a `num_tokens` cartridge.
 
     `settings` are fields of `SynthesisConfig` and `TrainConfig` (e.g. ``lr=``, ``max_tokens_b=``, ``min_chunk=``).
+    `synthesizer` and `trainer` are registered backend names (``cartridges backends`` lists them), built with
+    their `*_options`, or backend objects. Every setting, option and capability is checked before synthesis starts;
+    a synthesizer that cannot show it serves the student's model is refused unless `allow_unverified_model`.
     With `output_dir`, the dataset (``data/``) and training checkpoints (``train/``) are kept there and a re-run
     resumes both stages; without it they live in a temporary folder. `work_dtype` is the dtype synthesis and
     training compute in (default: the model's); the returned cartridge is bound to the original model.
     """
-    synth_settings, _ = split_settings(settings)
+    synth_settings, train_settings = split_settings(settings)
     if init not in INITS:
         raise ConfigError(f"init={init!r} must be one of {INITS}.")
+    synth_cfg = SynthesisConfig(num_conversations=num_conversations, seed=seed, **synth_settings)
+    TrainConfig(epochs=epochs, seed=seed, **train_settings)  # refuse bad training settings before synthesis
+    if isinstance(synthesizer, str):  # what the class can do is known before its engine starts
+        check_capabilities(synth_cfg, synthesizers.get(synthesizer).capabilities, f"synthesizer {synthesizer!r}")
+        synthesizers.get(synthesizer).parse_options(synthesizer_options or {}, f"synthesizer {synthesizer!r}")
+    if isinstance(trainer, str):
+        trainers.get(trainer).parse_options(trainer_options or {}, f"trainer {trainer!r}")
     lm = model if isinstance(model, LM) else load_model(model)
     corpus = Corpus.coerce(corpus)
     work = work_model(lm, work_dtype)
-    synth_cfg = SynthesisConfig(num_conversations=num_conversations, seed=seed, **synth_settings)
     prefix_ids = lm.encode(corpus.text)[:num_tokens] if init == "prefix" else None
     if init == "prefix":
         check_prefix(prefix_ids, num_tokens)
+    sampler, owned = synthesizers.resolve(synthesizer, work, synthesizer_options)
     with tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
         root = Path(output_dir) if output_dir is not None else Path(tmp)
-        dataset = synthesize(
-            corpus, work, root / "data", synth_cfg, synthesizer=synthesizer or HFSynthesizer(work), progress=progress
-        )
+        try:
+            dataset = synthesize(corpus, work, root / "data", synth_cfg, synthesizer=sampler,
+                                 allow_unverified_model=allow_unverified_model, progress=progress)
+        finally:
+            if owned:
+                sampler.close()
         return train_cartridge(
             dataset, lm, num_tokens=num_tokens, epochs=epochs, init=init, seed=seed, prefix_ids=prefix_ids,
-            trainer=trainer, output_dir=root / "train", num_frozen=num_frozen, work_dtype=work_dtype,
-            progress=progress, **{k: v for k, v in settings.items() if k not in synth_settings},
+            trainer=trainer, trainer_options=trainer_options, output_dir=root / "train", num_frozen=num_frozen,
+            work_dtype=work_dtype, progress=progress, **train_settings,
         )

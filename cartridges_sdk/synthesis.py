@@ -1,4 +1,4 @@
-"""Self-study data generation (the paper's Algorithm 1) over any `Synthesizer`, and the built-in HF synthesizer.
+"""Self-study data generation (the paper's Algorithm 1) over any `Synthesizer`, engine-neutral.
 
 For each group of conversations: sample a chunk of the corpus; participant A sees the chunk and a seed prompt and
 writes a message; participant B sees the chunk and answers. B's tokens, with the teacher's top-k log-probabilities,
@@ -17,14 +17,13 @@ from typing import Any
 
 import attrs
 import numpy as np
-import torch
 
 from .checks import at_least_one, non_negative
 from .corpus import ChunkSampler, Corpus
 from .dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset
-from .errors import ConfigError, IncompatibleCartridgeError
-from .models import LM, Message, autocast
-from .plugins import Completion, GenerationParams, SynthesisRequest, Synthesizer
+from .errors import BackendError, ConfigError, IncompatibleCartridgeError
+from .models import LM, Message
+from .plugins import SynthesisRequest, Synthesizer, SynthesizerCapabilities
 from .seeds import DEFAULT_WEIGHTS, check_weights, sample_seed
 
 
@@ -77,82 +76,117 @@ class SynthesisConfig:
         ChunkSampler(self.min_chunk, self.max_chunk)  # validates the pair
 
 
-class HFSynthesizer(Synthesizer):
-    """Samples with the transformers model in an `LM`: each group's shared prompt is prefilled once, then the
-    group's completions are generated together as one batch from that KV cache."""
+def teacher_prompt(lm: LM, context_ids: Sequence[int] | None, messages: Sequence[Message]) -> list[int]:
+    """Token ids the teacher reads: the context as a document (its own sequence start, where the model uses one),
+    then the chat turn by the same rule as after a cartridge; without a context the chat starts the sequence.
 
-    def __init__(self, lm: LM, *, autocast_dtype: str | torch.dtype | None = None):
-        from .models import resolve_dtype
-
-        self.lm = lm
-        self.autocast_dtype = resolve_dtype(autocast_dtype)
-        self._prefix: tuple[tuple[int, ...], Any] | None = None
-
-    def identity(self):
-        return self.lm.identity
-
-    def _prefix_cartridge(self, ids: list[int]):
-        """The KV of a shared prompt as an (unfrozen) cartridge; the last one is kept, since A and B share the chunk."""
-        from .cartridge import Cartridge
-
-        key = tuple(ids)
-        if self._prefix is None or self._prefix[0] != key:
-            self._prefix = (key, Cartridge.from_prefix(self.lm, ids, len(ids), num_frozen=0))
-        return self._prefix[1]
-
-    def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]:
-        from .hf import decode, finish
-
-        results: list[Completion | None] = [None] * len(requests)
-        batches: dict[tuple, list[int]] = {}
-        for i, r in enumerate(requests):
-            key = (r.group if r.group is not None else f"solo-{i}", r.max_tokens, r.temperature, r.top_logprobs)
-            batches.setdefault(key, []).append(i)
-        for (_, max_tokens, temperature, top_logprobs), idx in batches.items():
-            prompts = [teacher_prompt(self.lm, requests[i]) for i in idx]
-            shared = _common_prefix(prompts)
-            shared = min(shared, min(len(p) for p in prompts) - 1)  # every row keeps at least one token to feed
-            prefix = [self._prefix_cartridge(prompts[0][:shared])] if shared > 1 else []
-            cut = shared if prefix else 0
-            params = GenerationParams(max_new_tokens=max_tokens, temperature=temperature, seed=requests[idx[0]].seed)
-            with autocast(self.lm.device, self.autocast_dtype):
-                for state in decode(self.lm, prefix, [p[cut:] for p in prompts], params, top_logprobs=top_logprobs):
-                    pass
-            for row, i in enumerate(idx):
-                results[i] = finish(
-                    self.lm,
-                    state.tokens[row],
-                    state.reasons[row],
-                    top_ids=torch.stack(state.top_ids[row]).numpy() if top_logprobs else None,
-                    top_logprobs=torch.stack(state.top_logprobs[row]).float().numpy() if top_logprobs else None,
-                )
-        return results  # type: ignore[return-value]
+    This is the one place a chat is rendered for synthesis, so teacher and student differ only in chunk versus
+    cartridge, and engines receive ready token ids.
+    """
+    if context_ids:
+        return list(context_ids) + lm.chat_ids(messages, after_cartridge=True)
+    return lm.chat_ids(messages, after_cartridge=False)
 
 
-    def score(self, context: str, sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        prefix = self._prefix_cartridge(self.lm.encode(context))
-        out = []
-        for seq in sequences:
-            logp = self.lm.logits(list(seq), [prefix])[:-1].log_softmax(-1)
-            top = torch.topk(logp, top_k, dim=-1)
-            out.append((top.indices.cpu().numpy(), top.values.cpu().numpy()))
-        return out
+# the same-model probe: a fixed document and question, answered greedily by the synthesizer and scored by the student
+PROBE_DOCUMENT = (
+    "The Harrow Point lighthouse stands on a granite spur at the mouth of the estuary. Its lamp was first lit in "
+    "1871, and three families of keepers tended it until the light was automated."
+)
+PROBE_QUESTION = "When was the lamp first lit, and who tended it?"
+PROBE_TOKENS = 8
+PROBE_TOP_K = 5
+# max |teacher log-prob - student log-prob| over the probe's top-k tokens; bf16 autocast on the default model
+# measured 0.02-0.04 nats, another model of the same architecture differs by whole nats
+PROBE_TOLERANCE = 0.1
 
 
-def teacher_prompt(lm: LM, request: SynthesisRequest) -> list[int]:
-    """Token ids the teacher reads: the context as a document (BOS where the model uses one), then the chat."""
-    if request.context:
-        return lm.encode(request.context) + lm.chat_ids(request.messages, after_cartridge=True)
-    return lm.chat_ids(request.messages, after_cartridge=False)
+def probe_model(lm: LM, synthesizer: Synthesizer, tolerance: float = PROBE_TOLERANCE) -> dict[str, Any]:
+    """Ask the synthesizer for a fixed greedy answer with top-k log-probs and score the same tokens with the
+    student's own forward. Returns the figures; raises `IncompatibleCartridgeError` when they disagree."""
+    k = min(PROBE_TOP_K, synthesizer.capabilities.max_top_logprobs)
+    name = type(synthesizer).__name__
+    if k == 0:
+        raise IncompatibleCartridgeError(
+            f"{name} neither reports its model's identity nor returns log-probabilities, so nothing shows it serves "
+            f"{lm.name!r}; use a synthesizer that does one of the two, or pass allow_unverified_model=True (recorded)."
+        )
+    prompt = teacher_prompt(lm, lm.encode(PROBE_DOCUMENT), [{"role": "user", "content": PROBE_QUESTION}])
+    request = SynthesisRequest(prompt, tuple(sorted(lm.eos_token_ids)), PROBE_TOKENS, 0.0, k, None, 0)
+    (out,) = synthesizer.complete([request])
+    ids = list(out.token_ids)
+    top_ids, top_lps = np.asarray(out.top_ids), np.asarray(out.top_logprobs, dtype=np.float64)
+    if not ids or top_ids.shape != (len(ids), k) or top_lps.shape != (len(ids), k):
+        raise IncompatibleCartridgeError(
+            f"{name} answered the same-model probe with {len(ids)} token(s) and top-k arrays of shape "
+            f"{top_ids.shape}, not ({len(ids)}, {k}); it does not follow the Synthesizer contract."
+        )
+    vocab = lm.identity.architecture["vocab_size"]
+    if top_ids.min() < 0 or top_ids.max() >= vocab or min(ids) < 0 or max(ids) >= vocab:
+        raise IncompatibleCartridgeError(
+            f"{name} returned token ids outside the student's vocabulary [0, {vocab}): it serves another tokenizer."
+        )
+    student = lm.logits(prompt + ids)[len(prompt) - 1 : -1].log_softmax(-1).double().cpu().numpy()
+    at_teacher_ids = np.take_along_axis(student, top_ids, axis=1)
+    diff = float(np.abs(at_teacher_ids - top_lps).max())
+    # the teacher's first choice must be (within tolerance) the student's first choice too
+    rank_gap = float((student.max(axis=1) - at_teacher_ids[:, 0]).max())
+    record = {"method": "probe", "tokens": len(ids), "top_k": k, "max_logprob_diff": round(diff, 6),
+              "max_rank_gap": round(rank_gap, 6), "tolerance": tolerance}
+    if diff > tolerance or rank_gap > tolerance:
+        raise IncompatibleCartridgeError(
+            f"{name} does not serve the student's model {lm.name!r}: on a fixed probe its top-{k} log-probabilities "
+            f"differ from the student's by up to {diff:.3f} nats (first-choice gap {rank_gap:.3f}; tolerance "
+            f"{tolerance}). Point it at the same model and tokenizer as the student."
+        )
+    return record
 
 
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        t = seqs[0][i]
-        if any(s[i] != t for s in seqs):
-            return i
-    return n
+def check_same_model(lm: LM, synthesizer: Synthesizer, *, allow_unverified_model: bool = False) -> dict[str, Any]:
+    """Refuse a synthesizer that does not serve the student's model; return how it was checked (for the header).
+
+    A full identity is compared field by field. A mismatch in any field both sides report is always refused.
+    When the synthesizer reports nothing or only part of an identity, the probe decides; if it cannot run or
+    disagrees, only ``allow_unverified_model=True`` proceeds, and the dataset header records it.
+    """
+    name = type(synthesizer).__name__
+    identity = synthesizer.identity()
+    if identity is not None:
+        definite = identity.mismatch(lm.identity)
+        if definite:
+            raise IncompatibleCartridgeError(
+                f"The synthesizer {name} serves model {identity.name!r} but the student is {lm.name!r} ({definite}); "
+                "self-study needs the same model on both sides."
+            )
+        if identity.mismatch(lm.identity, strict=True) is None:
+            return {"method": "identity", "fingerprint": identity.fingerprint}
+    try:
+        return probe_model(lm, synthesizer)
+    except IncompatibleCartridgeError as err:
+        if not allow_unverified_model:
+            raise
+        return {"method": "override", "allow_unverified_model": True, "unverified_because": str(err)}
+
+
+def check_capabilities(config: SynthesisConfig, capabilities: SynthesizerCapabilities, name: str) -> None:
+    """Refuse settings the synthesizer cannot serve, naming each setting and its fix, before any work."""
+    problems = []
+    if config.top_k > capabilities.max_top_logprobs:
+        problems.append(
+            f"top_k={config.top_k} but {name} returns at most {capabilities.max_top_logprobs} log-probabilities per "
+            f"token; set top_k <= {capabilities.max_top_logprobs}"
+        )
+    if not capabilities.score:
+        if config.document_windows:
+            problems.append(
+                f"document_windows={config.document_windows} needs a synthesizer that scores given sequences and "
+                f"{name} cannot; set document_windows=0 or use one that can (e.g. 'hf')"
+            )
+        if config.targets == "all":
+            problems.append(f"targets='all' needs a synthesizer that scores given sequences and {name} cannot; "
+                            "set targets='assistant'")
+    if problems:
+        raise ConfigError("; ".join(problems) + ".")
 
 
 def chunk_context(chunk_text: str, description: str | None) -> str:
@@ -194,28 +228,30 @@ def synthesize(
     config: SynthesisConfig | None = None,
     *,
     synthesizer: Synthesizer | None = None,
+    allow_unverified_model: bool = False,
     progress: bool = True,
 ) -> SelfStudyDataset:
     """Sample `config.num_conversations` self-study conversations into the dataset folder `output`.
 
-    Re-running with the same `output` and settings continues after the last complete group.
+    `synthesizer` defaults to the built-in HF one on `lm`. Before any conversation, the settings are checked against
+    its capabilities and it must be shown to serve `lm`'s model (see `check_same_model`; the dataset header records
+    how). Re-running with the same `output` and settings continues after the last complete group.
     """
     from tqdm.auto import tqdm
 
     corpus = Corpus.coerce(corpus)
     config = config or SynthesisConfig()
-    synthesizer = synthesizer or HFSynthesizer(lm)
-    other = synthesizer.identity()
-    if other is not None and other.mismatch(lm.identity):
-        raise IncompatibleCartridgeError(
-            f"The synthesizer serves model {other.name!r} but the student is {lm.name!r} "
-            f"({other.mismatch(lm.identity)}); self-study needs the same model on both sides."
-        )
+    if synthesizer is None:
+        from .hf import HFSynthesizer
+
+        synthesizer = HFSynthesizer(lm)
+    check_capabilities(config, synthesizer.capabilities, type(synthesizer).__name__)
     ids = corpus.token_ids(lm)
     if config.document_windows and len(ids) < 2:
         raise ConfigError(
             f"The corpus has {len(ids)} token(s), too few for document windows; give a longer corpus or document_windows=0."
         )
+    model_check = check_same_model(lm, synthesizer, allow_unverified_model=allow_unverified_model)
     sampler = ChunkSampler(config.min_chunk, config.max_chunk)
     header = {
         "model": lm.identity.to_dict(),
@@ -228,6 +264,7 @@ def synthesize(
         },
         "config": attrs.asdict(config),
         "synthesizer": type(synthesizer).__name__,
+        "model_check": model_check,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     dataset = SelfStudyDataset.create(output, header)
@@ -240,35 +277,41 @@ def synthesize(
     bar = tqdm(total=total, initial=already, desc="self-study synthesis", unit="seq", disable=not progress)
     skipped: list[str] = []
     vocab = lm.identity.architecture["vocab_size"]
-    for g in range(num_groups):
-        if g in done:
-            continue
-        size = min(group_size, config.num_conversations - g * group_size)
-        rng = random.Random(f"{config.seed}:{g}")
-        start, end = sampler.sample(len(ids), rng)
-        context = chunk_context(lm.tokenizer.decode(ids[start:end]), config.description)
-        seeds = [sample_seed(rng, config.seed_weights) for _ in range(size)]
-        conversations = _run_group(lm, synthesizer, config, g, (start, end), context, seeds, rng)
-        kept = []
-        for conv in conversations:
-            if isinstance(conv, str):
-                skipped.append(conv)
+    try:
+        for g in range(num_groups):
+            if g in done:
                 continue
-            problems = conv.problems(vocab)
-            if problems:
-                skipped.append(f"conversation {conv.conv_id}: {'; '.join(problems)}")
-            else:
-                kept.append(conv)
-        dataset.write_group(g, kept)
-        bar.update(size)
-    for w in range(window_groups):
-        g = num_groups + w
-        if g in done:
-            continue
-        size = _group_size(config, g, num_groups)
-        dataset.write_group(g, _document_windows(lm, synthesizer, config, g, ids, w * config.windows_per_chunk, size))
-        bar.update(size)
-    bar.close()
+            size = min(group_size, config.num_conversations - g * group_size)
+            rng = random.Random(f"{config.seed}:{g}")
+            start, end = sampler.sample(len(ids), rng)
+            context = chunk_context(lm.tokenizer.decode(ids[start:end]), config.description)
+            seeds = [sample_seed(rng, config.seed_weights) for _ in range(size)]
+            conversations = _run_group(lm, synthesizer, config, g, (start, end), context, seeds, rng)
+            kept = []
+            for conv in conversations:
+                if isinstance(conv, str):
+                    skipped.append(conv)
+                    continue
+                problems = conv.problems(vocab)
+                if problems:
+                    skipped.append(f"conversation {conv.conv_id}: {'; '.join(problems)}")
+                else:
+                    kept.append(conv)
+            dataset.write_group(g, kept)
+            bar.update(size)
+        for w in range(window_groups):
+            g = num_groups + w
+            if g in done:
+                continue
+            size = _group_size(config, g, num_groups)
+            dataset.write_group(g, _document_windows(lm, synthesizer, config, g, ids, w * config.windows_per_chunk, size))
+            bar.update(size)
+    except BackendError as err:  # the engine failed; say what is kept and how to go on
+        err.add_note(f"{len(dataset.done_groups())} of {num_groups + window_groups} groups are saved in "
+                     f"{str(dataset.path)!r}; run the same synthesis again to continue from there.")
+        raise
+    finally:
+        bar.close()
     if skipped:
         warnings.warn(f"Skipped {len(skipped)} bad conversation(s): " + " | ".join(skipped[:5]), stacklevel=2)
     return dataset
@@ -315,7 +358,7 @@ def _document_windows(
     width = min(config.window_tokens, len(ids))
     length = min(size * width, len(ids))
     start = window_chunk_start(len(ids), length, width, first_id // config.windows_per_chunk, config.seed)
-    context = chunk_context(lm.tokenizer.decode(ids[start : start + length]), config.description)
+    context = lm.encode(chunk_context(lm.tokenizer.decode(ids[start : start + length]), config.description))
     spans = [(start + k * width, min(start + (k + 1) * width, start + length)) for k in range(size)]
     spans = [(a, b) for a, b in spans if b - a >= 2]  # synthesize() refuses corpora too short for any window
     scores = synthesizer.score(context, [list(ids[a:b]) for a, b in spans], config.top_k)
@@ -352,7 +395,9 @@ def _run_group(
     # before the chat but use one inside the message. B is the teacher and reads the chunk where the cartridge sits.
     a_in_message = config.a_context == "message"
     a_first = (lambda seed: f"{context}\n\n{seed}") if a_in_message else (lambda seed: seed)
-    a_ctx = None if a_in_message else context
+    context_ids = lm.encode(context)
+    a_ctx = None if a_in_message else context_ids
+    stop_ids = tuple(sorted(lm.eos_token_ids))
     a_hist: list[list[Message]] = [[{"role": "user", "content": a_first(seed)}] for _, seed in seeds]
     b_hist: list[list[Message]] = [[] for _ in seeds]
     turns: list[list[tuple[str, list[int]]]] = [[] for _ in seeds]
@@ -360,7 +405,8 @@ def _run_group(
     for _ in range(config.rounds):
         a_out = synthesizer.complete(
             [
-                SynthesisRequest(h, a_ctx, config.max_tokens_a, config.temperature_a, 0, group, rng.randrange(2**31))
+                SynthesisRequest(teacher_prompt(lm, a_ctx, h), stop_ids, config.max_tokens_a, config.temperature_a, 0,
+                                 group, rng.randrange(2**31))
                 for h in a_hist
             ]
         )
@@ -370,7 +416,8 @@ def _run_group(
             b_hist[i].append({"role": "user", "content": text})
         b_out = synthesizer.complete(
             [
-                SynthesisRequest(h, context, config.max_tokens_b, config.temperature_b, config.top_k, group, rng.randrange(2**31))
+                SynthesisRequest(teacher_prompt(lm, context_ids, h), stop_ids, config.max_tokens_b, config.temperature_b,
+                                 config.top_k, group, rng.randrange(2**31))
                 for h in b_hist
             ]
         )
@@ -394,7 +441,7 @@ def _run_group(
         ids, roles, targets = seq
         messages = tuple({"role": "user" if j % 2 == 0 else "assistant", "content": t[0]} for j, t in enumerate(turns[i]))
         if config.targets == "all":  # every token after the first, scored by the teacher with the chunk in context
-            top_ids, top_lps = synthesizer.score(context, [ids], config.top_k)[0]
+            top_ids, top_lps = synthesizer.score(context_ids, [ids], config.top_k)[0]
             targets = list(range(1, len(ids)))
         else:
             top_ids = np.concatenate([t[0].reshape(-1, config.top_k) for t in tops[i]])

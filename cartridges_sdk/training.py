@@ -181,15 +181,20 @@ def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class TorchTrainer(Trainer):
-    """The built-in trainer (registered as ``torch``)."""
+@attrs.frozen
+class TorchTrainerOptions:
+    # continue from the checkpoint in the output folder when there is one (its settings must match)
+    resume: bool = True
 
-    def __init__(self, config: TrainConfig | None = None, *, output_dir: str | os.PathLike | None = None,
-                 resume: bool = True, progress: bool = True):
-        self.config = config or TrainConfig()
-        self.output_dir = Path(output_dir) if output_dir is not None else None
+
+class TorchTrainer(Trainer):
+    """The built-in trainer (registered as ``torch``): Adam on the cartridge's KV, the model frozen, one process."""
+
+    Options = TorchTrainerOptions
+
+    def __init__(self, model: LM | None = None, *, resume: bool = True):
         self.resume = resume
-        self.progress = progress
+        self.config = TrainConfig()
         self.history: list[dict[str, Any]] = []
 
     @torch.no_grad()
@@ -206,9 +211,14 @@ class TorchTrainer(Trainer):
     def _autocast(self, lm: LM):
         return autocast(lm.device, self.config.autocast_dtype)
 
-    def fit(self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM) -> Cartridge:
+    def fit(
+        self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM,
+        config: TrainConfig | None = None, *, output_dir: str | os.PathLike | None = None, progress: bool = True,
+    ) -> Cartridge:
         from tqdm.auto import tqdm
 
+        self.config = config or TrainConfig()
+        output_dir = Path(output_dir) if output_dir is not None else None
         cfg = self.config
         lm = model
         conversations = list(dataset)
@@ -228,14 +238,14 @@ class TorchTrainer(Trainer):
         params = list(cart.keys) + list(cart.values)
         opt = torch.optim.Adam(params, lr=cfg.lr)
         step = 0
-        ckpt = self.output_dir / CHECKPOINT if self.output_dir else None
-        if self.output_dir:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
+        ckpt = output_dir / CHECKPOINT if output_dir else None
+        if output_dir:
+            output_dir.mkdir(parents=True, exist_ok=True)
         if ckpt and ckpt.is_file() and self.resume:
             state = torch.load(ckpt, map_location=lm.device, weights_only=True)
             if state["config"] != attrs.asdict(cfg) or state["num_conversations"] != len(conversations):
                 raise ConfigError(
-                    f"The checkpoint in {str(self.output_dir)!r} was made with other settings or data; "
+                    f"The checkpoint in {str(output_dir)!r} was made with other settings or data; "
                     "use another output_dir or resume=False."
                 )
             with torch.no_grad():
@@ -245,8 +255,8 @@ class TorchTrainer(Trainer):
             step = state["step"]
             self.history = state.get("history", [])
 
-        log = (self.output_dir / RUN_LOG).open("a") if self.output_dir else None
-        bar = tqdm(total=total_steps, initial=step, desc="training cartridge", unit="step", disable=not self.progress)
+        log = (output_dir / RUN_LOG).open("a") if output_dir else None
+        bar = tqdm(total=total_steps, initial=step, desc="training cartridge", unit="step", disable=not progress)
         start, tokens_seen = time.perf_counter(), 0
         try:
             while step < total_steps:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cartridges_sdk import Cartridge, ConfigError, GenerationParams, PluginError, Runtime
+from cartridges_sdk import Cartridge, ConfigError, GenerationParams, GenerationRequest, PluginError, Runtime
+from cartridges_sdk.errors import BackendUnavailableError
 from cartridges_sdk.hf import HFRuntime
 from cartridges_sdk.plugins import Registry, runtimes
 
@@ -31,11 +32,13 @@ def test_length_and_stop(tiny_lm):
     rt = HFRuntime(tiny_lm)
     c = Cartridge.from_prefix(tiny_lm, TEXT, 40)
     msg = [{"role": "user", "content": "Go on"}]
-    out = rt.generate([c], msg, GenerationParams(max_new_tokens=5, temperature=1.0, seed=0))
+    (out,) = rt.generate([GenerationRequest(msg, [c], GenerationParams(max_new_tokens=5, temperature=1.0, seed=0))])
     assert out.finish_reason == "length" and len(out.token_ids) == 5
-    full = rt.generate([c], msg, GenerationParams(max_new_tokens=30, temperature=1.0, seed=0)).text
+    (full,) = rt.generate([GenerationRequest(msg, [c], GenerationParams(max_new_tokens=30, temperature=1.0, seed=0))])
+    full = full.text
     stop = full[3:5]
-    stopped = rt.generate([c], msg, GenerationParams(max_new_tokens=30, temperature=1.0, seed=0, stop=stop))
+    (stopped,) = rt.generate([GenerationRequest(msg, [c], GenerationParams(max_new_tokens=30, temperature=1.0, seed=0,
+                                                                          stop=stop))])
     assert stopped.finish_reason == "stop" and stop not in stopped.text and full.startswith(stopped.text)
 
 
@@ -68,12 +71,14 @@ def test_hf_runtime_is_registered_through_entry_points():
 
 
 def test_registry_errors_name_the_plugin():
-    reg = Registry("cartridges_sdk.test_only", Runtime)
-    with pytest.raises(PluginError, match="No Runtime named 'vllm'"):
+    reg = Registry("cartridges_sdk.test_only", Runtime, "runtime")
+    with pytest.raises(PluginError, match="No runtime named 'vllm'"):
         reg.get("vllm")
     reg.register("broken", "no_such_module_xyz:Thing")
-    with pytest.raises(PluginError, match="'broken'.*failed to import.*no_such_module_xyz"):
+    with pytest.raises(BackendUnavailableError, match="'broken'.*failed to import.*no_such_module_xyz"):
         reg.get("broken")
+    assert {r["name"]: r["ok"] for r in reg.describe()} == {"broken": False}
+    assert "no_such_module_xyz" in reg.describe()[0]["error"]
     reg.register("wrong", "cartridges_sdk.cartridge:Cartridge")
     with pytest.raises(PluginError, match="not a subclass of Runtime"):
         reg.get("wrong")

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from cartridges_sdk import Completion, ConfigError, Synthesizer
+from cartridges_sdk import Completion, ConfigError, Synthesizer, SynthesizerCapabilities
 from cartridges_sdk.dataset import ROLE_ASSISTANT, SelfStudyDataset
+from cartridges_sdk.hf import HFSynthesizer
 from cartridges_sdk.plugins import SynthesisRequest
-from cartridges_sdk.synthesis import HFSynthesizer, SynthesisConfig, synthesize, teacher_prompt
+from cartridges_sdk.synthesis import SynthesisConfig, synthesize, teacher_prompt
 
 from conftest import TEXT
 
@@ -19,9 +20,14 @@ from conftest import TEXT
 class FakeSynthesizer(Synthesizer):
     """Deterministic replies built from the request, with made-up top-k; can fail after N calls or spoil a reply."""
 
+    capabilities = SynthesizerCapabilities(max_top_logprobs=20)
+
     def __init__(self, lm, fail_after: int | None = None, spoil: int | None = None):
         self.lm, self.calls, self.fail_after, self.spoil = lm, 0, fail_after, spoil
         self.seen_groups: list[list[int | None]] = []
+
+    def identity(self):
+        return self.lm.identity
 
     def complete(self, requests):
         if self.fail_after is not None and self.calls >= self.fail_after:
@@ -31,7 +37,7 @@ class FakeSynthesizer(Synthesizer):
         out = []
         for i, r in enumerate(requests):
             rng = random.Random(r.seed)
-            text = f"reply {rng.randint(0, 999)} to {r.messages[-1]['content'][:12]}"
+            text = f"reply {rng.randint(0, 999)} to {self.lm.tokenizer.decode(r.prompt_ids[-20:])[:12]}"
             ids = self.lm.tokenizer(text, add_special_tokens=False)["input_ids"][: r.max_tokens]
             k = r.top_logprobs
             top_ids = np.array([[(t + j) % 90 for j in range(k)] for t in ids]) if k else None
@@ -100,14 +106,15 @@ def test_bad_conversation_is_reported_and_skipped(tiny_lm, tmp_path):
 def test_hf_teacher_topk_is_exact(tiny_lm):
     """Stored top-k log-probs equal the model's own distribution at each generated token, chunk in context."""
     synth = HFSynthesizer(tiny_lm)
+    context = tiny_lm.encode(TEXT[:300])
     reqs = [
-        SynthesisRequest([{"role": "user", "content": q}], context=TEXT[:300], max_tokens=12, temperature=1.0,
-                         top_logprobs=4, group=0, seed=s)
+        SynthesisRequest(teacher_prompt(tiny_lm, context, [{"role": "user", "content": q}]), max_tokens=12,
+                         temperature=1.0, top_logprobs=4, group=0, seed=s)
         for s, q in enumerate(["Who built it?", "When was the tower automated, and by whom?"])
     ]
     outs = synth.complete(reqs)
     for req, out in zip(reqs, outs):
-        prompt = teacher_prompt(tiny_lm, req)
+        prompt = list(req.prompt_ids)
         logp = tiny_lm.logits(prompt + list(out.token_ids)).log_softmax(-1)
         steps = logp[len(prompt) - 1 : len(prompt) - 1 + len(out.token_ids)]
         want = torch.topk(steps, 4, dim=-1)
@@ -188,9 +195,7 @@ def test_killed_window_synthesis_resumes(tiny_lm, tmp_path):
 
 
 def test_windows_need_a_synthesizer_that_scores(tiny_lm, tmp_path):
-    from cartridges_sdk import PluginError
-
-    with pytest.raises(PluginError, match="document_windows=0"):
+    with pytest.raises(ConfigError, match="document_windows=2 needs a synthesizer that scores.*document_windows=0"):
         synthesize(TEXT, tiny_lm, tmp_path / "d", _config(document_windows=2), synthesizer=FakeSynthesizer(tiny_lm),
                    progress=False)
 

@@ -64,9 +64,10 @@ def test_zero_conversation_weight_trains_on_windows_or_says_why_not(tiny_lm):
     init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
     convs = _conversations(tiny_lm)
     with pytest.raises(ConfigError, match="no document windows"):
-        TorchTrainer(TrainConfig(conversation_weight=0.0), progress=False).fit(init, convs, tiny_lm)
-    trainer = TorchTrainer(TrainConfig(conversation_weight=0.0, eval_fraction=0.0), progress=False)
-    trainer.fit(init, convs[:3] + [attrs.evolve(c, seed_kind="document") for c in convs[3:]], tiny_lm)
+        TorchTrainer().fit(init, convs, tiny_lm, TrainConfig(conversation_weight=0.0), progress=False)
+    trainer = TorchTrainer()
+    trainer.fit(init, convs[:3] + [attrs.evolve(c, seed_kind="document") for c in convs[3:]], tiny_lm,
+                TrainConfig(conversation_weight=0.0, eval_fraction=0.0), progress=False)
     assert trainer.history[-1]["step"] == 1  # three windows fit one batch; the three conversations were left out
 
 
@@ -82,7 +83,7 @@ def test_next_token_objective(tiny_lm):
 
 def test_gradients_reach_only_trainable_tokens(tiny_lm):
     init = Cartridge.from_prefix(tiny_lm, TEXT, 12, num_frozen=2)
-    out = TorchTrainer(TrainConfig(lr=0.05, eval_fraction=0.0), progress=False).fit(init, _conversations(tiny_lm), tiny_lm)
+    out = TorchTrainer().fit(init, _conversations(tiny_lm), tiny_lm, TrainConfig(lr=0.05, eval_fraction=0.0), progress=False)
     assert all(p.grad is None for p in tiny_lm.model.parameters())
     for i in range(init.num_layers):
         assert torch.equal(out.keys[i][:, :2], init.keys[i][:, :2])  # frozen sink untouched
@@ -109,8 +110,8 @@ def test_training_moves_the_student_toward_the_teacher(tiny_lm):
     convs = _distilled(tiny_lm, TEXT[:200])
     init = Cartridge.from_random_text(tiny_lm, 24)
     cfg = TrainConfig(lr=0.1, epochs=20, eval_fraction=0.0, batch_tokens=10**6, schedule="constant")
-    trainer = TorchTrainer(cfg, progress=False)
-    trainer.fit(init, convs, tiny_lm)
+    trainer = TorchTrainer()
+    trainer.fit(init, convs, tiny_lm, cfg, progress=False)
     losses = [h["loss"] for h in trainer.history]
     # the loss is KL(teacher || student) plus the teacher's (constant) entropy over its top-k
     entropy = float(np.mean([-(np.exp(c.topk_logprobs) * c.topk_logprobs).sum(-1).mean() for c in convs]))
@@ -131,7 +132,7 @@ def test_resume_gives_identical_results(tiny_lm, tmp_path, monkeypatch):
     init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
     convs = _conversations(tiny_lm, n=8)
     cfg = TrainConfig(lr=0.03, epochs=2, batch_tokens=60, checkpoint_every=1, eval_every=2)
-    straight = TorchTrainer(cfg, output_dir=tmp_path / "a", progress=False).fit(init, convs, tiny_lm)
+    straight = TorchTrainer().fit(init, convs, tiny_lm, cfg, output_dir=tmp_path / "a", progress=False)
 
     calls = {"n": 0}
     real_step = torch.optim.Adam.step
@@ -144,10 +145,10 @@ def test_resume_gives_identical_results(tiny_lm, tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.optim.Adam, "step", dying_step)
     with pytest.raises(KeyboardInterrupt):
-        TorchTrainer(cfg, output_dir=tmp_path / "b", progress=False).fit(init, convs, tiny_lm)
+        TorchTrainer().fit(init, convs, tiny_lm, cfg, output_dir=tmp_path / "b", progress=False)
     monkeypatch.setattr(torch.optim.Adam, "step", real_step)
-    resumed_trainer = TorchTrainer(cfg, output_dir=tmp_path / "b", progress=False)
-    resumed = resumed_trainer.fit(init, convs, tiny_lm)
+    resumed_trainer = TorchTrainer()
+    resumed = resumed_trainer.fit(init, convs, tiny_lm, cfg, output_dir=tmp_path / "b", progress=False)
     assert resumed_trainer.history[2]["step"] == 3  # picked up after the 3 finished steps
     for i in range(init.num_layers):
         assert torch.equal(straight.keys[i], resumed.keys[i]) and torch.equal(straight.values[i], resumed.values[i])
@@ -157,9 +158,9 @@ def test_resume_gives_identical_results(tiny_lm, tmp_path, monkeypatch):
 def test_resume_with_other_settings_is_refused(tiny_lm, tmp_path):
     init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
     convs = _conversations(tiny_lm, n=4)
-    TorchTrainer(TrainConfig(eval_fraction=0.0), output_dir=tmp_path, progress=False).fit(init, convs, tiny_lm)
+    TorchTrainer().fit(init, convs, tiny_lm, TrainConfig(eval_fraction=0.0), output_dir=tmp_path, progress=False)
     with pytest.raises(ConfigError, match="other settings"):
-        TorchTrainer(TrainConfig(lr=0.1, eval_fraction=0.0), output_dir=tmp_path, progress=False).fit(init, convs, tiny_lm)
+        TorchTrainer().fit(init, convs, tiny_lm, TrainConfig(lr=0.1, eval_fraction=0.0), output_dir=tmp_path, progress=False)
 
 
 def test_bad_training_settings():

@@ -1,7 +1,9 @@
-"""The built-in Hugging Face runtime: cartridges become a transformers KV cache in front of the chat turn.
+"""The decode loop the HF runtime and synthesizer share: a batch of prompts, each after its own prefix KV.
 
-Our own decode loop (rather than ``model.generate``) keeps the cartridge prefix, the attention mask over
-cartridge + padding + new tokens, and the position ids explicit, which is where prefix caches go wrong silently.
+Our own loop (rather than ``model.generate``) keeps every row's prefix, the attention mask over prefix + padding +
+new tokens, and the position ids explicit, which is where prefix caches go wrong silently. Rows are padded on the
+left (prompts) and their prefixes right-aligned (see `kv.rows_prefix_cache`), so each row's tokens sit at the
+positions they would have alone and padding is masked out.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import ConfigError
-from .kv import prefix_cache
-from .plugins import Completion, GenerationParams, Message, Runtime
+from ..errors import ConfigError
+from ..kv import rows_prefix_cache
+from ..plugins import Completion, GenerationParams
 
 if TYPE_CHECKING:
-    from .cartridge import Cartridge
-    from .models import LM
+    from ..models import LM
+
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _sample(logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -38,50 +41,13 @@ def _sample(logits: torch.Tensor, params: GenerationParams, generator: torch.Gen
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-class HFRuntime(Runtime):
-    """Runs cartridges on the transformers model inside an `LM`; batches questions with left padding."""
-
-    def __init__(self, lm: LM):
-        self.lm = lm
-
-    def generate(
-        self, cartridges: Sequence[Cartridge], messages: Sequence[Message], params: GenerationParams
-    ) -> Completion:
-        return self.generate_batch(cartridges, [messages], params)[0]
-
-    def generate_batch(
-        self, cartridges: Sequence[Cartridge], conversations: Sequence[Sequence[Message]], params: GenerationParams
-    ) -> list[Completion]:
-        prompts = [self.lm.chat_ids(m, after_cartridge=bool(cartridges)) for m in conversations]
-        for outs in self._decode(cartridges, prompts, params):
-            pass
-        return [self._finish(ids, reason, params) for ids, reason in outs]
-
-    def stream(
-        self, cartridges: Sequence[Cartridge], messages: Sequence[Message], params: GenerationParams
-    ) -> Iterator[str]:
-        prompt = self.lm.chat_ids(messages, after_cartridge=bool(cartridges))
-        shown = ""
-        for (ids, reason), in self._decode(cartridges, [prompt], params):
-            text = self._finish(ids, reason, params).text
-            # hold back text that may still change (an incomplete multi-byte character) until it settles
-            if text.endswith("\ufffd") and reason is None:
-                continue
-            if len(text) > len(shown) and text.startswith(shown):
-                yield text[len(shown) :]
-                shown = text
-
-    def _finish(self, ids: list[int], reason: str | None, params: GenerationParams) -> Completion:
-        return finish(self.lm, ids, reason, stop=params.stop)
-
-    def _decode(self, cartridges: Sequence[Cartridge], prompts: list[list[int]], params: GenerationParams):
-        for state in decode(self.lm, cartridges, prompts, params):
-            yield [(list(o), r) for o, r in zip(state.tokens, state.reasons)]
-
-
-def finish(lm: LM, ids: Sequence[int], reason: str | None, *, stop: Sequence[str] = (), **extra) -> Completion:
+def finish(
+    lm: LM, ids: Sequence[int], reason: str | None, *, stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
+    **extra,
+) -> Completion:
     """A `Completion` from generated ids: text without the end-of-turn token, cut before the first stop string."""
-    body = ids[:-1] if ids and ids[-1] in lm.eos_token_ids else ids
+    eos = set(stop_ids) if stop_ids is not None else lm.eos_token_ids
+    body = ids[:-1] if ids and ids[-1] in eos else ids
     text = lm.tokenizer.decode(list(body), skip_special_tokens=True)
     for s in stop:
         if s in text:
@@ -102,39 +68,43 @@ class DecodeState:
 @torch.inference_mode()
 def decode(
     lm: LM,
-    cartridges: Sequence[Cartridge],
-    prompts: list[list[int]],
+    prefixes: Sequence[Layers | None],
+    prompts: Sequence[Sequence[int]],
     params: GenerationParams,
     *,
     top_logprobs: int = 0,
+    stop_ids: Sequence[int] | None = None,
 ) -> Iterator[DecodeState]:
-    """Batch-decode `prompts` after `cartridges`, yielding the state after every step (the last has all reasons set).
+    """Batch-decode `prompts`, row i after the per-layer KV `prefixes[i]` (or none), yielding the state after every
+    step (the last has all reasons set).
 
     With `top_logprobs=k`, every generated token also gets the model's top-k log-probabilities (before
-    temperature), which is what self-study keeps as the teacher's distribution.
+    temperature), which is what self-study keeps as the teacher's distribution. A row ends at any of `stop_ids`
+    (default: the model's end-of-turn tokens) or at one of ``params.stop``'s strings.
     """
-    if not prompts or any(not p for p in prompts):
-        raise ConfigError("Every conversation must format to at least one token.")
+    if not prompts or any(not p for p in prompts) or len(prefixes) != len(prompts):
+        raise ConfigError("Every conversation must format to at least one token, with one prefix entry per prompt.")
     device = lm.device
     batch = len(prompts)
     width = max(len(p) for p in prompts)
-    room = sum(c.num_tokens for c in cartridges) + width + params.max_new_tokens
-    cache, p = prefix_cache(lm, cartridges, batch_size=batch, capacity=room)
+    longest_prefix = max((layers[0][0].shape[1] for layers in prefixes if layers), default=0)
+    cache, _, prefix_mask = rows_prefix_cache(lm, prefixes, capacity=longest_prefix + width + params.max_new_tokens)
     pad = lm.pad_token_id
     ids = torch.full((batch, width), pad, dtype=torch.long, device=device)
     prompt_mask = torch.zeros((batch, width), dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt, device=device)
+        ids[row, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
         prompt_mask[row, width - len(prompt) :] = 1
-    mask = torch.cat([torch.ones(batch, p, dtype=torch.long, device=device), prompt_mask], dim=1)
-    # positions continue after the cartridge; padding gets a harmless position and is masked out
-    positions = (p + prompt_mask.cumsum(-1) - 1).clamp(min=p)
+    mask = torch.cat([prefix_mask, prompt_mask], dim=1)
+    # each row's positions continue after its own prefix; padding gets a harmless position and is masked out
+    start = prefix_mask.sum(-1, keepdim=True)
+    positions = torch.maximum(start + prompt_mask.cumsum(-1) - 1, start)
     generator = None
     if params.temperature > 0:
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed if params.seed is not None else torch.seed())
 
-    eos = lm.eos_token_ids
+    eos = set(stop_ids) if stop_ids is not None else lm.eos_token_ids
     state = DecodeState(batch)
     next_pos = positions[:, -1:] + 1
     step_ids, step_pos = ids, positions
@@ -170,3 +140,14 @@ def decode(
         next_pos = next_pos + 1
     state.reasons = [r or "length" for r in state.reasons]
     yield state
+
+
+def row_completion(
+    lm: LM, state: DecodeState, row: int, *, stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
+) -> Completion:
+    """Row `row` of a decode as a `Completion`, with its top-k arrays ``[tokens, k]`` when they were kept."""
+    extra = {}
+    if state.top_ids[row]:
+        extra = {"top_ids": torch.stack(state.top_ids[row]).numpy(),
+                 "top_logprobs": torch.stack(state.top_logprobs[row]).float().numpy()}
+    return finish(lm, state.tokens[row], state.reasons[row], stop=stop, stop_ids=stop_ids, **extra)

@@ -1,0 +1,108 @@
+"""The built-in Hugging Face runtime: each request's cartridges become its rows' prefix in a transformers KV cache."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+from ..checks import at_least_one
+from ..errors import IncompatibleCartridgeError
+from ..kv import concat_layers
+from ..plugins import Completion, GenerationParams, GenerationRequest, Runtime
+from .decode import Layers, decode, row_completion
+
+if TYPE_CHECKING:
+    from ..cartridge import Cartridge
+    from ..models import LM
+
+
+@attrs.frozen
+class HFRuntimeOptions:
+    # how many distinct cartridges stay installed (on the model's device and dtype) before the least recently used goes
+    max_installed: int = attrs.field(default=64, validator=at_least_one)
+
+
+class HFRuntime(Runtime):
+    """Runs cartridges on the transformers model inside an `LM`.
+
+    Requests with equal generation settings are decoded as one batch, whatever their cartridges: each row gets its
+    own prefix, and the attention mask hides the padding, so every answer equals the one asked alone.
+    """
+
+    Options = HFRuntimeOptions
+
+    def __init__(self, lm: LM, *, max_installed: int = 64):
+        self.lm = lm
+        self.max_installed = max_installed
+        self._installed: OrderedDict[str, Layers] = OrderedDict()
+        self.installs = 0  # cartridges moved into the model's device and dtype (each content once while it stays)
+
+    def _install(self, cartridge: Cartridge) -> Layers:
+        key = cartridge.fingerprint
+        if key in self._installed:
+            self._installed.move_to_end(key)
+        else:
+            self._installed[key] = concat_layers(self.lm, [cartridge])
+            self.installs += 1
+            while len(self._installed) > self.max_installed:
+                self._installed.popitem(last=False)
+        return self._installed[key]
+
+    def _prefix(self, request: GenerationRequest) -> Layers | None:
+        parts = [self._install(c) for c in request.cartridges]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        import torch
+
+        return [(torch.cat([p[i][0] for p in parts], dim=1), torch.cat([p[i][1] for p in parts], dim=1))
+                for i in range(len(parts[0]))]
+
+    def _prompt(self, request: GenerationRequest) -> list[int]:
+        """Plain prefix tokens, then the chat turn by the one rule for what follows a cartridge or a document."""
+        after = bool(request.cartridges or request.prefix_ids)
+        return list(request.prefix_ids) + self.lm.chat_ids(request.messages, after_cartridge=after)
+
+    def _check(self, requests: Sequence[GenerationRequest]) -> None:
+        for r in requests:  # every cartridge of the batch, before any engine work
+            for c in r.cartridges:
+                problem = c.meta.model.mismatch(self.lm.identity)
+                if problem:
+                    raise IncompatibleCartridgeError(
+                        f"Cartridge for model {c.meta.model.name!r} cannot run on model {self.lm.name!r} ({problem}). "
+                        "Load it with the model it was made for."
+                    )
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        requests = list(requests)
+        self._check(requests)
+        out: list[Completion | None] = [None] * len(requests)
+        batches: dict[GenerationParams, list[int]] = {}
+        for i, r in enumerate(requests):
+            batches.setdefault(r.params, []).append(i)
+        for params, idx in batches.items():
+            for state in decode(self.lm, [self._prefix(requests[i]) for i in idx],
+                                [self._prompt(requests[i]) for i in idx], params, top_logprobs=params.top_logprobs):
+                pass
+            for row, i in enumerate(idx):
+                out[i] = row_completion(self.lm, state, row, stop=params.stop)
+        return out  # type: ignore[return-value]
+
+    def stream(self, request: GenerationRequest) -> Iterator[str]:
+        self._check([request])
+        shown = ""
+        for state in decode(self.lm, [self._prefix(request)], [self._prompt(request)], request.params):
+            text = row_completion(self.lm, state, 0, stop=request.params.stop).text
+            # hold back text that may still change (an incomplete multi-byte character) until it settles
+            if text.endswith("\ufffd") and state.reasons[0] is None:
+                continue
+            if len(text) > len(shown) and text.startswith(shown):
+                yield text[len(shown) :]
+                shown = text
+
+    def close(self) -> None:
+        self._installed.clear()

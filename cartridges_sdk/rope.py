@@ -1,0 +1,98 @@
+"""RoPE maths on stored keys: moving keys to other positions, and converting between key layouts.
+
+A cartridge stores keys after RoPE. Hugging Face models rotate dimension pairs ``(i, i + rot/2)`` ("rotate half");
+other engines rotate adjacent pairs ``(2i, 2i + 1)`` ("interleaved"; e.g. llama.cpp after the HF -> GGUF conversion
+permutes Llama-family Q/K rows). Both describe the same rotation on differently ordered dimensions, so a layout
+change is a fixed permutation of each head's dimensions and loses nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import CartridgeFormatError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from .models import LM
+
+# RoPE variants whose rotation angle is position * inv_freq, so a shift by d positions is one extra rotation.
+POSITION_ADDITIVE_ROPE = {"default", "linear", "llama3", "yarn"}
+
+ROTATE_HALF = "rotate_half"
+INTERLEAVED = "interleaved"
+PAIRINGS = (ROTATE_HALF, INTERLEAVED)
+
+
+def key_layout(pairing: str = ROTATE_HALF) -> dict[str, Any]:
+    """How a cartridge file stores its keys: RoPE already applied, for positions 0..p-1, with this pairing."""
+    if pairing not in PAIRINGS:
+        raise CartridgeFormatError(f"Key pairing {pairing!r} is not one of {PAIRINGS}.")
+    return {"rope_applied": True, "positions": "0..p-1", "pairing": pairing}
+
+
+DEFAULT_KEY_LAYOUT = key_layout(ROTATE_HALF)  # what every file without the field was written in
+
+
+def check_key_layout(layout: dict[str, Any]) -> dict[str, Any]:
+    """`layout` if this SDK understands it; otherwise an error that names the field and value it does not."""
+    if not isinstance(layout, dict):
+        raise CartridgeFormatError(f"key_layout must be an object, got {layout!r}.")
+    want = key_layout(layout.get("pairing", ROTATE_HALF))
+    for field, value in want.items():
+        if layout.get(field, value) != value:
+            raise CartridgeFormatError(
+                f"key_layout {field}={layout.get(field)!r} is not supported (expected {value!r}); "
+                "convert the keys to post-RoPE keys for positions 0..p-1 before loading."
+            )
+    return want
+
+
+def convert_pairing(keys: torch.Tensor, source: str, target: str, rotary_dims: int | None = None) -> torch.Tensor:
+    """Re-lay keys ``[..., head_dim]`` from one pairing to the other; the first `rotary_dims` dims rotate
+    (all by default), the rest stay where they are. Exact: a permutation of dimensions."""
+    key_layout(source), key_layout(target)
+    if source == target:
+        return keys.clone()
+    rot = keys.shape[-1] if rotary_dims is None else rotary_dims
+    if rot % 2 or rot > keys.shape[-1]:
+        raise UnsupportedModelError(f"rotary_dims={rot} must be even and at most head_dim={keys.shape[-1]}.")
+    half = torch.arange(rot // 2)
+    interleaved_from_half = torch.stack([half, half + rot // 2], dim=-1).reshape(-1)  # new[2i], new[2i+1] = old[i], old[i+rot/2]
+    order = interleaved_from_half if target == INTERLEAVED else torch.argsort(interleaved_from_half)
+    order = torch.cat([order, torch.arange(rot, keys.shape[-1])]).to(keys.device)
+    return keys.index_select(-1, order)
+
+
+def rope_inv_freq(lm: LM) -> torch.Tensor:
+    """The model's RoPE inverse frequencies, refusing RoPE variants where a position shift is not a rotation."""
+    rope = lm.identity.architecture.get("rope") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in POSITION_ADDITIVE_ROPE:
+        raise UnsupportedModelError(
+            f"Model {lm.name!r} uses rope_type={rope_type!r}, whose angles are not position * frequency, so keys "
+            f"cannot be moved exactly; compose with reposition=False (supported: {sorted(POSITION_ADDITIVE_ROPE)})."
+        )
+    for name, buf in lm.model.named_buffers():
+        if name.endswith("inv_freq") and "original" not in name:
+            return buf.detach().float()
+    raise UnsupportedModelError(
+        f"Model {lm.name!r} has no RoPE inv_freq buffer; repositioning needs rotary position embeddings."
+    )
+
+
+def shift_keys(keys: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate post-RoPE keys ``[..., tokens, head_dim]`` (rotate-half layout) as if each token sat `shift` positions
+    later. With partial rotary embeddings only the leading ``2 * len(inv_freq)`` dims rotate, as in the model."""
+    if shift == 0:
+        return keys.clone()
+    rot = 2 * inv_freq.numel()
+    angles = shift * inv_freq.to(device=keys.device, dtype=torch.float64)
+    cos = torch.cat([angles.cos(), angles.cos()])
+    sin = torch.cat([angles.sin(), angles.sin()])
+    k = keys.to(torch.float64)
+    head, tail = k[..., :rot], k[..., rot:]
+    x1, x2 = head[..., : rot // 2], head[..., rot // 2 :]
+    rotated = head * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([rotated, tail], dim=-1).to(keys.dtype)
