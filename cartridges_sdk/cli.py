@@ -95,32 +95,92 @@ def cmd_ask(args: argparse.Namespace) -> int:
     from .cartridge import Cartridge
 
     cartridges = [Cartridge.load(p) for p in args.cartridge]
+    options = backend_options(args, {"runtime": args.runtime})["runtime"]
     lm = _model_for(args.model, cartridges[0].meta, device=args.device)
     cartridges = [c.bind(lm) for c in cartridges]
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     if args.seed is not None:
         gen["seed"] = args.seed
-    if args.stream:
-        for piece in lm.chat([{"role": "user", "content": args.question}], cartridges, stream=True, **gen):
-            print(piece, end="", flush=True)
-        print()
-    else:
-        print(lm.ask(args.question, cartridges=cartridges, **gen))
+    try:
+        if args.stream:
+            pieces = lm.chat([{"role": "user", "content": args.question}], cartridges, stream=True,
+                             runtime=args.runtime, runtime_options=options, **gen)
+            for piece in pieces:
+                print(piece, end="", flush=True)
+            print()
+        else:
+            print(lm.ask(args.question, cartridges=cartridges, runtime=args.runtime, runtime_options=options, **gen))
+    finally:
+        lm.close()
     return 0
 
 
-def parse_settings(pairs: list[str]) -> dict[str, Any]:
+def parse_settings(pairs: list[str], flag: str = "--set", example: str = "lr=0.01") -> dict[str, Any]:
     """``--set key=value`` pairs; values are read as JSON when they parse (numbers, true/false, lists)."""
     out: dict[str, Any] = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise CartridgeError(f"--set {pair!r} must look like key=value, e.g. --set lr=0.01")
+            raise CartridgeError(f"{flag} {pair!r} must look like key=value, e.g. {flag} {example}")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+def backend_options(args: argparse.Namespace, roles: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """``--backend-option [ROLE.]KEY=VALUE`` pairs sorted to the command's backends (`roles`: role -> name).
+
+    With one backend the role may be left out; with two, a bare key goes to the one that declares it.
+    """
+    from .plugins import REGISTRIES
+
+    pairs = parse_settings(args.backend_option, "--backend-option", "autocast_dtype=bfloat16")
+    out: dict[str, dict[str, Any]] = {role: {} for role in roles}
+    declared = {role: REGISTRIES[role + "s"].get(name).option_names() for role, name in roles.items()}
+    for key, value in pairs.items():
+        role, dot, bare = key.partition(".")
+        if dot and role in roles:
+            out[role][bare] = value
+            continue
+        takers = [r for r in roles if key in declared[r]] if len(roles) > 1 else list(roles)
+        if len(takers) != 1:
+            choices = "; ".join(f"{r} {roles[r]!r}: {declared[r] or 'none'}" for r in roles)
+            raise CartridgeError(
+                f"--backend-option {key!r} is {'declared by both backends' if takers else 'not an option of any backend'}"
+                f" ({choices}); write it as ROLE.{key}, ROLE one of {sorted(roles)}."
+            )
+        out[takers[0]][key] = value
+    for role, name in roles.items():  # unknown or bad options are refused here, before any model loads
+        REGISTRIES[role + "s"].get(name).parse_options(out[role], f"{role} {name!r}")
+    return out
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    from .plugins import REGISTRIES
+
+    report = {group: registry.describe() for group, registry in REGISTRIES.items()}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for group, rows in report.items():
+        print(f"{group}:")
+        for row in rows or [{"name": "(none installed)"}]:
+            if "ok" not in row:
+                print(f"  {row['name']}")
+                continue
+            origin = row["distribution"] or "registered at run time"
+            if not row["ok"]:
+                print(f"  {row['name']:<12} BROKEN  {row['target']} ({origin})\n      {row['error']}")
+                continue
+            extra = f"  options: {', '.join(row['options']) or 'none'}"
+            if "capabilities" in row:
+                caps = row["capabilities"]
+                extra += (f"; top-k up to {caps['max_top_logprobs']}, scores sequences: {'yes' if caps['score'] else 'no'}"
+                          f", prefix reuse: {'yes' if caps['prefix_reuse'] else 'no'}")
+            print(f"  {row['name']:<12} ok      {row['target']} ({origin}){extra}")
+    return 0
 
 
 def _corpus(args: argparse.Namespace):
@@ -135,11 +195,14 @@ def _corpus(args: argparse.Namespace):
 def cmd_build(args: argparse.Namespace) -> int:
     from .cartridge import Cartridge
 
+    options = backend_options(args, {"synthesizer": args.synthesizer, "trainer": args.trainer})
     lm = _model_for(args.model, device=args.device)
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     c = Cartridge.from_corpus(
         _corpus(args), lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
-        init=args.init, seed=args.seed, output_dir=work, **parse_settings(args.set),
+        init=args.init, seed=args.seed, output_dir=work, synthesizer=args.synthesizer,
+        synthesizer_options=options["synthesizer"], trainer=args.trainer, trainer_options=options["trainer"],
+        allow_unverified_model=args.allow_unverified_model, **parse_settings(args.set),
     )
     c.save(args.output)
     print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)} (work files in {work})")
@@ -159,12 +222,18 @@ def _stage_settings(args: argparse.Namespace, stage: str) -> dict[str, Any]:
 
 def cmd_synthesize(args: argparse.Namespace) -> int:
     from .dataset import SEED_KIND_DOCUMENT
-    from .synthesis import SynthesisConfig, synthesize
+    from .synthesis import SynthesisConfig, check_capabilities, synthesize
+
+    from .plugins import synthesizers
 
     synth = _stage_settings(args, "synthesize")
-    lm = _model_for(args.model, device=args.device)
     config = SynthesisConfig(num_conversations=args.conversations, seed=args.seed, **synth)
-    ds = synthesize(_corpus(args), lm, args.output, config)
+    options = backend_options(args, {"synthesizer": args.synthesizer})["synthesizer"]
+    check_capabilities(config, synthesizers.get(args.synthesizer).capabilities, f"synthesizer {args.synthesizer!r}")
+    lm = _model_for(args.model, device=args.device)
+    with synthesizers.create(args.synthesizer, lm, **options) as sampler:
+        ds = synthesize(_corpus(args), lm, args.output, config, synthesizer=sampler,
+                        allow_unverified_model=args.allow_unverified_model)
     windows = sum(c.seed_kind == SEED_KIND_DOCUMENT for c in ds)
     print(f"wrote {args.output}: {len(ds) - windows} conversations, {windows} document windows")
     return 0
@@ -175,6 +244,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .selfstudy import train_cartridge
 
     train = _stage_settings(args, "train")
+    options = backend_options(args, {"trainer": args.trainer})["trainer"]
     dataset = SelfStudyDataset(args.data)
     source = dataset.header.get("model", {}).get("source")
     lm = _model_for(args.model or source, device=args.device)
@@ -182,7 +252,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     c = train_cartridge(
         dataset, lm, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed,
-        prefix_ids=prefix_ids, output_dir=work, **train,
+        prefix_ids=prefix_ids, output_dir=work, trainer=args.trainer, trainer_options=options, **train,
     )
     c.save(args.output)
     print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)}")
@@ -219,6 +289,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="any synthesis or training setting, e.g. --set lr=0.01 --set max_chunk=2048 (repeatable)")
         model_args(p)
 
+    def backend_args(p: argparse.ArgumentParser, *roles: str) -> None:
+        defaults = {"synthesizer": "hf", "trainer": "torch", "runtime": "hf"}
+        for role in roles:
+            p.add_argument(f"--{role}", default=defaults[role],
+                           help=f"{role} backend by name (default {defaults[role]}; `cartridges backends` lists them)")
+        p.add_argument("--backend-option", action="append", metavar="[ROLE.]KEY=VALUE",
+                       help="an option of the chosen backend, e.g. --backend-option autocast_dtype=bfloat16 (repeatable)")
+        if "synthesizer" in roles:
+            p.add_argument("--allow-unverified-model", action="store_true",
+                           help="synthesize even if the synthesizer cannot show it serves the student's model (recorded)")
+
     p = sub.add_parser("build", help="self-study: synthesize conversations about a corpus, then train a cartridge")
     corpus_args(p)
     p.add_argument("-o", "--output", required=True, help="cartridge file to write")
@@ -228,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", choices=["prefix", "random_text", "random"], default="prefix")
     p.add_argument("--work-dir", help="where data and checkpoints go (default OUTPUT.work); a re-run resumes")
     study_args(p)
+    backend_args(p, "synthesizer", "trainer")
     p.set_defaults(func=cmd_build)
 
     p = sub.add_parser("synthesize", help="self-study data only: write conversations to a dataset folder")
@@ -235,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="dataset folder (e.g. data.parquet); a re-run resumes")
     p.add_argument("--conversations", type=int, default=256)
     study_args(p)
+    backend_args(p, "synthesizer")
     p.set_defaults(func=cmd_synthesize)
 
     p = sub.add_parser("train", help="train a cartridge on a dataset made by `cartridges synthesize`")
@@ -250,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--description")
     p.add_argument("--work-dir", help="where checkpoints go (default OUTPUT.work); a re-run resumes")
     study_args(p)
+    backend_args(p, "trainer")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("inspect", help="show what a cartridge file holds")
@@ -272,7 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     model_args(p)
+    backend_args(p, "runtime")
     p.set_defaults(func=cmd_ask)
+
+    p = sub.add_parser("backends", help="list installed runtimes, synthesizers and trainers, and whether each imports")
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
+    p.set_defaults(func=cmd_backends)
     return parser
 
 
@@ -285,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except CartridgeError as err:
         print(f"error: {err}", file=sys.stderr)
+        for note in getattr(err, "__notes__", []):
+            print(f"note: {note}", file=sys.stderr)
         return 2
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)

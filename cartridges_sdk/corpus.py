@@ -39,6 +39,14 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
+def _existing_path(text: str) -> bool:
+    """Whether `text` names an existing file or folder (a long line of text is not a path: the OS says so)."""
+    try:
+        return Path(text).exists()
+    except OSError:
+        return False
+
+
 def _warn_skipped(skipped: list[str]) -> None:
     if skipped:
         shown = ", ".join(skipped[:10]) + (f" and {len(skipped) - 10} more" if len(skipped) > 10 else "")
@@ -138,7 +146,8 @@ class Corpus:
         """Accept a Corpus, a text, a list of texts, or a path to a file or directory."""
         if isinstance(corpus, Corpus):
             return corpus
-        if isinstance(corpus, Path) or (isinstance(corpus, str) and len(corpus) < 4096 and "\n" not in corpus and Path(corpus).exists()):
+        if isinstance(corpus, Path) or (isinstance(corpus, str) and len(corpus) < 4096 and "\n" not in corpus
+                                        and _existing_path(corpus)):
             p = Path(corpus)
             return cls.from_directory(p) if p.is_dir() else cls.from_files([p])
         if isinstance(corpus, str):

@@ -96,9 +96,10 @@ PROBE_DOCUMENT = (
 PROBE_QUESTION = "When was the lamp first lit, and who tended it?"
 PROBE_TOKENS = 8
 PROBE_TOP_K = 5
-# max |teacher log-prob - student log-prob| over the probe's top-k tokens; bf16 autocast on the default model
-# measured 0.02-0.04 nats, another model of the same architecture differs by whole nats
-PROBE_TOLERANCE = 0.1
+# max |teacher log-prob - student log-prob| over the probe's top-k tokens. Measured on the default model against
+# its own fp32 forward: fp32 2e-5 nats, fp16 autocast 0.015, bf16 autocast 0.11, bf16 weights 0.17 (so a bf16 server
+# passes); a model of the same architecture with other weights differs by whole nats (tests: tiny seeds 0 and 1)
+PROBE_TOLERANCE = 0.5
 
 
 def probe_model(lm: LM, synthesizer: Synthesizer, tolerance: float = PROBE_TOLERANCE) -> dict[str, Any]:

@@ -86,3 +86,8 @@ def test_seed_prompt_kinds_and_weights():
 def test_register_a_seed_kind():
     register_seed("test_only_kind", lambda rng: "Ask about the second paragraph.")
     assert sample_seed(random.Random(0), {"test_only_kind": 1.0}) == ("test_only_kind", "Ask about the second paragraph.")
+
+
+def test_a_long_line_of_text_is_text_not_a_path():
+    line = "word " * 300  # over the OS's file-name limit, no newline
+    assert Corpus.coerce(line).text == line.strip()
