@@ -146,23 +146,23 @@ def probe_model(lm: LM, synthesizer: Synthesizer, tolerance: float = PROBE_TOLER
 def check_same_model(lm: LM, synthesizer: Synthesizer, *, allow_unverified_model: bool = False) -> dict[str, Any]:
     """Refuse a synthesizer that does not serve the student's model; return how it was checked (for the header).
 
-    A full identity is compared field by field. A mismatch in any field both sides report is always refused.
-    When the synthesizer reports nothing or only part of an identity, the probe decides; if it cannot run or
-    disagrees, only ``allow_unverified_model=True`` proceeds, and the dataset header records it.
+    Its identity, when reported, is compared field by field, and a field both sides report that differs is always
+    refused. Then, whenever it returns log-probabilities, the probe checks what it computes (a backend can report
+    the right identity and still run other weights); one that cannot be probed passes on a complete identity alone.
+    When nothing proves the model, only ``allow_unverified_model=True`` proceeds, and the header records why.
     """
     name = type(synthesizer).__name__
     identity = synthesizer.identity()
-    if identity is not None:
-        definite = identity.mismatch(lm.identity)
-        if definite:
-            raise IncompatibleCartridgeError(
-                f"The synthesizer {name} serves model {identity.name!r} but the student is {lm.name!r} ({definite}); "
-                "self-study needs the same model on both sides."
-            )
-        if identity.mismatch(lm.identity, strict=True) is None:
-            return {"method": "identity", "fingerprint": identity.fingerprint}
+    complete = identity is not None and identity.mismatch(lm.identity, strict=True) is None
+    if identity is not None and identity.mismatch(lm.identity):
+        raise IncompatibleCartridgeError(
+            f"The synthesizer {name} serves model {identity.name!r} but the student is {lm.name!r} "
+            f"({identity.mismatch(lm.identity)}); self-study needs the same model on both sides."
+        )
     try:
-        return probe_model(lm, synthesizer)
+        if synthesizer.capabilities.max_top_logprobs == 0 and complete:
+            return {"method": "identity", "fingerprint": identity.fingerprint}
+        return {**probe_model(lm, synthesizer), "identity": "complete" if complete else "partial or none"}
     except IncompatibleCartridgeError as err:
         if not allow_unverified_model:
             raise

@@ -368,8 +368,8 @@ def check_synthesizer(synthesizer: Synthesizer, lm: LM, *, tolerance: float = 1e
     """The whole synthesizer contract, against the student's own forward pass (the HF teacher):
 
     - it serves the student's model: its identity matches field by field, or the same-model probe passes;
-    - sampled tokens come with the teacher's top-k for exactly those tokens (ids and log-probs within `tolerance`),
-      as many columns as asked, ending at a stop id or at `max_tokens`;
+    - tokens sampled at temperature 0.7 come with the teacher's top-k for exactly those tokens, before temperature
+      (ids and log-probs within `tolerance`), as many columns as asked, ending at a stop id or at `max_tokens`;
     - its capabilities are honest: it returns the top-k it claims, and scores given sequences exactly when it
       claims ``score`` (and refuses otherwise).
     """
@@ -387,7 +387,7 @@ def check_synthesizer(synthesizer: Synthesizer, lm: LM, *, tolerance: float = 1e
     contexts = [lm.encode(t) for t in CONTRACT_TEXTS[:2]]
     requests = [
         SynthesisRequest(teacher_prompt(lm, contexts[g], [{"role": "user", "content": q}]), stop_ids, max_tokens,
-                         temperature=1.0, top_logprobs=k, group=g, seed=10 * g + i)
+                         temperature=0.7, top_logprobs=k, group=g, seed=10 * g + i)
         for g in range(2) for i, q in enumerate(QUESTIONS[:2])
     ]
     outs = synthesizer.complete(requests)

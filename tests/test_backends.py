@@ -213,6 +213,37 @@ def test_another_model_is_refused_and_an_override_is_recorded(tiny_llama, tmp_pa
                    allow_unverified_model=True, progress=False)
 
 
+class LiesAboutItsModel(HFSynthesizer):
+    """Reports the student's full identity but runs other weights."""
+
+    def __init__(self, lm, other):
+        super().__init__(other)
+        self.student = lm
+
+    def identity(self):
+        return self.student.identity
+
+
+def test_a_right_identity_with_wrong_weights_is_caught_before_work(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setitem(synthesizers._extra, "liar", LiesAboutItsModel)
+    other = testing.tiny_lm("llama", seed=1)
+    with pytest.raises(IncompatibleCartridgeError, match="does not serve the student's model"):
+        Cartridge.from_corpus(TEXT, tiny_llama, num_tokens=8, synthesizer=LiesAboutItsModel(tiny_llama, other),
+                              output_dir=tmp_path / "w", progress=False)
+    assert not (tmp_path / "w" / "data").exists()
+    synthesize(TEXT, tiny_llama, tmp_path / "d", _tiny_synthesis(), synthesizer=HFSynthesizer(tiny_llama), progress=False)
+    check = SelfStudyDataset(tmp_path / "d").header["model_check"]
+    assert check["method"] == "probe" and check["identity"] == "complete" and check["max_logprob_diff"] <= 1e-4
+
+
+def test_fakes_pass_only_with_the_override(tiny_llama, tmp_path):
+    with pytest.raises(IncompatibleCartridgeError, match="FakeSynthesizer does not serve"):
+        synthesize(TEXT, tiny_llama, tmp_path / "d", _tiny_synthesis(), synthesizer=testing.FakeSynthesizer(tiny_llama))
+    synthesize(TEXT, tiny_llama, tmp_path / "d", _tiny_synthesis(), synthesizer=testing.FakeSynthesizer(tiny_llama),
+               allow_unverified_model=True, progress=False)
+    assert SelfStudyDataset(tmp_path / "d").header["model_check"]["method"] == "override"
+
+
 def test_strict_identity_needs_every_field():
     full = ModelIdentity("m", architecture={"num_layers": 2, "vocab_size": 10}, tokenizer="abc")
     partial = ModelIdentity("m", architecture={"num_layers": 2})
@@ -226,6 +257,8 @@ def test_strict_identity_needs_every_field():
 
 
 class FlakySynthesizer(testing.FakeSynthesizer):
+    """Fails on its `fail_on`-th call (the first is the same-model probe)."""
+
     capabilities = SynthesizerCapabilities(max_top_logprobs=20)
 
     def __init__(self, lm, fail_on: int):
@@ -241,12 +274,12 @@ class FlakySynthesizer(testing.FakeSynthesizer):
 
 def test_an_engine_failure_says_what_is_saved_and_resumes(tiny_llama, tmp_path, capsys):
     with pytest.raises(TransientBackendError) as info:
-        synthesize(TEXT, tiny_llama, tmp_path / "d", _tiny_synthesis(), synthesizer=FlakySynthesizer(tiny_llama, 3),
-                   progress=False)
+        synthesize(TEXT, tiny_llama, tmp_path / "d", _tiny_synthesis(), synthesizer=FlakySynthesizer(tiny_llama, 4),
+                   allow_unverified_model=True, progress=False)
     assert info.value.retry_after == 2.0
     assert any("1 of 2 groups are saved" in n and "run the same synthesis again" in n for n in info.value.__notes__)
     ds = synthesize(TEXT, tiny_llama, tmp_path / "d", _tiny_synthesis(), synthesizer=FlakySynthesizer(tiny_llama, 99),
-                    progress=False)
+                    allow_unverified_model=True, progress=False)
     assert sorted(c.conv_id for c in ds) == [0, 1, 2, 3]
 
 

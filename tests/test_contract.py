@@ -92,16 +92,32 @@ class ShortTopK(HFSynthesizer):
                 for c in super().complete(requests)]
 
 
+class AfterTemperature(HFSynthesizer):
+    """Right model, but its log-probs are taken after temperature (a classic engine setting), renormalised over top-k."""
+
+    def complete(self, requests):
+        out = []
+        for r, c in zip(requests, super().complete(requests)):
+            if c.top_logprobs is not None and r.temperature > 0:
+                scaled = c.top_logprobs / r.temperature
+                c = Completion(c.text, c.token_ids, c.finish_reason, c.top_ids,
+                               scaled - np.log(np.exp(scaled).sum(-1, keepdims=True)))
+            out.append(c)
+        return out
+
+
 def test_a_synthesizer_with_another_models_topk_is_caught(tiny_llama):
     other = testing.tiny_lm("llama", seed=1)
-    with pytest.raises(ContractViolation, match=r"\[teacher top-k\].*differ from the student model's own forward"):
+    with pytest.raises(ContractViolation, match=r"\[same model\] OtherModelsTopK does not serve the student's model"):
         testing.check_synthesizer(OtherModelsTopK(tiny_llama, other), tiny_llama)
+    with pytest.raises(ContractViolation, match=r"\[teacher top-k\].*differ from the student model's own forward"):
+        testing.check_synthesizer(AfterTemperature(tiny_llama), tiny_llama)
 
 
 def test_dishonest_capabilities_are_caught(tiny_llama):
     with pytest.raises(ContractViolation, match=r"capabilities.score is True but score\(\) failed.*no scoring here"):
         testing.check_synthesizer(LiesAboutScoring(tiny_llama), tiny_llama)
-    with pytest.raises(ContractViolation, match=r"top_ids has shape \(\d+, 2\), not \(\d+, 5\)"):
+    with pytest.raises(ContractViolation, match=r"top-k arrays of shape \(\d+, 2\), not \(\d+, 5\)"):
         testing.check_synthesizer(ShortTopK(tiny_llama), tiny_llama)
 
 

@@ -18,7 +18,8 @@ from conftest import TEXT
 
 
 class FakeSynthesizer(Synthesizer):
-    """Deterministic replies built from the request, with made-up top-k; can fail after N calls or spoil a reply."""
+    """Deterministic replies built from the request, with made-up top-k; can fail after N calls or spoil a reply.
+    Its top-k fail the same-model probe, so tests that use it say allow_unverified_model=True."""
 
     capabilities = SynthesizerCapabilities(max_top_logprobs=20)
 
@@ -42,7 +43,7 @@ class FakeSynthesizer(Synthesizer):
             k = r.top_logprobs
             top_ids = np.array([[(t + j) % 90 for j in range(k)] for t in ids]) if k else None
             top_lps = np.log(np.full((len(ids), k), 1.0 / (k + 1))) if k else None
-            if k and self.spoil is not None and self.calls == 2 and i == self.spoil:
+            if k and self.spoil is not None and r.group == 0 and i == self.spoil:
                 top_ids = top_ids + 10**6  # outside the vocabulary
             out.append(Completion(text=text, token_ids=tuple(ids), finish_reason="length", top_ids=top_ids, top_logprobs=top_lps))
         return out
@@ -55,7 +56,7 @@ def _config(**kw):
 
 
 def test_dataset_round_trip_and_alignment(tiny_lm, tmp_path):
-    ds = synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm), progress=False)
+    ds = synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm), allow_unverified_model=True, progress=False)
     convs = SelfStudyDataset(tmp_path / "d").conversations()
     assert len(convs) == 10 and sorted(c.conv_id for c in convs) == list(range(10))
     for c in convs:
@@ -71,18 +72,18 @@ def test_dataset_round_trip_and_alignment(tiny_lm, tmp_path):
 
 def test_requests_are_grouped_by_chunk(tiny_lm, tmp_path):
     fake = FakeSynthesizer(tiny_lm)
-    synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=fake, progress=False)
-    # one call per participant per round per group, each call one group: A then B for groups 0, 1, 2
-    assert [set(g) for g in fake.seen_groups] == [{0}, {0}, {1}, {1}, {2}, {2}]
-    assert [len(g) for g in fake.seen_groups] == [4, 4, 4, 4, 2, 2]
+    synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=fake, allow_unverified_model=True, progress=False)
+    # the same-model probe (no group), then one call per participant per round per group: A then B for groups 0, 1, 2
+    assert [set(g) for g in fake.seen_groups] == [{None}, {0}, {0}, {1}, {1}, {2}, {2}]
+    assert [len(g) for g in fake.seen_groups] == [1, 4, 4, 4, 4, 2, 2]
 
 
 def test_killed_synthesis_resumes_without_loss_or_duplicates(tiny_lm, tmp_path):
-    whole = synthesize(TEXT, tiny_lm, tmp_path / "whole", _config(), synthesizer=FakeSynthesizer(tiny_lm), progress=False)
+    whole = synthesize(TEXT, tiny_lm, tmp_path / "whole", _config(), synthesizer=FakeSynthesizer(tiny_lm), allow_unverified_model=True, progress=False)
     with pytest.raises(KeyboardInterrupt):
-        synthesize(TEXT, tiny_lm, tmp_path / "part", _config(), synthesizer=FakeSynthesizer(tiny_lm, fail_after=3), progress=False)
+        synthesize(TEXT, tiny_lm, tmp_path / "part", _config(), synthesizer=FakeSynthesizer(tiny_lm, fail_after=3), allow_unverified_model=True, progress=False)
     assert SelfStudyDataset(tmp_path / "part").done_groups() == {0}
-    resumed = synthesize(TEXT, tiny_lm, tmp_path / "part", _config(), synthesizer=FakeSynthesizer(tiny_lm), progress=False)
+    resumed = synthesize(TEXT, tiny_lm, tmp_path / "part", _config(), synthesizer=FakeSynthesizer(tiny_lm), allow_unverified_model=True, progress=False)
     a = sorted(whole.conversations(), key=lambda c: c.conv_id)
     b = sorted(resumed.conversations(), key=lambda c: c.conv_id)
     assert [c.conv_id for c in b] == list(range(10))
@@ -92,14 +93,14 @@ def test_killed_synthesis_resumes_without_loss_or_duplicates(tiny_lm, tmp_path):
 
 
 def test_other_settings_on_the_same_path_are_refused(tiny_lm, tmp_path):
-    synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm), progress=False)
+    synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm), allow_unverified_model=True, progress=False)
     with pytest.raises(ConfigError, match="other settings"):
-        synthesize(TEXT, tiny_lm, tmp_path / "d", _config(top_k=7), synthesizer=FakeSynthesizer(tiny_lm), progress=False)
+        synthesize(TEXT, tiny_lm, tmp_path / "d", _config(top_k=7), synthesizer=FakeSynthesizer(tiny_lm), allow_unverified_model=True, progress=False)
 
 
 def test_bad_conversation_is_reported_and_skipped(tiny_lm, tmp_path):
     with pytest.warns(UserWarning, match="Skipped 1 bad conversation.*top-k ids outside"):
-        ds = synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm, spoil=1), progress=False)
+        ds = synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm, spoil=1), allow_unverified_model=True, progress=False)
     assert len(ds) == 9 and 1 not in {c.conv_id for c in ds}
 
 
@@ -197,7 +198,7 @@ def test_killed_window_synthesis_resumes(tiny_lm, tmp_path):
 def test_windows_need_a_synthesizer_that_scores(tiny_lm, tmp_path):
     with pytest.raises(ConfigError, match="document_windows=2 needs a synthesizer that scores.*document_windows=0"):
         synthesize(TEXT, tiny_lm, tmp_path / "d", _config(document_windows=2), synthesizer=FakeSynthesizer(tiny_lm),
-                   progress=False)
+                   allow_unverified_model=True, progress=False)
 
 
 def test_window_settings_that_cannot_make_a_target_are_refused(tiny_lm, tmp_path):

@@ -55,7 +55,8 @@ def test_self_study_with_the_example_synthesizer(lm, tmp_path):
     )
     assert c.meta.init == "trained" and c.meta.training["synthesizer"] == "LoggingSynthesizer"
     events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
-    assert events.count("complete") == 2 and "score" in events  # A, then B, for one group; then the windows
+    # the same-model probe, then A and B for the one group, then the windows
+    assert events.count("complete") == 3 and "score" in events
 
 
 @pytest.mark.default_model
