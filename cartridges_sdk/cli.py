@@ -222,9 +222,8 @@ def _stage_settings(args: argparse.Namespace, stage: str) -> dict[str, Any]:
 
 def cmd_synthesize(args: argparse.Namespace) -> int:
     from .dataset import SEED_KIND_DOCUMENT
-    from .synthesis import SynthesisConfig, check_capabilities, synthesize
-
     from .plugins import synthesizers
+    from .synthesis import SynthesisConfig, check_capabilities, synthesize
 
     synth = _stage_settings(args, "synthesize")
     config = SynthesisConfig(num_conversations=args.conversations, seed=args.seed, **synth)

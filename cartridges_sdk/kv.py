@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from .models import LM
 
 
-def concat_layers(lm: LM, cartridges: Sequence[Cartridge]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer keys/values of several cartridges placed one after another, on the model's device and dtype."""
+def refuse_foreign(lm: LM, cartridges: Sequence[Cartridge]) -> None:
+    """Raise `IncompatibleCartridgeError`, naming both models, for the first cartridge made for another model."""
     for c in cartridges:
         problem = c.meta.model.mismatch(lm.identity)
         if problem:
@@ -25,6 +25,11 @@ def concat_layers(lm: LM, cartridges: Sequence[Cartridge]) -> list[tuple[torch.T
                 f"Cartridge for model {c.meta.model.name!r} cannot run on model {lm.name!r} ({problem}). "
                 f"Load it with the model it was made for."
             )
+
+
+def concat_layers(lm: LM, cartridges: Sequence[Cartridge]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer keys/values of several cartridges placed one after another, on the model's device and dtype."""
+    refuse_foreign(lm, cartridges)
     cartridges = [c.in_key_pairing(ROTATE_HALF) for c in cartridges]  # the layout transformers' RoPE writes
     layers = []
     for i in range(lm.num_layers):

@@ -223,14 +223,16 @@ class LM:
         return self._runtimes[key]
 
     def _runtime(self, runtime: str | Runtime, options: dict[str, Any] | None) -> Runtime:
+        if isinstance(runtime, str):
+            return self.get_runtime(runtime, **(options or {}))
         from .plugins import runtimes
 
-        return self.get_runtime(runtime, **(options or {})) if isinstance(runtime, str) else runtimes.resolve(runtime, self, options)[0]
+        return runtimes.resolve(runtime, self, options)[0]  # an object: used as it is, options refused
 
     def close(self) -> None:
         """Close every runtime this model started (engines, servers); the model itself stays usable."""
-        runtimes, self._runtimes = list(self._runtimes.values()), {}
-        for rt in runtimes:
+        started, self._runtimes = list(self._runtimes.values()), {}
+        for rt in started:
             rt.close()
 
     def chat(

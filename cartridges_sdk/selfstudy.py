@@ -164,8 +164,9 @@ def build_cartridge(
     synth_cfg = SynthesisConfig(num_conversations=num_conversations, seed=seed, **synth_settings)
     TrainConfig(epochs=epochs, seed=seed, **train_settings)  # refuse bad training settings before synthesis
     if isinstance(synthesizer, str):  # what the class can do is known before its engine starts
-        check_capabilities(synth_cfg, synthesizers.get(synthesizer).capabilities, f"synthesizer {synthesizer!r}")
-        synthesizers.get(synthesizer).parse_options(synthesizer_options or {}, f"synthesizer {synthesizer!r}")
+        cls = synthesizers.get(synthesizer)
+        check_capabilities(synth_cfg, cls.capabilities, f"synthesizer {synthesizer!r}")
+        cls.parse_options(synthesizer_options or {}, f"synthesizer {synthesizer!r}")
     if isinstance(trainer, str):
         trainers.get(trainer).parse_options(trainer_options or {}, f"trainer {trainer!r}")
     lm = model if isinstance(model, LM) else load_model(model)

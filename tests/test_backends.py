@@ -32,6 +32,7 @@ from cartridges_sdk.rope import INTERLEAVED, ROTATE_HALF
 from cartridges_sdk.synthesis import SynthesisConfig, synthesize
 
 from conftest import TEXT
+from test_contract import OtherModelsTopK
 
 
 def _tiny_synthesis(**kw):
@@ -213,22 +214,10 @@ def test_another_model_is_refused_and_an_override_is_recorded(tiny_llama, tmp_pa
                    allow_unverified_model=True, progress=False)
 
 
-class LiesAboutItsModel(HFSynthesizer):
-    """Reports the student's full identity but runs other weights."""
-
-    def __init__(self, lm, other):
-        super().__init__(other)
-        self.student = lm
-
-    def identity(self):
-        return self.student.identity
-
-
-def test_a_right_identity_with_wrong_weights_is_caught_before_work(tiny_llama, tmp_path, monkeypatch):
-    monkeypatch.setitem(synthesizers._extra, "liar", LiesAboutItsModel)
-    other = testing.tiny_lm("llama", seed=1)
+def test_a_right_identity_with_wrong_weights_is_caught_before_work(tiny_llama, tmp_path):
+    other = testing.tiny_lm("llama", seed=1)  # reports the student's full identity, runs other weights
     with pytest.raises(IncompatibleCartridgeError, match="does not serve the student's model"):
-        Cartridge.from_corpus(TEXT, tiny_llama, num_tokens=8, synthesizer=LiesAboutItsModel(tiny_llama, other),
+        Cartridge.from_corpus(TEXT, tiny_llama, num_tokens=8, synthesizer=OtherModelsTopK(tiny_llama, other),
                               output_dir=tmp_path / "w", progress=False)
     assert not (tmp_path / "w" / "data").exists()
     synthesize(TEXT, tiny_llama, tmp_path / "d", _tiny_synthesis(), synthesizer=HFSynthesizer(tiny_llama), progress=False)

@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from ..checks import at_least_one
-from ..errors import IncompatibleCartridgeError
-from ..kv import concat_layers
+from ..kv import concat_layers, refuse_foreign
 from ..plugins import Completion, GenerationParams, GenerationRequest, Runtime
 from .decode import Layers, decode, row_completion
 
@@ -68,14 +67,7 @@ class HFRuntime(Runtime):
         return list(request.prefix_ids) + self.lm.chat_ids(request.messages, after_cartridge=after)
 
     def _check(self, requests: Sequence[GenerationRequest]) -> None:
-        for r in requests:  # every cartridge of the batch, before any engine work
-            for c in r.cartridges:
-                problem = c.meta.model.mismatch(self.lm.identity)
-                if problem:
-                    raise IncompatibleCartridgeError(
-                        f"Cartridge for model {c.meta.model.name!r} cannot run on model {self.lm.name!r} ({problem}). "
-                        "Load it with the model it was made for."
-                    )
+        refuse_foreign(self.lm, [c for r in requests for c in r.cartridges])  # the whole batch, before any decoding
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         requests = list(requests)
