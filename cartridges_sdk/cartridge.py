@@ -231,6 +231,7 @@ class Cartridge:
             if bad:
                 raise ConfigError(f"Token ids {bad[:5]} are outside the model's vocabulary [0, {vocab}).")
         cls._check_size(num_tokens, num_frozen, len(ids))
+        lm.check_context(num_tokens, f"A {num_tokens}-token prefix cartridge", "pass a smaller num_tokens")
         corpus = {"fingerprint": token_fingerprint(ids), "num_tokens": len(ids)}
         return cls._from_kv(lm, lm.kv(ids[:num_tokens]), num_frozen=num_frozen, init="prefix", corpus=corpus)
 
@@ -291,6 +292,11 @@ class Cartridge:
                 names = set(f.keys())
                 tensors = {n: f.get_tensor(n) for n in names}
         except Exception as err:
+            if _looks_like_torch_save(path):
+                raise CartridgeFormatError(
+                    f"{str(path)!r} is a PyTorch file (torch.save), not a cartridge file. If it is a cache from the "
+                    "paper authors' code, import it with Cartridge.from_authors_pt(path, model=lm) and save it."
+                ) from None
             raise CartridgeFormatError(
                 f"{str(path)!r} is not a readable cartridge file (truncated or corrupt?): {err}. "
                 "Re-create or re-copy it."
@@ -306,8 +312,10 @@ class Cartridge:
             )
         try:
             meta = CartridgeMeta.from_dict(json.loads(header["meta"]))
-        except (ValueError, TypeError, CartridgeFormatError) as err:
-            raise CartridgeFormatError(f"{str(path)!r} has unreadable cartridge metadata: {err}") from err
+        except Exception as err:  # noqa: BLE001 - any malformed field is the file's fault, said as such
+            raise CartridgeFormatError(
+                f"{str(path)!r} has unreadable cartridge metadata ({type(err).__name__}: {err}); re-create the file."
+            ) from err
         num_layers = sum(1 for n in names if n.endswith(".keys"))
         expected = {f"layers.{i}.{kind}" for i in range(num_layers) for kind in ("keys", "values")}
         if not num_layers or names != expected:
@@ -433,6 +441,13 @@ class Cartridge:
     def logits(self, input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Next-token logits of `input_ids` placed after this cartridge (see `LM.logits`)."""
         return self._bound().logits(input_ids, cartridges=[self])
+
+
+def _looks_like_torch_save(path: Path) -> bool:
+    """torch.save writes a zip archive (or, in old versions, a pickle starting with protocol byte 0x80)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
 def _unrelated_ids(lm: LM, num_tokens: int, seed: int) -> list[int]:

@@ -33,9 +33,11 @@ def _human_bytes(n: int) -> str:
 def cmd_init(args: argparse.Namespace) -> int:
     from .cartridge import Cartridge
 
+    text = _text_file(args.text) if args.init == "prefix" else None
+    Cartridge._check_size(args.tokens, args.num_frozen)
+    _output_file(args.output)
     lm = _model_for(args.model, device=args.device)
-    if args.init == "prefix":
-        text = Path(args.text).read_text(encoding="utf-8")
+    if text is not None:
         c = Cartridge.from_prefix(lm, text, args.tokens, num_frozen=args.num_frozen)
     elif args.init == "random_text":
         c = Cartridge.from_random_text(lm, args.tokens, seed=args.seed, num_frozen=args.num_frozen)
@@ -44,6 +46,26 @@ def cmd_init(args: argparse.Namespace) -> int:
     c.save(args.output)
     print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)}, init={c.meta.init}")
     return 0
+
+
+def _output_file(name: str) -> None:
+    """Refuse an output path that is a folder before any work (the write at the end would fail)."""
+    if Path(name).is_dir():
+        raise CartridgeError(f"-o {name!r} is a folder; give a file path, e.g. {str(Path(name) / 'out.safetensors')!r}.")
+
+
+def _text_file(name: str) -> str:
+    from .corpus import _read_text
+
+    path = Path(name)
+    if path.is_dir():
+        raise CartridgeError(f"{name!r} is a folder; give one text file (`cartridges build` learns a whole folder).")
+    if not path.is_file():
+        raise CartridgeError(f"No file at {name!r}; check the path.")
+    text = _read_text(path)
+    if text is None:
+        raise CartridgeError(f"{name!r} is not UTF-8 text (binary, or another encoding); convert it to UTF-8 text.")
+    return text
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -195,14 +217,20 @@ def _corpus(args: argparse.Namespace):
 def cmd_build(args: argparse.Namespace) -> int:
     from .cartridge import Cartridge
 
+    from .selfstudy import check_settings
+
+    settings = parse_settings(args.set)
+    check_settings(settings, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
+                   init=args.init, seed=args.seed)
     options = backend_options(args, {"synthesizer": args.synthesizer, "trainer": args.trainer})
+    _output_file(args.output)
     lm = _model_for(args.model, device=args.device)
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     c = Cartridge.from_corpus(
         _corpus(args), lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
         init=args.init, seed=args.seed, output_dir=work, synthesizer=args.synthesizer,
         synthesizer_options=options["synthesizer"], trainer=args.trainer, trainer_options=options["trainer"],
-        allow_unverified_model=args.allow_unverified_model, **parse_settings(args.set),
+        allow_unverified_model=args.allow_unverified_model, restart=args.restart, **settings,
     )
     c.save(args.output)
     print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)} (work files in {work})")
@@ -232,7 +260,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     lm = _model_for(args.model, device=args.device)
     with synthesizers.create(args.synthesizer, lm, **options) as sampler:
         ds = synthesize(_corpus(args), lm, args.output, config, synthesizer=sampler,
-                        allow_unverified_model=args.allow_unverified_model)
+                        allow_unverified_model=args.allow_unverified_model, restart=args.restart)
     windows = sum(c.seed_kind == SEED_KIND_DOCUMENT for c in ds)
     print(f"wrote {args.output}: {len(ds) - windows} conversations, {windows} document windows")
     return 0
@@ -243,7 +271,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .selfstudy import train_cartridge
 
     train = _stage_settings(args, "train")
+    from .selfstudy import check_settings
+
+    check_settings(train, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed)
     options = backend_options(args, {"trainer": args.trainer})["trainer"]
+    _output_file(args.output)
     dataset = SelfStudyDataset(args.data)
     source = dataset.header.get("model", {}).get("source")
     lm = _model_for(args.model or source, device=args.device)
@@ -251,7 +283,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     c = train_cartridge(
         dataset, lm, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed,
-        prefix_ids=prefix_ids, output_dir=work, trainer=args.trainer, trainer_options=options, **train,
+        prefix_ids=prefix_ids, output_dir=work, trainer=args.trainer, trainer_options=options, restart=args.restart,
+        **train,
     )
     c.save(args.output)
     print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)}")
@@ -284,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def study_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--restart", action="store_true",
+                       help="start over: delete this command's earlier work in its folder instead of resuming it")
         p.add_argument("--set", action="append", metavar="KEY=VALUE",
                        help="any synthesis or training setting, e.g. --set lr=0.01 --set max_chunk=2048 (repeatable)")
         model_args(p)
@@ -376,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         for note in getattr(err, "__notes__", []):
             print(f"note: {note}", file=sys.stderr)
         return 2
-    except FileNotFoundError as err:
+    except (OSError, UnicodeError) as err:  # a file the user named cannot be read or written
         print(f"error: {err}", file=sys.stderr)
         return 2
 

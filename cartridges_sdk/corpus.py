@@ -7,6 +7,7 @@ import glob
 import hashlib
 import os
 import random
+import re
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -41,10 +42,21 @@ def _read_text(path: Path) -> str | None:
 
 def _existing_path(text: str) -> bool:
     """Whether `text` names an existing file or folder (a long line of text is not a path: the OS says so)."""
+    if "\n" in text or len(text) > 4096:
+        return False
     try:
         return Path(text).exists()
     except OSError:
         return False
+
+
+def _looks_like_path(text: str) -> bool:
+    """One line that has a path separator and no sentence, or one word ending in a file extension."""
+    text = text.strip()
+    if "\n" in text or len(text) > 1024:
+        return False
+    has_separator = ("/" in text or "\\" in text) and ". " not in text and len(text.split()) <= 3
+    return has_separator or re.fullmatch(r"[^\s/\\]+\.[A-Za-z0-9]{1,8}", text) is not None
 
 
 def _warn_skipped(skipped: list[str]) -> None:
@@ -143,18 +155,37 @@ class Corpus:
 
     @classmethod
     def coerce(cls, corpus: Any) -> Corpus:
-        """Accept a Corpus, a text, a list of texts, or a path to a file or directory."""
+        """A Corpus, a path (file or folder), a text, or a list of texts; a string is never guessed at.
+
+        A string naming an existing file or folder is read from there. A one-line string that looks like a path
+        (it has a slash, or is one word ending in an extension) but names nothing is refused, since it is far more
+        likely a typo than the text to learn; other strings are the text itself. `Corpus.from_texts`,
+        `from_files` and `from_directory` say which is meant outright.
+        """
         if isinstance(corpus, Corpus):
             return corpus
-        if isinstance(corpus, Path) or (isinstance(corpus, str) and len(corpus) < 4096 and "\n" not in corpus
-                                        and _existing_path(corpus)):
+        if isinstance(corpus, os.PathLike):
             p = Path(corpus)
+            if not p.exists():
+                raise ConfigError(f"No file or folder at {str(p)!r}; check the path.")
             return cls.from_directory(p) if p.is_dir() else cls.from_files([p])
         if isinstance(corpus, str):
+            if not corpus.strip():
+                raise ConfigError("The corpus is empty: pass a text, a path to a file or folder, or a Corpus.")
+            if _existing_path(corpus):
+                return cls.coerce(Path(corpus))
+            if _looks_like_path(corpus):
+                raise ConfigError(
+                    f"{corpus!r} looks like a path, but no file or folder is there (a typo?). To learn this string "
+                    f"itself, pass Corpus.from_texts({corpus!r})."
+                )
             return cls.from_texts(corpus)
-        if isinstance(corpus, (list, tuple)) and all(isinstance(t, str) for t in corpus):
+        if isinstance(corpus, (list, tuple)) and corpus and all(isinstance(t, str) for t in corpus):
             return cls.from_texts(list(corpus))
-        raise ConfigError(f"Cannot make a corpus from {type(corpus).__name__}; pass a Corpus, a str, or a path.")
+        raise ConfigError(
+            f"Cannot make a corpus from {type(corpus).__name__} {corpus!r:.60}; pass a text, a list of texts, a path, "
+            "or a Corpus."
+        )
 
     # -- text and tokens -------------------------------------------------------------------------------
     @property

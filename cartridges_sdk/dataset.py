@@ -93,6 +93,20 @@ def _schema():
     )
 
 
+def describe_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> str:
+    """``a: 1 -> 2, config.lr: ...``: the settings that differ between two nested dicts, with both values."""
+    out = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key, "(unset)"), new.get(key, "(unset)")
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = describe_changes(a, b, f"{prefix}{key}.")
+            out += [inner] if inner else []
+        elif a != b:
+            show = lambda v: repr(v) if len(repr(v)) <= 40 else f"{repr(v)[:37]}..."  # noqa: E731
+            out.append(f"{prefix}{key}: {show(a)} -> {show(b)}")
+    return ", ".join(out)
+
+
 def _part_name(group: int) -> str:
     return f"group-{group:06d}.parquet"
 
@@ -114,23 +128,29 @@ class SelfStudyDataset:
 
     # -- writing ---------------------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str | os.PathLike, header: dict[str, Any]) -> SelfStudyDataset:
-        """Open `path` for writing; an existing dataset is reused only if it was made with the same settings."""
+    def create(cls, path: str | os.PathLike, header: dict[str, Any], *, restart: bool = False) -> SelfStudyDataset:
+        """Open `path` for writing; an existing dataset is reused only if it was made with the same settings.
+
+        ``restart=True`` deletes an existing dataset there (its header and parts, nothing else) and starts anew.
+        """
         path = Path(path)
         header = {"format": DATASET_FORMAT, "format_version": DATASET_VERSION, **header}
+        if restart and (path / HEADER).is_file():
+            for part in path.glob("group-*.parquet"):
+                part.unlink()
+            (path / HEADER).unlink()
         if (path / HEADER).is_file():
             existing = json.loads((path / HEADER).read_text())
             # when it was made and how the model was checked (a probe's figures vary a little) are not settings
             mine = {k: v for k, v in header.items() if k not in ("created", "model_check")}
             theirs = {k: v for k, v in existing.items() if k not in ("created", "model_check")}
             if mine != theirs:
-                changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
                 raise ConfigError(
-                    f"{str(path)!r} already holds a self-study dataset made with other settings (differs in {changed}); "
-                    "use another output path or delete it to start over."
+                    f"{str(path)!r} already holds a self-study dataset made with other settings "
+                    f"({describe_changes(theirs, mine)}); start over with restart=True (--restart), or use another folder."
                 )
             return cls(path)
-        if path.exists() and any(path.iterdir()):
+        if path.exists() and any(p.name != ".lock" for p in path.iterdir()):
             raise ConfigError(f"{str(path)!r} exists and is not a self-study dataset; choose an empty or new folder.")
         path.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path / HEADER, header)
@@ -138,6 +158,21 @@ class SelfStudyDataset:
 
     def done_groups(self) -> set[int]:
         return {int(p.stem.split("-")[1]) for p in self.path.glob("group-*.parquet")}
+
+    def drop_damaged(self) -> list[str]:
+        """Delete parts that cannot be read back whole (a disk fault, a copy cut short), so they are made again;
+        returns their names."""
+        import pyarrow.parquet as pq
+
+        damaged = []
+        for part in sorted(self.path.glob("group-*.parquet")):
+            try:
+                pq.read_table(part)
+            except Exception:  # noqa: BLE001 - whatever pyarrow says, the part is unusable
+                damaged.append(part.name)
+                part.unlink()
+        self._cache = None
+        return damaged
 
     def write_group(self, group: int, conversations: Sequence[Conversation]) -> None:
         import pyarrow as pa

@@ -135,7 +135,13 @@ def load_authors_pt(path: Path, model: LM | None, name: str | None = None) -> Ca
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise CartridgeFormatError(f"{str(path)!r} is not a loadable tensor file (only plain tensors are accepted): {err}") from err
+        # torch's own message suggests weights_only=False, which would run whatever code the file holds: not said here
+        raise CartridgeFormatError(
+            f"{str(path)!r} was refused: it is not a file of plain tensors (it holds other Python objects, which could "
+            "run code when loaded, or it is damaged). If you trust its source, convert it once, in a separate "
+            "trusted step, to a dict of per-layer tensor lists (trainable_keys, trainable_values, frozen_keys, "
+            "frozen_values) saved with torch.save, and import that with Cartridge.from_authors_pt."
+        ) from None
     if not isinstance(state, dict) or "trainable_keys" not in state or "trainable_values" not in state:
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise CartridgeFormatError(

@@ -120,6 +120,20 @@ class LM:
         return self.identity.architecture["head_dim"]
 
     @property
+    def max_context(self) -> int | None:
+        """How many positions the model attends over (its position limit), or None when its config does not say."""
+        config = self.model.config
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        limit = getattr(text, "max_position_embeddings", None)
+        return int(limit) if limit else None
+
+    def check_context(self, tokens: int, what: str, fix: str) -> None:
+        """Refuse work whose sequence of `tokens` would not fit the model's context, before any compute."""
+        limit = self.max_context
+        if limit is not None and tokens > limit:
+            raise ConfigError(f"{what} needs {tokens} tokens, more than the {limit}-token context of {self.name!r}; {fix}.")
+
+    @property
     def eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
         for source in (getattr(self.model, "generation_config", None), self.tokenizer):
@@ -182,6 +196,9 @@ class LM:
         if ids.ndim != 1 or ids.numel() == 0:
             raise ConfigError(f"input_ids must be a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}.")
         ids = ids.to(self.device)[None]
+        p = sum(c.num_tokens for c in cartridges or [])
+        self.check_context(p + ids.shape[1], f"Scoring {ids.shape[1]} tokens after {p} cartridge tokens",
+                           "score a shorter sequence or use a smaller cartridge")
         cache, p = prefix_cache(self, cartridges or [], batch_size=1)
         n = ids.shape[1]
         out = self.model(
@@ -251,7 +268,7 @@ class LM:
         """
         from .plugins import GenerationParams, GenerationRequest
 
-        request = GenerationRequest(list(messages), list(cartridges or []), GenerationParams.from_kwargs(gen))
+        request = GenerationRequest(messages, list(cartridges or []), GenerationParams.from_kwargs(gen))
         rt = self._runtime(runtime, runtime_options)
         if stream:
             return rt.stream(request)
@@ -270,7 +287,7 @@ class LM:
         from .plugins import GenerationParams, GenerationRequest
 
         params = GenerationParams.from_kwargs(gen)
-        questions = [question] if isinstance(question, str) else list(question)
+        questions = [question] if isinstance(question, str) else list(question) if isinstance(question, (list, tuple)) else []
         if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
             raise ConfigError(f"ask() needs a non-empty question string or list of them, got {question!r}.")
         cartridges = list(cartridges or [])

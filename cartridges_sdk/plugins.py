@@ -14,12 +14,12 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
 
-from .checks import at_least_one, non_negative, unit_interval
+from .checks import at_least_one, count, non_negative, optional_int, unit_interval
 from .errors import BackendUnavailableError, ConfigError, PluginError
 
 if TYPE_CHECKING:
@@ -35,7 +35,16 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(t) for t in value)
 
 
+def _stops(value: Any) -> tuple[str, ...]:
+    stops = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else None
+    if stops is None or not all(isinstance(s, str) and s for s in stops):
+        raise ConfigError(f"stop={value!r} must be a non-empty string or a list of them.")
+    return stops
+
+
 def _messages(value: Any) -> tuple[Message, ...]:
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise ConfigError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {value!r:.80}.")
     messages = tuple(value)
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
@@ -54,10 +63,10 @@ class GenerationParams:
     max_new_tokens: int = attrs.field(default=256, validator=at_least_one)
     temperature: float = attrs.field(default=0.0, validator=non_negative)
     top_p: float = attrs.field(default=1.0, validator=unit_interval)
-    top_k: int = attrs.field(default=0, validator=non_negative)
-    seed: int | None = None
-    stop: tuple[str, ...] = attrs.field(default=(), converter=lambda s: (s,) if isinstance(s, str) else tuple(s))
-    top_logprobs: int = attrs.field(default=0, validator=non_negative)
+    top_k: int = attrs.field(default=0, validator=count)
+    seed: int | None = attrs.field(default=None, validator=optional_int)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stops)
+    top_logprobs: int = attrs.field(default=0, validator=count)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> GenerationParams:
@@ -111,9 +120,9 @@ class SynthesisRequest:
     stop_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
     max_tokens: int = attrs.field(default=128, validator=at_least_one)
     temperature: float = attrs.field(default=1.0, validator=non_negative)
-    top_logprobs: int = attrs.field(default=0, validator=non_negative)
+    top_logprobs: int = attrs.field(default=0, validator=count)
     group: int | None = None
-    seed: int | None = None
+    seed: int | None = attrs.field(default=None, validator=optional_int)
 
     @prompt_ids.validator
     def _check_prompt(self, _attribute, value):
@@ -125,7 +134,7 @@ class SynthesisRequest:
 class SynthesizerCapabilities:
     """What a synthesizer can do; the SDK refuses settings it cannot serve before the first conversation."""
 
-    max_top_logprobs: int = attrs.field(default=0, validator=non_negative)  # top-k it returns per sampled token
+    max_top_logprobs: int = attrs.field(default=0, validator=count)  # top-k it returns per sampled token
     score: bool = False  # teacher top-k for given sequences (document windows and targets="all" need it)
     prefix_reuse: bool = False  # a group's shared prompt is prefilled once
 

@@ -18,16 +18,24 @@ from .dataset import SelfStudyDataset
 from .errors import ConfigError
 from .models import LM, load_model, resolve_dtype
 from .plugins import Synthesizer, Trainer, synthesizers, trainers
-from .synthesis import SynthesisConfig, check_capabilities, synthesize
-from .training import TrainConfig
+from .synthesis import SynthesisConfig, check_capabilities, check_context, synthesize
+from .training import CHECKPOINT, RUN_LOG, TrainConfig
 
 INITS = ("prefix", "random_text", "random")
 SYNTHESIS_SETTINGS = {f.name for f in attrs.fields(SynthesisConfig)} - {"num_conversations", "seed"}
 TRAINING_SETTINGS = {f.name for f in attrs.fields(TrainConfig)} - {"epochs", "seed"}
 
 
+# arguments of their own (keywords of from_corpus, flags of the CLI), never given as flat settings
+OWN_ARGUMENTS = ("num_tokens", "num_conversations", "epochs", "seed", "init", "num_frozen")
+
+
 def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Flat keyword settings -> (synthesis, training) settings, refusing unknown names."""
+    own = sorted(set(settings) & set(OWN_ARGUMENTS))
+    if own:
+        flags = ", ".join(f"--{k.removeprefix('num_').replace('_', '-')}" for k in own)
+        raise ConfigError(f"{own} are arguments of their own ({flags} on the command line), not --set settings.")
     unknown = sorted(set(settings) - SYNTHESIS_SETTINGS - TRAINING_SETTINGS)
     if unknown:
         raise ConfigError(
@@ -38,6 +46,22 @@ def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
         {k: v for k, v in settings.items() if k in SYNTHESIS_SETTINGS},
         {k: v for k, v in settings.items() if k in TRAINING_SETTINGS},
     )
+
+
+def check_settings(
+    settings: dict[str, Any], *, num_tokens: int, num_conversations: int = 256, epochs: int = 1, init: str = "prefix",
+    seed: int = 0, num_frozen: int = 1,
+) -> tuple[SynthesisConfig, TrainConfig]:
+    """Every self-study setting of both stages, validated in one place before any model work; returns the configs.
+
+    Each error names the setting, the bad value and the fix (`--set lr=abc` -> ``lr='abc' must be a finite number``).
+    """
+    synth_settings, train_settings = split_settings(settings)
+    if init not in INITS:
+        raise ConfigError(f"init={init!r} must be one of {INITS}.")
+    Cartridge._check_size(num_tokens, num_frozen)
+    return (SynthesisConfig(num_conversations=num_conversations, seed=seed, **synth_settings),
+            TrainConfig(epochs=epochs, seed=seed, **train_settings))
 
 
 def work_model(lm: LM, dtype: str | torch.dtype | None) -> LM:
@@ -58,6 +82,12 @@ def check_prefix(prefix_ids: Sequence[int] | None, num_tokens: int) -> None:
             f"init='prefix' needs num_tokens <= the corpus's {len(prefix_ids)} tokens (got {num_tokens}); "
             "use a smaller num_tokens or init='random_text'."
         )
+
+
+def clear_training(folder: Path) -> None:
+    """Delete a training folder's checkpoint and log (nothing else), to start over."""
+    for name in (CHECKPOINT, RUN_LOG):
+        (folder / name).unlink(missing_ok=True)
 
 
 def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int, init: str, seed: int,
@@ -87,16 +117,25 @@ def train_cartridge(
     output_dir: str | os.PathLike | None = None,
     num_frozen: int = 1,
     work_dtype: str | torch.dtype | None = None,
+    restart: bool = False,
     progress: bool = True,
     **settings: Any,
 ) -> Cartridge:
     """Train a `num_tokens` cartridge on a self-study dataset; the result is bound to `lm`.
 
     `trainer` is a registered trainer name (``"torch"``, built with `trainer_options`) or a `Trainer` object;
-    `settings` are `TrainConfig` fields.
+    `settings` are `TrainConfig` fields. A checkpoint in `output_dir` made with other settings is refused, naming
+    them, unless ``restart=True``, which deletes it first.
     """
     _, train_settings = split_settings(settings)
-    config = TrainConfig(epochs=epochs, seed=seed, **train_settings)
+    if any(k not in TRAINING_SETTINGS for k in settings):
+        raise ConfigError(f"{sorted(set(settings) - TRAINING_SETTINGS)} are synthesis settings; training takes "
+                          f"{sorted(TRAINING_SETTINGS)}.")
+    _, config = check_settings(train_settings, num_tokens=num_tokens, epochs=epochs, init=init, seed=seed,
+                               num_frozen=num_frozen)
+    longest = max((c.num_tokens for c in dataset), default=0)
+    lm.check_context(num_tokens + longest, f"Training a {num_tokens}-token cartridge on sequences of up to {longest} "
+                     "tokens", "use a smaller num_tokens")
     header_model = dataset.header.get("model", {})
     if header_model.get("fingerprint") and header_model["fingerprint"] != lm.identity.fingerprint:
         raise ConfigError(
@@ -107,6 +146,8 @@ def train_cartridge(
     prefix_ids = prefix_ids if prefix_ids is not None else corpus_info.get("prefix_ids")
     work = work_model(lm, work_dtype)
     fitter, owned = trainers.resolve(trainer, work, trainer_options)
+    if restart and output_dir is not None:
+        clear_training(Path(output_dir))
     try:
         start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen)
         trained = fitter.fit(start.bind(work), dataset, work, config, output_dir=output_dir, progress=progress)
@@ -143,6 +184,7 @@ def build_cartridge(
     trainer_options: dict[str, Any] | None = None,
     allow_unverified_model: bool = False,
     output_dir: str | os.PathLike | None = None,
+    restart: bool = False,
     num_frozen: int = 1,
     work_dtype: str | torch.dtype | None = None,
     progress: bool = True,
@@ -155,14 +197,13 @@ def build_cartridge(
     their `*_options`, or backend objects. Every setting, option and capability is checked before synthesis starts;
     a synthesizer that cannot show it serves the student's model is refused unless `allow_unverified_model`.
     With `output_dir`, the dataset (``data/``) and training checkpoints (``train/``) are kept there and a re-run
-    resumes both stages; without it they live in a temporary folder. `work_dtype` is the dtype synthesis and
+    resumes both stages; without it they live in a temporary folder. A re-run with other settings is refused,
+    naming them, unless ``restart=True``, which starts both stages over. `work_dtype` is the dtype synthesis and
     training compute in (default: the model's); the returned cartridge is bound to the original model.
     """
-    synth_settings, train_settings = split_settings(settings)
-    if init not in INITS:
-        raise ConfigError(f"init={init!r} must be one of {INITS}.")
-    synth_cfg = SynthesisConfig(num_conversations=num_conversations, seed=seed, **synth_settings)
-    TrainConfig(epochs=epochs, seed=seed, **train_settings)  # refuse bad training settings before synthesis
+    synth_cfg, _ = check_settings(settings, num_tokens=num_tokens, num_conversations=num_conversations,
+                                  epochs=epochs, init=init, seed=seed, num_frozen=num_frozen)
+    _, train_settings = split_settings(settings)
     if isinstance(synthesizer, str):  # what the class can do is known before its engine starts
         cls = synthesizers.get(synthesizer)
         check_capabilities(synth_cfg, cls.capabilities, f"synthesizer {synthesizer!r}")
@@ -175,17 +216,18 @@ def build_cartridge(
     prefix_ids = lm.encode(corpus.text)[:num_tokens] if init == "prefix" else None
     if init == "prefix":
         check_prefix(prefix_ids, num_tokens)
+    check_context(lm, synth_cfg, len(corpus.token_ids(lm)), num_tokens)
     sampler, owned = synthesizers.resolve(synthesizer, work, synthesizer_options)
     with tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
         root = Path(output_dir) if output_dir is not None else Path(tmp)
         try:
             dataset = synthesize(corpus, work, root / "data", synth_cfg, synthesizer=sampler,
-                                 allow_unverified_model=allow_unverified_model, progress=progress)
+                                 allow_unverified_model=allow_unverified_model, restart=restart, progress=progress)
         finally:
             if owned:
                 sampler.close()
         return train_cartridge(
             dataset, lm, num_tokens=num_tokens, epochs=epochs, init=init, seed=seed, prefix_ids=prefix_ids,
             trainer=trainer, trainer_options=trainer_options, output_dir=root / "train", num_frozen=num_frozen,
-            work_dtype=work_dtype, progress=progress, **train_settings,
+            work_dtype=work_dtype, restart=restart, progress=progress, **train_settings,
         )

@@ -18,10 +18,11 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .checks import at_least_one, non_negative
+from .checks import at_least_one, count, non_negative
 from .corpus import ChunkSampler, Corpus
 from .dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset
 from .errors import BackendError, ConfigError, IncompatibleCartridgeError
+from .files import folder_lock
 from .models import LM, Message
 from .plugins import SynthesisRequest, Synthesizer, SynthesizerCapabilities
 from .seeds import DEFAULT_WEIGHTS, check_weights, sample_seed
@@ -52,7 +53,7 @@ class SynthesisConfig:
     top_k: int = attrs.field(default=20, validator=at_least_one)
     targets: str = attrs.field(default="assistant")
     a_context: str = attrs.field(default="message")
-    document_windows: int = attrs.field(default=192, validator=non_negative)
+    document_windows: int = attrs.field(default=192, validator=count)
     window_tokens: int = attrs.field(default=256)
     windows_per_chunk: int = attrs.field(default=4, validator=at_least_one)
     seed: int = 0
@@ -190,6 +191,37 @@ def check_capabilities(config: SynthesisConfig, capabilities: SynthesizerCapabil
         raise ConfigError("; ".join(problems) + ".")
 
 
+# room for a seed prompt and the chat markup around a chunk and the turns (the longest built-in seed prompt is ~90
+# tokens in the default model's tokenizer)
+PROMPT_MARKUP = 256
+
+
+def check_context(lm: LM, config: SynthesisConfig, corpus_tokens: int, num_tokens: int | None = None) -> None:
+    """Refuse settings whose prompts (or, with `num_tokens`, whose training sequences after the cartridge) could
+    outgrow the model's context, with the numbers, before any work."""
+    chunk = min(config.max_chunk, corpus_tokens) + (len(lm.encode(config.description)) if config.description else 0)
+    turns = config.rounds * (config.max_tokens_a + config.max_tokens_b)
+    lm.check_context(
+        chunk + PROMPT_MARKUP + turns,
+        f"A self-study prompt (a chunk of up to {chunk} tokens, {PROMPT_MARKUP} for the seed prompt and chat markup, "
+        f"{turns} for {config.rounds} round(s) of max_tokens_a + max_tokens_b)",
+        "lower max_chunk, max_tokens_a or max_tokens_b",
+    )
+    window_chunk = min(config.windows_per_chunk * config.window_tokens, corpus_tokens)
+    if config.document_windows:
+        lm.check_context(
+            window_chunk + config.window_tokens,
+            f"A document window ({window_chunk} chunk tokens re-read as {config.window_tokens}-token windows)",
+            "lower windows_per_chunk or window_tokens",
+        )
+    if num_tokens is not None:
+        longest = max(PROMPT_MARKUP + turns, config.window_tokens if config.document_windows else 0)
+        lm.check_context(
+            num_tokens + longest, f"Training a {num_tokens}-token cartridge on sequences of up to {longest} tokens",
+            "use a smaller num_tokens, or shorter turns and windows",
+        )
+
+
 def chunk_context(chunk_text: str, description: str | None) -> str:
     """What the teacher sees in place of the cartridge: the optional description, then the chunk."""
     return f"{description.strip()}\n\n{chunk_text}" if description else chunk_text
@@ -230,16 +262,16 @@ def synthesize(
     *,
     synthesizer: Synthesizer | None = None,
     allow_unverified_model: bool = False,
+    restart: bool = False,
     progress: bool = True,
 ) -> SelfStudyDataset:
     """Sample `config.num_conversations` self-study conversations into the dataset folder `output`.
 
     `synthesizer` defaults to the built-in HF one on `lm`. Before any conversation, the settings are checked against
     its capabilities and it must be shown to serve `lm`'s model (see `check_same_model`; the dataset header records
-    how). Re-running with the same `output` and settings continues after the last complete group.
+    how). Re-running with the same `output` and settings continues after the last complete group (damaged parts are
+    made again); other settings are refused, naming them, unless ``restart=True``. One process at a time per folder.
     """
-    from tqdm.auto import tqdm
-
     corpus = Corpus.coerce(corpus)
     config = config or SynthesisConfig()
     if synthesizer is None:
@@ -252,8 +284,8 @@ def synthesize(
         raise ConfigError(
             f"The corpus has {len(ids)} token(s), too few for document windows; give a longer corpus or document_windows=0."
         )
+    check_context(lm, config, len(ids))
     model_check = check_same_model(lm, synthesizer, allow_unverified_model=allow_unverified_model)
-    sampler = ChunkSampler(config.min_chunk, config.max_chunk)
     header = {
         "model": lm.identity.to_dict(),
         "corpus": {
@@ -268,7 +300,20 @@ def synthesize(
         "model_check": model_check,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    dataset = SelfStudyDataset.create(output, header)
+    with folder_lock(output):
+        return _synthesize(lm, synthesizer, config, corpus, ids, SelfStudyDataset.create(output, header, restart=restart),
+                           progress)
+
+
+def _synthesize(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, corpus: Corpus, ids: list[int],
+                dataset: SelfStudyDataset, progress: bool) -> SelfStudyDataset:
+    from tqdm.auto import tqdm
+
+    damaged = dataset.drop_damaged()
+    if damaged:
+        warnings.warn(f"Making {len(damaged)} damaged part(s) of {str(dataset.path)!r} again: {', '.join(damaged)}",
+                      stacklevel=3)
+    sampler = ChunkSampler(config.min_chunk, config.max_chunk)
     group_size = config.conversations_per_chunk
     num_groups = math.ceil(config.num_conversations / group_size)
     window_groups = math.ceil(config.document_windows / config.windows_per_chunk)

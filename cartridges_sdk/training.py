@@ -7,6 +7,7 @@ over target tokens (which is KL(teacher || student) up to the teacher's constant
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -21,15 +22,18 @@ import numpy as np
 import torch
 
 from .cartridge import Cartridge, CartridgeMeta
-from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset
-from .checks import fraction, non_negative, one_of, positive
+from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
+from .checks import at_least_one, count, fraction, non_negative, one_of, positive
 from .errors import ConfigError
-from .files import atomic_write
+from .files import atomic_write, folder_lock
+from .identity import token_fingerprint
 from .models import LM, autocast
 from .plugins import Trainer
 
 CHECKPOINT = "checkpoint.pt"
 RUN_LOG = "train_log.jsonl"
+# how often to save or evaluate does not change what is trained, so a resume may change them
+NOT_SHAPING = ("checkpoint_every", "checkpoint_seconds", "eval_every")
 
 
 @attrs.frozen
@@ -38,10 +42,10 @@ class TrainConfig:
     models on a CPU (the paper's lr 2e-2 at its scale; see docs/self-study.md)."""
 
     lr: float = attrs.field(default=3e-3, validator=positive)
-    epochs: int = attrs.field(default=1, validator=positive)
-    batch_tokens: int = attrs.field(default=2048, validator=positive)
-    grad_accum: int = attrs.field(default=1, validator=positive)
-    warmup_steps: int = 0
+    epochs: int = attrs.field(default=1, validator=at_least_one)
+    batch_tokens: int = attrs.field(default=2048, validator=at_least_one)
+    grad_accum: int = attrs.field(default=1, validator=at_least_one)
+    warmup_steps: int = attrs.field(default=0, validator=count)
     schedule: str = attrs.field(default="cosine", validator=one_of("cosine", "constant"))
     min_lr_ratio: float = attrs.field(default=0.1, validator=fraction)
     max_grad_norm: float | None = attrs.field(default=1.0, validator=positive)
@@ -49,8 +53,10 @@ class TrainConfig:
     # weight of conversation target tokens against document-window tokens (seed kind "document") in the mean loss
     conversation_weight: float = attrs.field(default=0.25, validator=non_negative)
     eval_fraction: float = attrs.field(default=0.05, validator=fraction)
-    eval_every: int = attrs.field(default=25, validator=positive)
-    checkpoint_every: int = attrs.field(default=25, validator=positive)
+    eval_every: int = attrs.field(default=25, validator=at_least_one)
+    checkpoint_every: int = attrs.field(default=25, validator=at_least_one)
+    # also checkpoint when this long has passed since the last one, so a kill loses at most about this much work
+    checkpoint_seconds: float = attrs.field(default=60.0, validator=positive)
     autocast_dtype: str | None = attrs.field(default=None, validator=one_of(None, "bfloat16", "float16"))
     seed: int = 0
 
@@ -215,11 +221,15 @@ class TorchTrainer(Trainer):
         self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM,
         config: TrainConfig | None = None, *, output_dir: str | os.PathLike | None = None, progress: bool = True,
     ) -> Cartridge:
+        output_dir = Path(output_dir) if output_dir is not None else None
+        with folder_lock(output_dir) if output_dir else contextlib.nullcontext():
+            return self._fit(init, dataset, model, config or TrainConfig(), output_dir, progress)
+
+    def _fit(self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM, config: TrainConfig,
+             output_dir: Path | None, progress: bool) -> Cartridge:
         from tqdm.auto import tqdm
 
-        self.config = config or TrainConfig()
-        output_dir = Path(output_dir) if output_dir is not None else None
-        cfg = self.config
+        self.config = cfg = config
         lm = model
         conversations = list(dataset)
         if not conversations:
@@ -241,12 +251,21 @@ class TorchTrainer(Trainer):
         ckpt = output_dir / CHECKPOINT if output_dir else None
         if output_dir:
             output_dir.mkdir(parents=True, exist_ok=True)
+        # everything that shapes the result: a checkpoint made otherwise is refused, naming what differs
+        run = {
+            "config": {k: v for k, v in attrs.asdict(cfg).items() if k not in NOT_SHAPING},
+            "start": {"init": init.meta.init, "num_tokens": init.num_tokens, "num_frozen": init.num_frozen,
+                      "content": init.fingerprint},
+            "data": {"sequences": len(conversations),
+                     "content": token_fingerprint([x for c in conversations for x in (c.conv_id, c.num_tokens)])},
+        }
         if ckpt and ckpt.is_file() and self.resume:
             state = torch.load(ckpt, map_location=lm.device, weights_only=True)
-            if state["config"] != attrs.asdict(cfg) or state["num_conversations"] != len(conversations):
+            if state.get("run") != run:
+                changes = describe_changes(state["run"], run) if "run" in state else "made by an older version"
                 raise ConfigError(
-                    f"The checkpoint in {str(output_dir)!r} was made with other settings or data; "
-                    "use another output_dir or resume=False."
+                    f"The checkpoint in {str(output_dir)!r} was made with other settings or data ({changes}); start "
+                    "over with restart=True (--restart), or use another folder."
                 )
             with torch.no_grad():
                 for mine, saved in zip(params, state["params"]):
@@ -258,6 +277,7 @@ class TorchTrainer(Trainer):
         log = (output_dir / RUN_LOG).open("a") if output_dir else None
         bar = tqdm(total=total_steps, initial=step, desc="training cartridge", unit="step", disable=not progress)
         start, tokens_seen = time.perf_counter(), 0
+        saved_at = start
         try:
             while step < total_steps:
                 lr = _lr_at(step, total_steps, cfg)
@@ -299,13 +319,14 @@ class TorchTrainer(Trainer):
                     mem=f"{record['peak_memory_mb']:.0f}MB", **({"eval": f"{record['eval_loss']:.3f}"} if "eval_loss" in record else {}),
                 )
                 bar.update(1)
-                if ckpt and (step % cfg.checkpoint_every == 0 or step == total_steps):
+                due = time.perf_counter() - saved_at >= cfg.checkpoint_seconds
+                if ckpt and (step % cfg.checkpoint_every == 0 or step == total_steps or due):
+                    saved_at = time.perf_counter()
                     atomic_write(ckpt, lambda tmp, state={
                         "step": step,
                         "params": [p.detach().cpu() for p in params],
                         "optimizer": opt.state_dict(),
-                        "config": attrs.asdict(cfg),
-                        "num_conversations": len(conversations),
+                        "run": run,
                         "history": self.history,
                     }: torch.save(state, tmp))
         finally:

@@ -67,7 +67,16 @@ class HFRuntime(Runtime):
         return list(request.prefix_ids) + self.lm.chat_ids(request.messages, after_cartridge=after)
 
     def _check(self, requests: Sequence[GenerationRequest]) -> None:
-        refuse_foreign(self.lm, [c for r in requests for c in r.cartridges])  # the whole batch, before any decoding
+        """The whole batch, before any decoding: every cartridge fits the model, every request fits the context."""
+        refuse_foreign(self.lm, [c for r in requests for c in r.cartridges])
+        for i, r in enumerate(requests):
+            p = sum(c.num_tokens for c in r.cartridges)
+            prompt = len(self._prompt(r))
+            self.lm.check_context(
+                p + prompt + r.params.max_new_tokens,
+                f"Request {i} ({p} cartridge tokens + {prompt} prompt tokens + max_new_tokens={r.params.max_new_tokens})",
+                "shorten the conversation, lower max_new_tokens or use a smaller cartridge",
+            )
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         requests = list(requests)
