@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from .checks import PATH, require
 from .errors import CartridgeFormatError, ConfigError, IncompatibleCartridgeError
 from .files import atomic_write
 from .identity import ModelIdentity, content_fingerprint, token_fingerprint
@@ -182,6 +183,7 @@ class Cartridge:
 
     def bind(self, lm: LM) -> Cartridge:
         """The same cartridge attached to `lm` (checked for compatibility), so `ask`/`chat` can run."""
+        require("model", lm, LM, "a model from load_model()")
         return Cartridge(self.keys, self.values, self.meta, lm=lm)
 
     def _bound(self) -> LM:
@@ -201,6 +203,8 @@ class Cartridge:
 
     @staticmethod
     def _check_size(num_tokens: int, num_frozen: int, available: int | None = None) -> None:
+        if isinstance(num_frozen, bool) or not isinstance(num_frozen, numbers.Integral) or num_frozen < 0:
+            raise ConfigError(f"num_frozen={num_frozen!r} must be an int >= 0 (the leading tokens that never train).")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens <= num_frozen:
             raise ConfigError(
                 f"num_tokens={num_tokens!r} must be an int greater than num_frozen={num_frozen} "
@@ -220,12 +224,17 @@ class Cartridge:
 
         Untrained, this is exactly the model with those tokens in context: the paper's default initialisation.
         """
+        if not isinstance(text_or_ids, (str, list, tuple, torch.Tensor)):
+            raise ConfigError(f"from_prefix takes a text or a list of token ids, got {type(text_or_ids).__name__}.")
         if isinstance(text_or_ids, str):
             if not text_or_ids.strip():
                 raise ConfigError("The text is empty; from_prefix needs a text with at least num_tokens tokens.")
             ids = lm.encode(text_or_ids)
         else:
-            ids = [int(t) for t in (text_or_ids.tolist() if torch.is_tensor(text_or_ids) else text_or_ids)]
+            ids = text_or_ids.tolist() if torch.is_tensor(text_or_ids) else list(text_or_ids)
+            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+                raise ConfigError("from_prefix's token ids must all be integers.")
+            ids = [int(t) for t in ids]
             vocab = lm.identity.architecture["vocab_size"]
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
@@ -239,6 +248,7 @@ class Cartridge:
     def from_random_text(cls, lm: LM, num_tokens: int, seed: int = 0, *, num_frozen: int = 1) -> Cartridge:
         """The KV of text unrelated to any corpus (shipped with the package); `seed` picks where in it to start."""
         cls._check_size(num_tokens, num_frozen)
+        require("seed", seed, int, "an integer")
         ids = _unrelated_ids(lm, num_tokens, seed)
         return cls._from_kv(lm, lm.kv(ids), num_frozen=num_frozen, init="random_text", extra={"seed": seed})
 
@@ -246,6 +256,7 @@ class Cartridge:
     def random(cls, lm: LM, num_tokens: int, seed: int = 0, *, num_frozen: int = 1) -> Cartridge:
         """Gaussian vectors with the per-layer, per-channel mean and spread of the model's real KV."""
         cls._check_size(num_tokens, num_frozen)
+        require("seed", seed, int, "an integer")
         reference = lm.kv(_unrelated_ids(lm, 256, 0))
         gen = torch.Generator().manual_seed(seed)
         kv = []
@@ -283,6 +294,9 @@ class Cartridge:
         """Read a cartridge file; with `model`, check it fits and bind it. Never unpickles anything."""
         from safetensors import safe_open
 
+        require("path", path, PATH, "a file path")
+        if model is not None:
+            require("model", model, LM, "a model from load_model()")
         path = Path(path)
         if not path.is_file():
             raise CartridgeFormatError(f"No cartridge file at {str(path)!r}; check the path.")
@@ -370,6 +384,8 @@ class Cartridge:
         cartridges = list(cartridges)
         if not cartridges:
             raise ConfigError("compose() needs at least one cartridge.")
+        for i, c in enumerate(cartridges):
+            require(f"cartridges[{i}]", c, Cartridge, "a Cartridge")
         first = cartridges[0]
         for other in cartridges[1:]:
             problem = first.meta.model.mismatch(other.meta.model)

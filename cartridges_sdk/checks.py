@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 
 from .errors import ConfigError
 
@@ -74,3 +75,12 @@ def one_of(*options):
             raise ConfigError(f"{attribute.name}={value!r} must be one of {options}.")
 
     return check
+
+
+def require(name: str, value, kind: type | tuple[type, ...], what: str) -> None:
+    """Refuse an argument of the wrong type with an error that names it, before it fails deep inside."""
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):  # True is an int to Python
+        raise ConfigError(f"{name}={value!r:.80} must be {what}.")
+
+
+PATH = (str, os.PathLike)  # what `require` accepts as a file or folder path

@@ -240,6 +240,8 @@ class LM:
         return self._runtimes[key]
 
     def _runtime(self, runtime: str | Runtime, options: dict[str, Any] | None) -> Runtime:
+        if options is not None and not isinstance(options, dict):
+            raise ConfigError(f"runtime_options={options!r:.60} must be a dict of option names to values.")
         if isinstance(runtime, str):
             return self.get_runtime(runtime, **(options or {}))
         from .plugins import runtimes

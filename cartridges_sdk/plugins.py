@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
 
-from .checks import at_least_one, count, non_negative, optional_int, unit_interval
+from .checks import at_least_one, count, non_negative, optional_int, require, unit_interval
 from .errors import BackendUnavailableError, ConfigError, PluginError
 
 if TYPE_CHECKING:
@@ -314,6 +314,8 @@ class Registry(Generic[T]):
     def resolve(self, spec: str | T, model: LM, options: dict[str, Any] | None = None) -> tuple[T, bool]:
         """`spec` as a backend: a name is built with `options` (returns it and True: the caller owns and closes
         it); an object is used as it is (options must be empty; returns it and False)."""
+        if options is not None:
+            require(f"{self.kind}_options", options, dict, "a dict of option names to values")
         if isinstance(spec, self.base):
             if options:
                 raise ConfigError(f"{self.kind}_options go with a {self.kind} name; a {self.kind} object is already configured.")

@@ -7,6 +7,7 @@ Add your own with `register_seed`.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Mapping
 
@@ -111,6 +112,10 @@ def seed_kinds() -> list[str]:
 
 
 def check_weights(weights: Mapping[str, float]) -> dict[str, float]:
+    if not isinstance(weights, Mapping) or not all(
+        isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights.values()
+    ):
+        raise ConfigError(f"seed_weights={weights!r:.80} must map seed kinds to finite numbers, e.g. {{'question': 1.0}}.")
     unknown = sorted(set(weights) - set(_REGISTRY))
     if unknown:
         raise ConfigError(f"Unknown seed prompt kind(s) {unknown}; known: {seed_kinds()} (add with register_seed).")

@@ -13,6 +13,7 @@ import attrs
 import torch
 
 from .cartridge import Cartridge
+from .checks import PATH, require
 from .corpus import Corpus
 from .dataset import SelfStudyDataset
 from .errors import ConfigError
@@ -203,6 +204,11 @@ def build_cartridge(
     """
     synth_cfg, _ = check_settings(settings, num_tokens=num_tokens, num_conversations=num_conversations,
                                   epochs=epochs, init=init, seed=seed, num_frozen=num_frozen)
+    if output_dir is not None:
+        require("output_dir", output_dir, PATH, "a folder path")
+    for role, options in (("synthesizer", synthesizer_options), ("trainer", trainer_options)):
+        if options is not None:
+            require(f"{role}_options", options, dict, "a dict of option names to values")
     _, train_settings = split_settings(settings)
     if isinstance(synthesizer, str):  # what the class can do is known before its engine starts
         cls = synthesizers.get(synthesizer)

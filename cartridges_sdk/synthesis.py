@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .checks import at_least_one, count, non_negative
+from .checks import at_least_one, count, non_negative, optional_int
 from .corpus import ChunkSampler, Corpus
 from .dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset
 from .errors import BackendError, ConfigError, IncompatibleCartridgeError
@@ -29,6 +29,11 @@ from .seeds import DEFAULT_WEIGHTS, check_weights, sample_seed
 
 
 PREFIX_IDS_KEPT = 4096
+
+
+def _text(_inst, attribute, value):
+    if not isinstance(value, str):
+        raise ConfigError(f"{attribute.name}={value!r:.60} must be a string.")
 
 
 def _weights(_inst, _attribute, value):
@@ -43,7 +48,7 @@ class SynthesisConfig:
     rounds: int = attrs.field(default=1, validator=at_least_one)
     min_chunk: int = attrs.field(default=512, validator=at_least_one)
     max_chunk: int = attrs.field(default=1024, validator=at_least_one)  # CPU-sized; the sampler allows 4096
-    description: str | None = None
+    description: str | None = attrs.field(default=None, validator=attrs.validators.optional(_text))
     conversations_per_chunk: int = attrs.field(default=16, validator=at_least_one)
     seed_weights: Mapping[str, float] = attrs.field(factory=lambda: dict(DEFAULT_WEIGHTS), converter=dict, validator=_weights)
     temperature_a: float = attrs.field(default=0.7, validator=non_negative)
@@ -56,7 +61,7 @@ class SynthesisConfig:
     document_windows: int = attrs.field(default=192, validator=count)
     window_tokens: int = attrs.field(default=256)
     windows_per_chunk: int = attrs.field(default=4, validator=at_least_one)
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=optional_int)
 
     @a_context.validator
     def _check_a_context(self, _attribute, value):

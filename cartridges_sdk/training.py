@@ -23,7 +23,7 @@ import torch
 
 from .cartridge import Cartridge, CartridgeMeta
 from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
-from .checks import at_least_one, count, fraction, non_negative, one_of, positive
+from .checks import at_least_one, count, fraction, non_negative, one_of, optional_int, positive
 from .errors import ConfigError
 from .files import atomic_write, folder_lock
 from .identity import token_fingerprint
@@ -58,7 +58,7 @@ class TrainConfig:
     # also checkpoint when this long has passed since the last one, so a kill loses at most about this much work
     checkpoint_seconds: float = attrs.field(default=60.0, validator=positive)
     autocast_dtype: str | None = attrs.field(default=None, validator=one_of(None, "bfloat16", "float16"))
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=optional_int)
 
 
 def split_eval(conversations: Sequence[Conversation], share: float, seed: int) -> tuple[list, list]:

@@ -250,6 +250,39 @@ def test_wrongly_typed_generation_arguments(tiny_llama, kwargs, message):
         c.ask("Who?", **kwargs)
 
 
+def _api_cases(lm):
+    c = Cartridge.from_prefix(lm, TEXT, 8)
+    corpus = TEXT[:400]
+    return [
+        (lambda: Cartridge.from_corpus(corpus, lm, num_tokens=8, description=5), "description=5 must be a string"),
+        (lambda: Cartridge.from_corpus(corpus, lm, num_tokens=8, seed_weights={"question": "a"}), "seed_weights=.* finite"),
+        (lambda: Cartridge.from_corpus(corpus, lm, num_tokens=8, seed="a"), "seed='a' must be an integer"),
+        (lambda: Cartridge.from_corpus(corpus, lm, num_tokens="8"), "num_tokens='8' must be an int"),
+        (lambda: Cartridge.from_corpus(corpus, lm, num_tokens=8, num_conversations="3"), "num_conversations='3' must be an integer"),
+        (lambda: Cartridge.from_corpus(corpus, lm, num_tokens=8, output_dir=5), "output_dir=5 must be a folder path"),
+        (lambda: Cartridge.from_corpus(corpus, lm, num_tokens=8, synthesizer_options="x"), "synthesizer_options='x' must be a dict"),
+        (lambda: Cartridge.from_corpus(corpus, lm, num_tokens=8, synthesizer=5), "synthesizer=5 must be a registered name"),
+        (lambda: Cartridge.from_prefix(lm, TEXT, 8, num_frozen="1"), "num_frozen='1' must be an int"),
+        (lambda: Cartridge.from_prefix(lm, 5, 8), "from_prefix takes a text or a list of token ids"),
+        (lambda: Cartridge.from_prefix(lm, [1.5, 2.0], 1), "token ids must all be integers"),
+        (lambda: Cartridge.from_prefix(lm, [10**9], 1), "outside the model's vocabulary"),
+        (lambda: Cartridge.from_random_text(lm, 8, seed="a"), "seed='a' must be an integer"),
+        (lambda: Cartridge.compose([c, "x"]), r"cartridges\[1\]='x' must be a Cartridge"),
+        (lambda: Cartridge.load(5), "path=5 must be a file path"),
+        (lambda: c.bind("x"), "model='x' must be a model from load_model"),
+        (lambda: c.ask("q", runtime_options=[1]), r"runtime_options=\[1\] must be a dict"),
+        (lambda: c.ask("q", runtime=5), "runtime=5 must be a registered name"),
+    ]
+
+
+def test_wrongly_typed_api_arguments(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing may be written anywhere
+    for call, message in _api_cases(tiny_llama):
+        with pytest.raises(ConfigError, match=message):
+            call()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_wrong_questions_and_messages(tiny_llama):
     c = Cartridge.from_prefix(tiny_llama, TEXT, 12)
     for bad in (None, 5, "", [], ["ok", None]):
