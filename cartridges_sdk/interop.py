@@ -134,7 +134,7 @@ def load_authors_pt(path: Path, model: LM | None, name: str | None = None) -> Ca
         raise CartridgeFormatError(f"No file at {str(path)!r}.")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
+    except Exception:
         # torch's own message suggests weights_only=False, which would run whatever code the file holds: not said here
         raise CartridgeFormatError(
             f"{str(path)!r} was refused: it is not a file of plain tensors (it holds other Python objects, which could "

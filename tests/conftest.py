@@ -26,6 +26,29 @@ def tiny_qwen():
     return make_tiny_lm("qwen2")
 
 
+@pytest.fixture
+def kill_at_step(monkeypatch):
+    """`kill_at_step(n)` makes the n-th optimizer step raise KeyboardInterrupt, as a kill would; the function it
+    returns puts the real step back."""
+    import torch
+
+    real = torch.optim.Adam.step
+
+    def arm(n: int):
+        calls = {"n": 0}
+
+        def dying(self, *a, **kw):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise KeyboardInterrupt("killed")
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(torch.optim.Adam, "step", dying)
+        return lambda: monkeypatch.setattr(torch.optim.Adam, "step", real)
+
+    return arm
+
+
 @pytest.fixture(scope="session")
 def default_lm():
     return load_model()

@@ -9,13 +9,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from cartridges_sdk import Cartridge, CartridgeFormatError, ConfigError, Corpus, testing
+from cartridges_sdk import Cartridge, CartridgeFormatError, ConfigError, Corpus
 from cartridges_sdk.cli import main
 from cartridges_sdk.dataset import SelfStudyDataset
 from cartridges_sdk.hf import HFSynthesizer
@@ -177,25 +176,17 @@ def test_a_second_process_on_the_same_folder_fails_at_once(tiny_llama, tmp_path)
     _build(tiny_llama, tmp_path / "w")  # the lock dies with its holder
 
 
-def test_a_kill_before_the_step_checkpoint_keeps_the_timed_one(tiny_llama, tmp_path, monkeypatch):
+def test_a_kill_before_the_step_checkpoint_keeps_the_timed_one(tiny_llama, tmp_path, kill_at_step):
     from cartridges_sdk.training import TorchTrainer, TrainConfig
 
     init = Cartridge.from_prefix(tiny_llama, TEXT, 12)
     convs = list(SelfStudyDataset(_build_data(tiny_llama, tmp_path)))
     cfg = TrainConfig(epochs=6, batch_tokens=64, checkpoint_every=1000, checkpoint_seconds=1e-9, eval_fraction=0.0)
     straight = TorchTrainer().fit(init, convs, tiny_llama, cfg, progress=False)
-    calls, real_step = {"n": 0}, torch.optim.Adam.step
-
-    def dying_step(self, *a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt("killed")
-        return real_step(self, *a, **kw)
-
-    monkeypatch.setattr(torch.optim.Adam, "step", dying_step)
+    revive = kill_at_step(4)
     with pytest.raises(KeyboardInterrupt):
         TorchTrainer().fit(init, convs, tiny_llama, cfg, output_dir=tmp_path / "t", progress=False)
-    monkeypatch.setattr(torch.optim.Adam, "step", real_step)
+    revive()
     resumed = TorchTrainer()
     out = resumed.fit(init, convs, tiny_llama, cfg, output_dir=tmp_path / "t", progress=False)
     assert resumed.history[2]["step"] == 3  # steps 1-3 were kept although checkpoint_every is 1000

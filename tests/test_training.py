@@ -128,25 +128,16 @@ def test_pack_respects_the_token_budget(tiny_lm):
     assert sorted(c.conv_id for b in pack(convs, 2 * longest, random.Random(0)) for c in b) == list(range(6))
 
 
-def test_resume_gives_identical_results(tiny_lm, tmp_path, monkeypatch):
+def test_resume_gives_identical_results(tiny_lm, tmp_path, kill_at_step):
     init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
     convs = _conversations(tiny_lm, n=8)
     cfg = TrainConfig(lr=0.03, epochs=2, batch_tokens=60, checkpoint_every=1, eval_every=2)
     straight = TorchTrainer().fit(init, convs, tiny_lm, cfg, output_dir=tmp_path / "a", progress=False)
 
-    calls = {"n": 0}
-    real_step = torch.optim.Adam.step
-
-    def dying_step(self, *a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt("killed")
-        return real_step(self, *a, **kw)
-
-    monkeypatch.setattr(torch.optim.Adam, "step", dying_step)
+    revive = kill_at_step(4)
     with pytest.raises(KeyboardInterrupt):
         TorchTrainer().fit(init, convs, tiny_lm, cfg, output_dir=tmp_path / "b", progress=False)
-    monkeypatch.setattr(torch.optim.Adam, "step", real_step)
+    revive()
     resumed_trainer = TorchTrainer()
     resumed = resumed_trainer.fit(init, convs, tiny_lm, cfg, output_dir=tmp_path / "b", progress=False)
     assert resumed_trainer.history[2]["step"] == 3  # picked up after the 3 finished steps
