@@ -74,7 +74,8 @@ class LM:
     Build one with `load_model`; `.model` and `.tokenizer` are the plain transformers objects.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, *, name: str, source: str | None = None, revision: str | None = None):
+    def __init__(self, model: Any, tokenizer: Any, *, name: str, source: str | None = None, revision: str | None = None,
+                 files: str | os.PathLike | None = None):
         if tokenizer is None:
             raise ConfigError("A tokenizer is required next to an already loaded model: load_model(model, tokenizer).")
         model.eval()
@@ -93,6 +94,9 @@ class LM:
             tokenizer=tokenizer_fingerprint(tokenizer),
         )
         self._runtimes: dict[tuple[str, str], Runtime] = {}
+        # a local folder with the model's config, weights and tokenizer in Hugging Face layout, when there is one:
+        # engines that load weights themselves (vLLM) start from it
+        self.files = Path(files) if files is not None else None
 
     # -- facts -----------------------------------------------------------------------------------------
     @property
@@ -328,7 +332,7 @@ def load_model(
     if model is None:
         gguf = default_model_gguf()
         hf_model, tok = _load_gguf_cached(gguf, cache, torch_dtype)
-        name, source = DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE
+        name, source, files = DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE, _converted(gguf, cache)
     elif isinstance(model, (str, os.PathLike)):
         spec = str(model)
         path = Path(spec).expanduser()
@@ -336,13 +340,14 @@ def load_model(
             if not path.is_file():
                 raise ModelNotAvailableError(f"GGUF file {spec!r} does not exist; check the path.")
             hf_model, tok = _load_gguf_cached(path, cache, torch_dtype)
-            name, source = path.name, str(path.resolve())
+            name, source, files = path.name, str(path.resolve()), _converted(path, cache)
         elif path.is_dir():
             hf_model, tok = _load_pretrained(str(path), torch_dtype, local=True)
             name, source = getattr(hf_model.config, "_name_or_path", None) or path.name, str(path.resolve())
+            files = path.resolve()
         else:
             hf_model, tok = _load_pretrained(spec, torch_dtype, local=False)
-            name, source = spec, spec
+            name, source, files = spec, spec, None
     elif hasattr(model, "config") and hasattr(model, "forward"):
         if tokenizer is None:
             raise ConfigError(
@@ -352,7 +357,7 @@ def load_model(
         if torch_dtype is not None:
             hf_model = hf_model.to(torch_dtype)
         name = getattr(model.config, "_name_or_path", None) or type(model).__name__
-        source = None
+        source = files = None
     else:
         raise ConfigError(
             f"model={model!r} is not understood; pass None, a hub id, a directory, a .gguf path, or a transformers model."
@@ -367,7 +372,7 @@ def load_model(
             tok = tokenizer
     hf_model = hf_model.to(device)
     revision = getattr(hf_model.config, "_commit_hash", None)
-    return LM(hf_model, tok, name=name, source=source, revision=revision)
+    return LM(hf_model, tok, name=name, source=source, revision=revision, files=files)
 
 
 def default_model_gguf() -> Path:
@@ -395,6 +400,12 @@ def _gguf_key(path: Path) -> str:
     st = path.stat()
     h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
     return f"{path.stem.lower()}-{h}"
+
+
+def _converted(path: Path, cache: Path) -> Path | None:
+    """The safetensors copy of a GGUF file in the cache, if it could be written there."""
+    target = cache / "models" / _gguf_key(path)
+    return target if (target / "config.json").is_file() else None
 
 
 def _load_gguf_cached(path: Path, cache: Path, dtype: torch.dtype | None):

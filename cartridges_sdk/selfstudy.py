@@ -71,7 +71,7 @@ def work_model(lm: LM, dtype: str | torch.dtype | None) -> LM:
     if dtype is None or dtype == lm.dtype:
         return lm
     return LM(copy.deepcopy(lm.model).to(dtype), lm.tokenizer, name=lm.name, source=lm.identity.source,
-              revision=lm.identity.revision)
+              revision=lm.identity.revision, files=lm.files)
 
 
 def check_prefix(prefix_ids: Sequence[int] | None, num_tokens: int) -> None:

