@@ -1,0 +1,69 @@
+"""Self-study synthesis speed by synthesizer backend: the same settings, corpus and dataset size on each.
+
+For each backend: engine start-up, then synthesis wall clock, conversations/s and generated tokens/s (A's and B's
+tokens; document windows are counted as sequences, not generated tokens). Run it alone on the machine.
+
+    python -m benchmarks.synthesis [--docs 0] [--conversations 64] [--windows 32] [--synthesizers hf,vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from cartridges_sdk import load_model
+from cartridges_sdk.cli import parse_settings
+from cartridges_sdk.files import atomic_write_json
+from cartridges_sdk.plugins import synthesizers
+from cartridges_sdk.synthesis import SynthesisConfig, synthesize
+
+from . import provenance
+from .data import DEFAULT_DATA, load_corpora
+from .methods import generated_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="L-Eval-format JSONL (input, instructions, outputs)")
+    parser.add_argument("--docs", default="0", help="document index")
+    parser.add_argument("--conversations", type=int, default=64)
+    parser.add_argument("--windows", type=int, default=32, help="document windows")
+    parser.add_argument("--synthesizers", default="hf,vllm", help="comma-separated backend names")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="any synthesis setting (repeatable)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/synthesis.json"))
+    args = parser.parse_args()
+
+    (corpus,) = load_corpora(args.data, args.docs)
+    config = SynthesisConfig(num_conversations=args.conversations, document_windows=args.windows,
+                             **parse_settings(args.set))
+    lm = load_model()
+    rows = []
+    for name in args.synthesizers.split(","):
+        start = time.perf_counter()
+        with synthesizers.create(name, lm) as synth, tempfile.TemporaryDirectory() as tmp:
+            started = time.perf_counter() - start
+            begin = time.perf_counter()
+            dataset = synthesize(corpus.text, lm, Path(tmp) / "data", config, synthesizer=synth)
+            seconds = time.perf_counter() - begin
+            conversations = list(dataset)
+            tokens = generated_tokens(lm, conversations)
+        rows.append({"synthesizer": name, "start_s": round(started, 1), "synthesis_s": round(seconds, 1),
+                     "sequences": len(conversations), "conversations_per_s": round(args.conversations / seconds, 3),
+                     "generated_tokens": tokens, "generated_tokens_per_s": round(tokens / seconds, 1)})
+        print(json.dumps(rows[-1]))
+    result = {"corpus": corpus.name, "config": {"conversations": args.conversations, "windows": args.windows,
+              **parse_settings(args.set)}, "rows": rows, "commit": provenance.commit(), "dirty": provenance.dirty(),
+              "machine": provenance.machine()}
+    atomic_write_json(args.out, result)
+    print(f"| synthesizer | start s | synthesis s | conversations/s | generated tokens/s |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['synthesizer']} | {r['start_s']} | {r['synthesis_s']} | {r['conversations_per_s']} | "
+              f"{r['generated_tokens_per_s']} |")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":  # vLLM starts worker processes
+    main()
