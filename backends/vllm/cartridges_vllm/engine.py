@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 
 from cartridges_sdk import BackendUnavailableError, ConfigError
-from cartridges_sdk.checks import at_least_one, boolean, one_of, positive
+from cartridges_sdk.checks import at_least_one, boolean, count, one_of, positive
 
 if TYPE_CHECKING:
     from cartridges_sdk import LM
@@ -39,6 +39,9 @@ class EngineOptions:
     enforce_eager: bool = attrs.field(default=True, validator=boolean)
     # top-k log-probs the engine may return per token (vLLM's max_logprobs)
     max_logprobs: int = attrs.field(default=20, validator=at_least_one)
+    # CPUs vLLM keeps for its front end (VLLM_CPU_NUM_OF_RESERVED_CPU); while synthesis waits on the engine the front
+    # end is idle, so 0 gives the engine every core (1.6x faster here on 2 cores than vLLM's default of 1 reserved)
+    reserved_cpus: int = attrs.field(default=0, validator=count)
 
 
 def model_folder(lm: LM, model_dir: str | None) -> Path:
@@ -61,7 +64,8 @@ def start(lm: LM, options: EngineOptions) -> Any:
             "`pip install -e 'backends/vllm[cpu]'` (then `pip uninstall -y torchvision torchaudio torchcodec`) on a "
             "CPU machine, or `[gpu]` on a GPU machine."
         ) from err
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"  # read when the engine starts
+    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(options.reserved_cpus)
     try:
         return LLM(
             model=str(model_folder(lm, options.model_dir)), dtype=options.dtype, enable_prefix_caching=True, seed=0,
