@@ -7,13 +7,14 @@ on CPUs, a KV-cache budget (``VLLM_CPU_KVCACHE_SPACE``, read when the engine sta
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
-from cartridges_sdk import BackendUnavailableError, ConfigError
+from cartridges_sdk import BackendUnavailableError, Completion, ConfigError
 from cartridges_sdk.checks import at_least_one, boolean, count, one_of, positive
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def model_folder(lm: LM, model_dir: str | None) -> Path:
     return folder
 
 
-def start(lm: LM, options: EngineOptions) -> Any:
+def start(lm: LM, options: EngineOptions, **engine_args: Any) -> Any:
     """A vLLM `LLM` for the student's model, in its own process (so its thread binding stays out of ours)."""
     try:
         from vllm import LLM
@@ -70,7 +71,7 @@ def start(lm: LM, options: EngineOptions) -> Any:
         return LLM(
             model=str(model_folder(lm, options.model_dir)), dtype=options.dtype, enable_prefix_caching=True, seed=0,
             max_model_len=options.max_model_len or lm.max_context, enforce_eager=options.enforce_eager,
-            max_logprobs=options.max_logprobs,
+            max_logprobs=options.max_logprobs, **engine_args,
         )
     except ConfigError:
         raise
@@ -82,6 +83,22 @@ def stop(llm: Any) -> None:
     engine = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if engine is not None:
         engine.shutdown()
+
+
+def completion(lm: LM, sample: Any, stop_ids: Sequence[int], top_logprobs: int, stop: Sequence[str] = ()) -> Completion:
+    """A vLLM sample as a `Completion`: text decoded by the student's tokenizer without the ending stop token and cut
+    before the first stop string, and the top-k arrays when asked for."""
+    ids = list(sample.token_ids)
+    top_ids = top_lps = None
+    if top_logprobs:
+        top_ids, top_lps = topk(list(sample.logprobs), top_logprobs)
+    body = ids[:-1] if ids and ids[-1] in set(stop_ids) | lm.eos_token_ids else ids
+    text = lm.tokenizer.decode(body, skip_special_tokens=True)
+    for s in stop:
+        if s in text:
+            text = text[: text.index(s)]
+    return Completion(text=text, token_ids=tuple(ids), finish_reason="stop" if sample.finish_reason == "stop" else "length",
+                      top_ids=top_ids, top_logprobs=top_lps)
 
 
 def topk(positions: list[dict[int, Any]], k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -48,21 +48,7 @@ class VLLMSynthesizer(Synthesizer):
         ]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests], params,
                                  use_tqdm=False)
-        results = []
-        for r, out in zip(requests, outs):
-            sample = out.outputs[0]
-            ids = list(sample.token_ids)
-            top_ids = top_lps = None
-            if r.top_logprobs:
-                top_ids, top_lps = engine.topk(list(sample.logprobs), r.top_logprobs)
-            stops = set(r.stop_ids) | self.lm.eos_token_ids
-            body = ids[:-1] if ids and ids[-1] in stops else ids
-            results.append(Completion(
-                text=self.lm.tokenizer.decode(body, skip_special_tokens=True), token_ids=tuple(ids),
-                finish_reason="stop" if sample.finish_reason == "stop" else "length", top_ids=top_ids,
-                top_logprobs=top_lps,
-            ))
-        return results
+        return [engine.completion(self.lm, out.outputs[0], r.stop_ids, r.top_logprobs) for r, out in zip(requests, outs)]
 
     def score(self, prefix_ids: Sequence[int], sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[Any, Any]]:
         from vllm import SamplingParams

