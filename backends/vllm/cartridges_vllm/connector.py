@@ -66,16 +66,23 @@ class CartridgeConnector(KVConnectorBase_V1):
             self.pending[request.request_id] = (request, p - num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Slots to fill this step: for new requests, and for requests resumed after preemption (their blocks were
+        freed, and vLLM again counts the cartridge's tokens as computed)."""
         meta = CartridgeMetadata()
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id not in self.pending:
+        scheduled = [(new.req_id, new.block_ids) for new in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        scheduled += [(req_id, cached.new_block_ids[i]) for i, req_id in enumerate(cached.req_ids)
+                      if req_id in resumed and cached.new_block_ids[i] is not None]
+        for req_id, block_ids in scheduled:
+            if req_id not in self.pending:
                 continue
-            request, start = self.pending.pop(new.req_id)
-            params = request.kv_transfer_params
-            positions = torch.arange(start, params["cartridge_tokens"])
-            blocks = torch.tensor(new.block_ids[0], dtype=torch.long)
+            request, start = self.pending.pop(req_id)
+            p = request.kv_transfer_params["cartridge_tokens"]
+            positions = torch.arange(start, p)
+            blocks = torch.tensor(block_ids[0], dtype=torch.long)
             slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
-            meta.loads.append(Load(params[PARAMS], start, params["cartridge_tokens"], slots))
+            meta.loads.append(Load(request.kv_transfer_params[PARAMS], start, p, slots))
         return meta
 
     # -- worker side ------------------------------------------------------------------------------------------

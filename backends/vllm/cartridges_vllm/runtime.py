@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cartridges_sdk import Cartridge, Completion, GenerationRequest, Runtime
+from cartridges_sdk import Cartridge, Completion, ConfigError, GenerationRequest, Runtime
 from cartridges_sdk.files import atomic_write
 from cartridges_sdk.kv import refuse_foreign
 from cartridges_sdk.rope import ROTATE_HALF
@@ -37,6 +37,7 @@ class VLLMRuntime(Runtime):
             kv_role="kv_consumer", kv_connector_extra_config={"store": self._store.name},
         )
         self.llm = engine.start(model, self.options, kv_transfer_config=connector)
+        self.max_len = self.llm.llm_engine.model_config.max_model_len
 
     def _install(self, cartridges: Sequence[Cartridge]) -> Cartridge:
         """The request's cartridges as one (composed in order, rotate-half keys), written to the store once."""
@@ -73,9 +74,13 @@ class VLLMRuntime(Runtime):
         for i, r in enumerate(requests):
             prompt, extra = self._prompt(r)
             p = r.params
-            self.lm.check_context(len(prompt["prompt_token_ids"]) + p.max_new_tokens,
-                                  f"Request {i} (cartridge + prompt + max_new_tokens={p.max_new_tokens})",
-                                  "shorten the conversation, lower max_new_tokens or use a smaller cartridge")
+            need = len(prompt["prompt_token_ids"]) + p.max_new_tokens
+            if need > self.max_len:  # vLLM would cut the answer short at its limit without saying so
+                raise ConfigError(
+                    f"Request {i} (cartridge + prompt + max_new_tokens={p.max_new_tokens}) needs {need} tokens, more "
+                    f"than the engine's max_model_len={self.max_len}; lower max_new_tokens, shorten the conversation or "
+                    "start the runtime with a larger max_model_len."
+                )
             prompts.append(prompt)
             params.append(SamplingParams(
                 temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1, seed=p.seed, max_tokens=p.max_new_tokens,

@@ -66,3 +66,24 @@ def test_a_self_study_cartridge_serves_the_same_in_vllm_and_hf(runtime, lm, tmp_
     (on_vllm,) = runtime.generate([GenerationRequest(QUESTION, [trained], params)])
     (on_hf,) = lm.get_runtime("hf").generate([GenerationRequest(QUESTION, [trained], params)])
     assert on_vllm.token_ids == on_hf.token_ids and np.abs(on_vllm.top_logprobs - on_hf.top_logprobs).max() < 1e-4
+
+
+def test_answers_stay_exact_when_the_engine_runs_out_of_kv_memory(lm):
+    """Ten 128-token blocks for six ~520-token requests: vLLM preempts running requests and resumes them later, and
+    the connector writes their cartridges again (seen once by logging the resume in the connector while writing this
+    test); every answer still equals the HF runtime's. A request longer than the engine's limit is refused."""
+    from cartridges_sdk import ConfigError
+    from cartridges_sdk.plugins import runtimes
+
+    ids = lm.encode(" ".join(testing.CONTRACT_TEXTS) * 6)
+    asks = [GenerationRequest([{"role": "user", "content": "Write a long, detailed essay about everything in the text, "
+                                "section by section."}], [Cartridge.from_prefix(lm, ids[7 * i :], 250 + i)],
+                              GenerationParams(max_new_tokens=240)) for i in range(6)]
+    with runtimes.create("vllm", lm, max_kv_blocks=10, max_model_len=1024) as tight:
+        squeezed = tight.generate(asks)
+        too_long = GenerationRequest(asks[0].messages, asks[0].cartridges, GenerationParams(max_new_tokens=900))
+        with pytest.raises(ConfigError, match=r"needs \d+ tokens, more than the engine's max_model_len=1024"):
+            tight.generate([too_long])
+    expected = lm.get_runtime("hf").generate(asks)
+    assert [len(c.token_ids) for c in squeezed] == [240] * 6
+    assert [c.token_ids for c in squeezed] == [c.token_ids for c in expected]
