@@ -109,6 +109,9 @@ class CartridgeConnector(KVConnectorBase_V1):
                     continue
                 if isinstance(kv_cache, (list, tuple)):
                     kv_cache = kv_cache[0]
+                if not hasattr(layer.impl, "do_kv_cache_update"):
+                    raise RuntimeError(f"Attention backend {type(layer.impl).__name__} has no do_kv_cache_update; the "
+                                       "cartridge connector cannot write into its cache.")
                 i = int(match.group(1))
                 keys = tensors[f"layers.{i}.keys"][:, load.start : load.end].transpose(0, 1)  # [tokens, heads, dim]
                 values = tensors[f"layers.{i}.values"][:, load.start : load.end].transpose(0, 1)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cartridges_sdk import Cartridge, Completion, ConfigError, GenerationRequest, Runtime
+from cartridges_sdk import Cartridge, Completion, ConfigError, GenerationRequest, Runtime, UnsupportedModelError
 from cartridges_sdk.files import atomic_write
 from cartridges_sdk.kv import refuse_foreign
 from cartridges_sdk.rope import ROTATE_HALF
@@ -17,6 +17,8 @@ from . import engine
 from .engine import EngineOptions
 
 PLACEHOLDER_ID = 0  # the ids the cartridge's positions carry in the prompt; the connector's KV replaces their work
+# families whose vLLM attention stores keys post-RoPE in the neox (rotate-half) pairing, as cartridges hold them
+FAMILIES = ("llama", "qwen2")
 
 
 class VLLMRuntime(Runtime):
@@ -28,6 +30,12 @@ class VLLMRuntime(Runtime):
     def __init__(self, model, **options: Any):
         from vllm.config import KVTransferConfig
 
+        family = model.identity.architecture.get("model_type")
+        if family not in FAMILIES:
+            raise UnsupportedModelError(
+                f"The vLLM runtime writes cartridges for {FAMILIES} models (post-RoPE neox keys); {model.name!r} is "
+                f"{family!r}. Serve it with runtime='hf'."
+            )
         self.lm = model
         self.options = EngineOptions(**options)
         self._store = tempfile.TemporaryDirectory(prefix="cartridges-vllm-")

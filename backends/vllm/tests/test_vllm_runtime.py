@@ -68,6 +68,19 @@ def test_a_self_study_cartridge_serves_the_same_in_vllm_and_hf(runtime, lm, tmp_
     assert on_vllm.token_ids == on_hf.token_ids and np.abs(on_vllm.top_logprobs - on_hf.top_logprobs).max() < 1e-4
 
 
+def test_an_unsupported_family_is_refused_before_the_engine_starts(monkeypatch):
+    import attrs
+
+    from cartridges_sdk import UnsupportedModelError
+    from cartridges_sdk.plugins import runtimes
+
+    gemma = testing.tiny_lm("llama")
+    monkeypatch.setattr(gemma, "identity", attrs.evolve(gemma.identity, architecture={
+        **gemma.identity.architecture, "model_type": "gemma2"}))
+    with pytest.raises(UnsupportedModelError, match="'gemma2'. Serve it with runtime='hf'"):
+        runtimes.create("vllm", gemma)
+
+
 def test_answers_stay_exact_when_the_engine_runs_out_of_kv_memory(lm):
     """Ten 128-token blocks for six ~520-token requests: vLLM preempts running requests and resumes them later, and
     the connector writes their cartridges again (seen once by logging the resume in the connector while writing this
