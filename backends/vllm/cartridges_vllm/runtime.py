@@ -3,8 +3,9 @@ own paged KV cache, written by `connector.CartridgeConnector`, and many users' c
 
 from __future__ import annotations
 
+import itertools
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ class VLLMRuntime(Runtime):
         self.options = EngineOptions(**options)
         self._store = tempfile.TemporaryDirectory(prefix="cartridges-vllm-")
         self.installs = 0  # cartridge contents written to the store (each once)
+        self._ids = itertools.count()  # request ids of our own, unique in the engine
         connector = KVTransferConfig(
             kv_connector="CartridgeConnector", kv_connector_module_path="cartridges_vllm.connector",
             kv_role="kv_consumer", kv_connector_extra_config={"store": self._store.name},
@@ -72,32 +74,70 @@ class VLLMRuntime(Runtime):
         prompt = TokensPrompt(prompt_token_ids=[PLACEHOLDER_ID] * whole.num_tokens + chat, cache_salt=whole.fingerprint)
         return prompt, {"kv_transfer_params": {"cartridge": whole.fingerprint, "cartridge_tokens": whole.num_tokens}}
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+    def _prepared(self, i: int, request: GenerationRequest) -> tuple[dict[str, Any], Any]:
+        """The engine's prompt and sampling parameters for request `i`, checked against the engine's length limit."""
         from vllm import SamplingParams
 
+        prompt, extra = self._prompt(request)
+        p = request.params
+        need = len(prompt["prompt_token_ids"]) + p.max_new_tokens
+        if need > self.max_len:  # vLLM would cut the answer short at its limit without saying so
+            raise ConfigError(
+                f"Request {i} (cartridge + prompt + max_new_tokens={p.max_new_tokens}) needs {need} tokens, more "
+                f"than the engine's max_model_len={self.max_len}; lower max_new_tokens, shorten the conversation or "
+                "start the runtime with a larger max_model_len."
+            )
+        params = SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1, seed=p.seed, max_tokens=p.max_new_tokens,
+            stop=list(p.stop) or None, stop_token_ids=sorted(self.lm.eos_token_ids), logprobs=p.top_logprobs or None,
+            detokenize=False, extra_args=extra or None,
+        )
+        return prompt, params
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         requests = list(requests)
         refuse_foreign(self.lm, [c for r in requests for c in r.cartridges])  # before the engine sees any of them
-        prompts, params = [], []
+        prepared = [self._prepared(i, r) for i, r in enumerate(requests)]
+        core = self.llm.llm_engine
+        ids = {}
+        for i, (prompt, params) in enumerate(prepared):
+            rid = f"cartridges-{next(self._ids)}"  # outputs and aborts use this id (add_request returns an internal one)
+            core.add_request(rid, prompt, params)
+            ids[rid] = i
+        outs: dict[int, Any] = {}
+        # our own loop over the engine's steps: outputs are matched by request id, so a stream abandoned mid-way
+        # (its last output may still arrive) can never be taken for one of these answers
+        while len(outs) < len(ids) and core.has_unfinished_requests():
+            for out in core.step():
+                if out.finished and out.request_id in ids:
+                    outs[ids[out.request_id]] = out
         stop_ids = sorted(self.lm.eos_token_ids)
-        for i, r in enumerate(requests):
-            prompt, extra = self._prompt(r)
-            p = r.params
-            need = len(prompt["prompt_token_ids"]) + p.max_new_tokens
-            if need > self.max_len:  # vLLM would cut the answer short at its limit without saying so
-                raise ConfigError(
-                    f"Request {i} (cartridge + prompt + max_new_tokens={p.max_new_tokens}) needs {need} tokens, more "
-                    f"than the engine's max_model_len={self.max_len}; lower max_new_tokens, shorten the conversation or "
-                    "start the runtime with a larger max_model_len."
-                )
-            prompts.append(prompt)
-            params.append(SamplingParams(
-                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1, seed=p.seed, max_tokens=p.max_new_tokens,
-                stop=list(p.stop) or None, stop_token_ids=stop_ids, logprobs=p.top_logprobs or None, detokenize=False,
-                extra_args=extra or None,
-            ))
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [engine.completion(self.lm, out.outputs[0], stop_ids, r.params.top_logprobs, r.params.stop)
-                for r, out in zip(requests, outs)]
+        return [engine.completion(self.lm, outs[i].outputs[0], stop_ids, r.params.top_logprobs, r.params.stop)
+                for i, r in enumerate(requests)]
+
+    def stream(self, request: GenerationRequest) -> Iterator[str]:
+        """Text pieces as the engine produces tokens, stepping vLLM's engine for this one request."""
+        refuse_foreign(self.lm, list(request.cartridges))
+        prompt, params = self._prepared(0, request)
+        core = self.llm.llm_engine
+        rid = f"cartridges-{next(self._ids)}"
+        core.add_request(rid, prompt, params)
+        shown, done = "", False
+        try:
+            while not done and core.has_unfinished_requests():
+                for out in core.step():
+                    if out.request_id != rid:
+                        continue
+                    done = out.finished
+                    text = engine.completion(self.lm, out.outputs[0], sorted(self.lm.eos_token_ids), 0,
+                                             request.params.stop).text
+                    # hold back text that may still change (an incomplete multi-byte character) until it settles
+                    if (done or not text.endswith("\ufffd")) and len(text) > len(shown) and text.startswith(shown):
+                        yield text[len(shown) :]
+                        shown = text
+        finally:
+            if not done:  # the caller stopped reading: free the engine's slot
+                core.abort_request([rid])
 
     def close(self) -> None:
         if self.llm is not None:

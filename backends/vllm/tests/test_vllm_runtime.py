@@ -44,6 +44,15 @@ def test_greedy_answers_equal_the_hf_runtime_and_the_text_in_vllm(runtime, lm):
     assert c.ask("Who built the lighthouse, and when?", runtime="vllm", max_new_tokens=24) == hf.text
 
 
+def test_streams_token_by_token(runtime, lm):
+    c = Cartridge.from_prefix(lm, testing.CONTRACT_TEXTS[0], 30)
+    request = GenerationRequest(QUESTION, [c], GenerationParams(max_new_tokens=24))
+    pieces = list(runtime.stream(request))
+    assert len(pieces) > 5 and "".join(pieces) == runtime.generate([request])[0].text
+    first = next(runtime.stream(request))  # a reader that stops early leaves the engine free
+    assert first and runtime.generate([request])[0].text.startswith(first)
+
+
 def test_a_cartridge_is_installed_once_for_every_request_that_uses_it(runtime, lm):
     a = Cartridge.from_prefix(lm, testing.CONTRACT_TEXTS[1], 40)
     b = Cartridge.from_prefix(lm, testing.CONTRACT_TEXTS[2], 33)
