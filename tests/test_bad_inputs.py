@@ -157,10 +157,13 @@ def test_a_damaged_part_is_made_again(tiny_llama, tmp_path):
 
 def test_a_second_process_on_the_same_folder_fails_at_once(tiny_llama, tmp_path):
     folder = tmp_path / "w" / "data"
-    ready = tmp_path / "ready"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time, pathlib\nfrom cartridges_sdk.files import folder_lock\n"
-        f"with folder_lock({str(folder)!r}):\n    pathlib.Path({str(ready)!r}).touch()\n    time.sleep(120)\n")])
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    holder = subprocess.Popen([sys.executable, "-c", (  # holds the lock until killed, or for 2 minutes at most
+        "import time, pathlib\nfrom cartridges_sdk.files import folder_lock\n"
+        f"with folder_lock({str(folder)!r}):\n    pathlib.Path({str(ready)!r}).touch()\n"
+        f"    deadline = time.monotonic() + 120\n"
+        f"    while not pathlib.Path({str(release)!r}).exists() and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n")])
     try:
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -171,9 +174,10 @@ def test_a_second_process_on_the_same_folder_fails_at_once(tiny_llama, tmp_path)
             _build(tiny_llama, tmp_path / "w", synthesizer=spy)
         assert not (folder / "header.json").exists()
     finally:
-        holder.kill()
-        holder.wait()
-    _build(tiny_llama, tmp_path / "w")  # the lock dies with its holder
+        holder.kill()  # as a crash would: the operating system drops the lock with the process
+        holder.wait(timeout=60)
+        release.touch()
+    _build(tiny_llama, tmp_path / "w")
 
 
 def test_a_kill_before_the_step_checkpoint_keeps_the_timed_one(tiny_llama, tmp_path, kill_at_step):
