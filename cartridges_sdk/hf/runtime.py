@@ -66,37 +66,40 @@ class HFRuntime(Runtime):
         after = bool(request.cartridges or request.prefix_ids)
         return list(request.prefix_ids) + self.lm.chat_ids(request.messages, after_cartridge=after)
 
-    def _check(self, requests: Sequence[GenerationRequest]) -> None:
-        """The whole batch, before any decoding: every cartridge fits the model, every request fits the context."""
+    def _check(self, requests: Sequence[GenerationRequest]) -> list[list[int]]:
+        """The whole batch, before any decoding: every cartridge fits the model, every request fits the context.
+        Returns each request's prompt ids, rendered once here for the check and for decoding."""
         refuse_foreign(self.lm, [c for r in requests for c in r.cartridges])
-        for i, r in enumerate(requests):
+        prompts = [self._prompt(r) for r in requests]
+        for i, (r, prompt) in enumerate(zip(requests, prompts)):
             p = sum(c.num_tokens for c in r.cartridges)
-            prompt = len(self._prompt(r))
             self.lm.check_context(
-                p + prompt + r.params.max_new_tokens,
-                f"Request {i} ({p} cartridge tokens + {prompt} prompt tokens + max_new_tokens={r.params.max_new_tokens})",
+                p + len(prompt) + r.params.max_new_tokens,
+                f"Request {i} ({p} cartridge tokens + {len(prompt)} prompt tokens + "
+                f"max_new_tokens={r.params.max_new_tokens})",
                 "shorten the conversation, lower max_new_tokens or use a smaller cartridge",
             )
+        return prompts
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         requests = list(requests)
-        self._check(requests)
+        prompts = self._check(requests)
         out: list[Completion | None] = [None] * len(requests)
         batches: dict[GenerationParams, list[int]] = {}
         for i, r in enumerate(requests):
             batches.setdefault(r.params, []).append(i)
         for params, idx in batches.items():
-            for state in decode(self.lm, [self._prefix(requests[i]) for i in idx],
-                                [self._prompt(requests[i]) for i in idx], params, top_logprobs=params.top_logprobs):
+            for state in decode(self.lm, [self._prefix(requests[i]) for i in idx], [prompts[i] for i in idx], params,
+                                top_logprobs=params.top_logprobs):
                 pass
             for row, i in enumerate(idx):
                 out[i] = row_completion(self.lm, state, row, stop=params.stop)
         return out  # type: ignore[return-value]
 
     def stream(self, request: GenerationRequest) -> Iterator[str]:
-        self._check([request])
+        (prompt,) = self._check([request])
         shown = ""
-        for state in decode(self.lm, [self._prefix(request)], [self._prompt(request)], request.params):
+        for state in decode(self.lm, [self._prefix(request)], [prompt], request.params):
             text = row_completion(self.lm, state, 0, stop=request.params.stop).text
             # hold back text that may still change (an incomplete multi-byte character) until it settles
             if text.endswith("\ufffd") and state.reasons[0] is None:
