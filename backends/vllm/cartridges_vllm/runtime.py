@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import tempfile
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ class VLLMRuntime(Runtime):
         self._store = tempfile.TemporaryDirectory(prefix="cartridges-vllm-")
         self.installs = 0  # cartridge contents written to the store (each once)
         self._ids = itertools.count()  # request ids of our own, unique in the engine
+        self._composed: OrderedDict[tuple[str, ...], Cartridge] = OrderedDict()  # recent compositions
         connector = KVTransferConfig(
             kv_connector="CartridgeConnector", kv_connector_module_path="cartridges_vllm.connector",
             kv_role="kv_consumer", kv_connector_extra_config={"store": self._store.name},
@@ -51,8 +53,16 @@ class VLLMRuntime(Runtime):
 
     def _install(self, cartridges: Sequence[Cartridge]) -> Cartridge:
         """The request's cartridges as one (composed in order, rotate-half keys), written to the store once."""
-        whole = cartridges[0] if len(cartridges) == 1 else Cartridge.compose(list(cartridges))
-        whole = whole.in_key_pairing(ROTATE_HALF)  # vLLM's neox RoPE for Llama and Qwen2 pairs dims this way
+        if len(cartridges) == 1:
+            whole = cartridges[0].in_key_pairing(ROTATE_HALF)  # vLLM's neox RoPE for Llama and Qwen2 pairs dims so
+        else:  # composing (and hashing the result) once per combination, not once per request
+            parts = tuple(c.fingerprint for c in cartridges)
+            if parts not in self._composed:
+                self._composed[parts] = Cartridge.compose(list(cartridges)).in_key_pairing(ROTATE_HALF)
+                while len(self._composed) > 64:
+                    self._composed.popitem(last=False)
+            self._composed.move_to_end(parts)
+            whole = self._composed[parts]
         path = Path(self._store.name) / f"{whole.fingerprint}.safetensors"
         if not path.exists():
             from safetensors.torch import save_file
