@@ -58,7 +58,7 @@ def main() -> None:
               **parse_settings(args.set)}, "rows": rows, "commit": provenance.commit(), "dirty": provenance.dirty(),
               "machine": provenance.machine()}
     atomic_write_json(args.out, result)
-    print(f"| synthesizer | start s | synthesis s | conversations/s | generated tokens/s |\n|---|---|---|---|---|")
+    print("| synthesizer | start s | synthesis s | conversations/s | generated tokens/s |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['synthesizer']} | {r['start_s']} | {r['synthesis_s']} | {r['conversations_per_s']} | "
               f"{r['generated_tokens_per_s']} |")
