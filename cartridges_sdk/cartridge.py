@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 FORMAT_NAME = "cartridges-sdk"
 FORMAT_VERSION = 1
-INITS = ("prefix", "random_text", "random", "composed", "imported", "trained")
+INITS = ("prefix", "compact", "random_text", "random", "composed", "imported", "trained")
 
 
 def sdk_version() -> str:
@@ -243,6 +243,27 @@ class Cartridge:
         lm.check_context(num_tokens, f"A {num_tokens}-token prefix cartridge", "pass a smaller num_tokens")
         corpus = {"fingerprint": token_fingerprint(ids), "num_tokens": len(ids)}
         return cls._from_kv(lm, lm.kv(ids[:num_tokens]), num_frozen=num_frozen, init="prefix", corpus=corpus)
+
+    @classmethod
+    def compact(cls, lm: LM, corpus: Any, num_tokens: int, *, num_frozen: int = 1, config: Any = None,
+                progress: bool = True) -> Cartridge:
+        """A `num_tokens` cartridge that stands in for the whole corpus, in seconds and with no training.
+
+        Per layer and KV head it keeps the attention sink and the keys the corpus's own queries (and those of a few
+        probe questions about it) attend to most, and refits their values so attention outputs match the whole
+        corpus's (`cartridges_sdk.compaction`). At ``num_tokens`` = the corpus length it equals `from_prefix`.
+        A corpus longer than the model's context is compacted per chunk and composed. `corpus` is a text, a path,
+        a `Corpus` or token ids; `config` a `CompactionConfig`.
+        """
+        from .compaction import compact
+
+        if isinstance(corpus, (list, tuple, torch.Tensor)) and not (corpus and isinstance(corpus[0], str)):
+            ids = corpus.tolist() if torch.is_tensor(corpus) else list(corpus)
+        else:
+            from .corpus import Corpus
+
+            ids = lm.encode(Corpus.coerce(corpus).text)
+        return compact(lm, ids, num_tokens, num_frozen=num_frozen, config=config, progress=progress)
 
     @classmethod
     def from_random_text(cls, lm: LM, num_tokens: int, seed: int = 0, *, num_frozen: int = 1) -> Cartridge:

@@ -48,6 +48,35 @@ def cmd_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compact(args: argparse.Namespace) -> int:
+    import time
+
+    import attrs
+
+    from .cartridge import Cartridge
+    from .compaction import CompactionConfig
+
+    corpus = _corpus(args)
+    known = {f.name for f in attrs.fields(CompactionConfig)}
+    settings = parse_settings(args.set)
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise CartridgeError(f"--set {unknown[0]!r} is not a compaction setting; known: {sorted(known)}.")
+    config = CompactionConfig(**settings)
+    Cartridge._check_size(args.tokens, args.num_frozen)
+    _output_file(args.output)
+    lm = _model_for(args.model, device=args.device)
+    start = time.perf_counter()
+    c = Cartridge.compact(lm, corpus, args.tokens, num_frozen=args.num_frozen, config=config)
+    seconds = time.perf_counter() - start
+    c.save(args.output)
+    info = c.meta.extra["compaction"]
+    print(f"wrote {args.output}: {c.num_tokens} tokens standing in for {info['corpus_tokens']} "
+          f"({info['corpus_tokens'] / c.num_tokens:.1f}x fewer, {len(info['chunks'])} chunk(s)), "
+          f"{_human_bytes(c.nbytes)}, in {seconds:.0f} s")
+    return 0
+
+
 def _output_file(name: str) -> None:
     """Refuse an output path that is a folder before any work (the write at the end would fail)."""
     if Path(name).is_dir():
@@ -315,6 +344,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--exclude", action="append", help="glob for files to leave out (repeatable)")
         p.add_argument("--description", help="text placed before every chunk the teacher reads")
 
+    p = sub.add_parser("compact", help="make a cartridge in seconds, with no training, by KV compaction of a corpus")
+    corpus_args(p)
+    p.add_argument("-o", "--output", required=True, help="cartridge file to write (.safetensors)")
+    p.add_argument("--tokens", type=int, required=True, help="cartridge size p in tokens")
+    p.add_argument("--num-frozen", type=int, default=1, help="leading tokens that never train later (default 1)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="a CompactionConfig setting, e.g. --set corpus_queries=2048 (repeatable)")
+    model_args(p)
+    p.set_defaults(func=cmd_compact)
+
     def study_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--restart", action="store_true",
@@ -340,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, required=True, help="cartridge size p in tokens")
     p.add_argument("--conversations", type=int, default=256)
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--init", choices=["prefix", "random_text", "random"], default="prefix")
+    p.add_argument("--init", choices=["compact", "prefix", "random_text", "random"], default="prefix")
     p.add_argument("--work-dir", help="where data and checkpoints go (default OUTPUT.work); a re-run resumes")
     study_args(p)
     backend_args(p, "synthesizer", "trainer")
@@ -359,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="cartridge file to write")
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--init", choices=["prefix", "random_text", "random"], default="prefix")
+    p.add_argument("--init", choices=["compact", "prefix", "random_text", "random"], default="prefix")
     p.add_argument("--corpus", nargs="*", default=None,
                    help="the corpus, for init=prefix beyond the opening tokens the dataset keeps")
     p.add_argument("--include", action="append")

@@ -82,15 +82,17 @@ def rope_inv_freq(lm: LM) -> torch.Tensor:
     )
 
 
-def shift_keys(keys: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor:
+def shift_keys(keys: torch.Tensor, shift: int | torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate post-RoPE keys ``[..., tokens, head_dim]`` (rotate-half layout) as if each token sat `shift` positions
-    later. With partial rotary embeddings only the leading ``2 * len(inv_freq)`` dims rotate, as in the model."""
-    if shift == 0:
+    later; `shift` is one int for all tokens or a tensor ``[tokens]`` of per-token shifts. Queries rotate the same
+    way. With partial rotary embeddings only the leading ``2 * len(inv_freq)`` dims rotate, as in the model."""
+    if not torch.is_tensor(shift) and shift == 0:
         return keys.clone()
     rot = 2 * inv_freq.numel()
-    angles = shift * inv_freq.to(device=keys.device, dtype=torch.float64)
-    cos = torch.cat([angles.cos(), angles.cos()])
-    sin = torch.cat([angles.sin(), angles.sin()])
+    freq = inv_freq.to(device=keys.device, dtype=torch.float64)
+    angles = (shift.to(keys.device, torch.float64)[:, None] * freq) if torch.is_tensor(shift) else shift * freq
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
     k = keys.to(torch.float64)
     head, tail = k[..., :rot], k[..., rot:]
     x1, x2 = head[..., : rot // 2], head[..., rot // 2 :]

@@ -22,7 +22,7 @@ from .plugins import Synthesizer, Trainer, synthesizers, trainers
 from .synthesis import SynthesisConfig, check_capabilities, check_context, synthesize
 from .training import CHECKPOINT, RUN_LOG, TrainConfig
 
-INITS = ("prefix", "random_text", "random")
+INITS = ("compact", "prefix", "random_text", "random")
 SYNTHESIS_SETTINGS = {f.name for f in attrs.fields(SynthesisConfig)} - {"num_conversations", "seed"}
 TRAINING_SETTINGS = {f.name for f in attrs.fields(TrainConfig)} - {"epochs", "seed"}
 
@@ -86,14 +86,38 @@ def check_prefix(prefix_ids: Sequence[int] | None, num_tokens: int) -> None:
 
 
 def clear_training(folder: Path) -> None:
-    """Delete a training folder's checkpoint and log (nothing else), to start over."""
-    for name in (CHECKPOINT, RUN_LOG):
+    """Delete a training folder's checkpoint, log and compacted start (nothing else), to start over."""
+    for name in (CHECKPOINT, RUN_LOG, "start-compact.safetensors"):
         (folder / name).unlink(missing_ok=True)
 
 
+def check_compact(corpus_ids: Sequence[int] | None, num_tokens: int) -> None:
+    """Refuse a compacted start without the whole corpus (a dataset keeps only its first tokens)."""
+    if corpus_ids is None:
+        raise ConfigError("init='compact' needs the whole corpus (pass --corpus), or use init='prefix'.")
+    if len(corpus_ids) < num_tokens:
+        raise ConfigError(
+            f"init='compact' needs num_tokens <= the corpus's {len(corpus_ids)} tokens (got {num_tokens}); "
+            "use a smaller num_tokens or init='random_text'."
+        )
+
+
 def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int, init: str, seed: int,
-                      num_frozen: int = 1) -> Cartridge:
-    """The cartridge training starts from: the corpus's first tokens (`prefix`), unrelated text, or random vectors."""
+                      num_frozen: int = 1, *, saved: Path | None = None) -> Cartridge:
+    """The cartridge training starts from: the corpus compacted (`compact`, `prefix_ids` then holds the whole
+    corpus), its first tokens (`prefix`), unrelated text, or random vectors.
+
+    A compacted start is kept at `saved` when given and read back from there, so a resumed run starts from the
+    very tensors the interrupted one did."""
+    if init == "compact":
+        if saved is not None and saved.is_file():
+            return Cartridge.load(saved, lm)
+        check_compact(prefix_ids, num_tokens)
+        start = Cartridge.compact(lm, list(prefix_ids), num_tokens, num_frozen=num_frozen)
+        if saved is not None:
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            start.save(saved)
+        return start
     if init == "prefix":
         check_prefix(prefix_ids, num_tokens)
         return Cartridge.from_prefix(lm, list(prefix_ids), num_tokens, num_frozen=num_frozen)
@@ -150,7 +174,10 @@ def train_cartridge(
     if restart and output_dir is not None:
         clear_training(Path(output_dir))
     try:
-        start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen)
+        if init == "compact" and prefix_ids is corpus_info.get("prefix_ids"):
+            prefix_ids = None  # the dataset keeps only the corpus's first tokens, not enough to compact
+        saved = Path(output_dir) / "start-compact.safetensors" if output_dir is not None else None
+        start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen, saved=saved)
         trained = fitter.fit(start.bind(work), dataset, work, config, output_dir=output_dir, progress=progress)
     finally:
         if owned:
@@ -219,9 +246,12 @@ def build_cartridge(
     lm = model if isinstance(model, LM) else load_model(model)
     corpus = Corpus.coerce(corpus)
     work = work_model(lm, work_dtype)
-    prefix_ids = lm.encode(corpus.text)[:num_tokens] if init == "prefix" else None
+    prefix_ids = lm.encode(corpus.text) if init in ("prefix", "compact") else None
     if init == "prefix":
+        prefix_ids = prefix_ids[:num_tokens]
         check_prefix(prefix_ids, num_tokens)
+    if init == "compact":
+        check_compact(prefix_ids, num_tokens)
     check_context(lm, synth_cfg, len(corpus.token_ids(lm)), num_tokens)
     sampler, owned = synthesizers.resolve(synthesizer, work, synthesizer_options)
     with tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:

@@ -102,3 +102,17 @@ def test_build(tmp_path):
     assert main(args) == 0
     assert Cartridge.load(out).num_tokens == 16
     assert (tmp_path / "b.safetensors.work" / "data" / "header.json").is_file()
+
+
+def test_compact_then_ask(tmp_path, capsys):
+    out = tmp_path / "c.safetensors"
+    assert main(["compact", str(DATA / "harrow_point.txt"), "-o", str(out), "--tokens", "96"]) == 0
+    assert "96 tokens standing in for" in capsys.readouterr().out
+    c = Cartridge.load(out)
+    assert c.meta.init == "compact" and c.num_tokens == 96
+    # a fact the question does not give away (the engineer's name) comes from the compacted text
+    assert main(["ask", str(out), "When was the Harrow Point lighthouse built?", "--max-new-tokens", "40"]) == 0
+    assert "Ellison" in capsys.readouterr().out
+    assert main(["compact", str(DATA / "harrow_point.txt"), "-o", str(tmp_path / "x"), "--tokens", "96",
+                 "--set", "selection=max"]) == 2
+    assert "not a compaction setting" in capsys.readouterr().err

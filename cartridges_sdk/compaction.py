@@ -1,0 +1,328 @@
+"""KV compaction: a cartridge of ``p`` tokens from a corpus of ``T`` tokens in seconds, by attention matching.
+
+The whole corpus is read once. For every layer and KV head, the compact cache keeps the attention sink and the
+``p - 1`` keys that reference queries attend to most, then refits the kept tokens' values by ridge least squares so
+that the attention outputs over the kept keys match those over all ``T`` keys on the same queries. Reference
+queries are the corpus's own (rotated to sit just after the corpus, where a user's tokens will be) and those of a
+few probe questions about it and of the model's greedy answers to them.
+
+The kept keys are then rotated back by ``T - p`` positions: a user token at position ``p + i`` after the cartridge
+sees every kept key at the distance it would see it at position ``T + i`` after the whole corpus. The result is an
+ordinary post-RoPE KV cache that every runtime serves as is (nothing in it needs a runtime to do anything new).
+
+A corpus longer than the model's context is compacted chunk by chunk, each chunk's share of ``p`` in proportion to
+its length, and the parts are composed one after another with their keys repositioned (`Cartridge.compose`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from .checks import count, non_negative, one_of
+from .errors import ConfigError
+from .identity import token_fingerprint
+from .rope import rope_inv_freq, shift_keys
+
+if TYPE_CHECKING:
+    from .cartridge import Cartridge
+    from .models import LM
+
+# questions a user might ask about any document; their queries (and those of the model's answers) stand in for
+# the questions the cartridge will be asked
+PROBE_QUESTIONS = (
+    "Summarize the document above in a few sentences.",
+    "What are the main findings or results reported in the document?",
+    "Which methods, data sets or sources does the document describe?",
+    "List the specific names, numbers and facts the document mentions.",
+    "What problem does the document address, and why does it matter?",
+    "What are the limitations or open questions the document points out?",
+)
+
+
+@attrs.frozen
+class CompactionConfig:
+    """How the compact cache is fitted. The defaults were chosen on QASPER papers (docs/self-study.md)."""
+
+    corpus_queries: int = attrs.field(default=1024, validator=count)  # corpus positions used as references
+    probe_questions: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # e.g. PROBE_QUESTIONS
+    answer_tokens: int = attrs.field(default=32, validator=count)  # greedy answer tokens per probe question
+    ridge: float = attrs.field(default=1e-2, validator=non_negative)  # relative to the mean diagonal of the system
+    # corpus queries are moved to positions T + [0, spread): where a user's question and answer sit after the corpus
+    spread: int = attrs.field(default=64, validator=count)
+    # restore the attention mass of the dropped keys (see `fit_layer`)
+    mass: bool = attrs.field(default=True)
+    # which keys stay: those with the highest mean or highest peak attention weight over the reference queries
+    select: str = attrs.field(default="max", validator=one_of("max", "mean"))
+    max_chunk_tokens: int | None = attrs.field(default=None)  # None: the model's context minus room for a probe
+
+    @probe_questions.validator
+    def _check_probes(self, _attr, value: tuple[str, ...]) -> None:
+        if any(not isinstance(q, str) or not q.strip() for q in value):
+            raise ConfigError(f"probe_questions={value!r} must be non-empty strings.")
+
+    @max_chunk_tokens.validator
+    def _check_chunk(self, _attr, value: int | None) -> None:
+        if value is not None and (not isinstance(value, int) or value < 2):
+            raise ConfigError(f"max_chunk_tokens={value!r} must be None or an int >= 2.")
+
+    def __attrs_post_init__(self) -> None:
+        if self.corpus_queries == 0 and not self.probe_questions:
+            raise ConfigError("corpus_queries=0 with no probe_questions leaves no reference queries to fit to.")
+
+
+def compact(lm: LM, ids: Sequence[int], num_tokens: int, *, num_frozen: int = 1,
+            config: CompactionConfig | None = None, progress: bool = False) -> Cartridge:
+    """A `num_tokens` cartridge standing in for the corpus token ids `ids` (see the module docstring)."""
+    from .cartridge import Cartridge, CartridgeMeta
+
+    config = config or CompactionConfig()
+    ids = [int(t) for t in ids]
+    Cartridge._check_size(num_tokens, num_frozen, len(ids))
+    if num_frozen > 1:
+        raise ConfigError(f"num_frozen={num_frozen}: compaction keeps one attention sink per chunk; use num_frozen=1 or 0.")
+    chunks = _split(len(ids), _chunk_limit(lm, config, len(ids)))
+    budgets = _shares(num_tokens, [b - a for a, b in chunks])
+    lm.check_context(num_tokens, f"A {num_tokens}-token cartridge", "pass a smaller num_tokens")
+    parts = []
+    for (a, b), budget in zip(chunks, _bar(chunks, budgets, progress)):
+        kv = _compact_chunk(lm, ids[a:b], budget, config)
+        meta = CartridgeMeta(model=lm.identity, num_tokens=budget, num_frozen=min(num_frozen, budget),
+                             dtype=str(kv[0][0].dtype).removeprefix("torch."), init="compact")
+        parts.append(Cartridge([k for k, _ in kv], [v for _, v in kv], meta, lm=lm))
+    cart = parts[0] if len(parts) == 1 else Cartridge.compose(parts, reposition=True, model=lm)
+    compaction = {**attrs.asdict(config), "corpus_tokens": len(ids), "chunks": [list(c) for c in chunks],
+                  "chunk_tokens": budgets}
+    meta = attrs.evolve(cart.meta, init="compact", num_frozen=num_frozen,
+                        corpus={"fingerprint": token_fingerprint(ids), "num_tokens": len(ids)},
+                        extra={**cart.meta.extra, "compaction": compaction})
+    return Cartridge(cart.keys, cart.values, meta, lm=lm)
+
+
+def _chunk_limit(lm: LM, config: CompactionConfig, total: int) -> int:
+    """The longest chunk whose forward pass, and each probe question and answer after it, fits the model."""
+    room = max((len(lm.chat_ids([{"role": "user", "content": q}])) for q in config.probe_questions), default=0)
+    room += config.answer_tokens if config.probe_questions else 0
+    limit = (lm.max_context or total + room) - room
+    if config.max_chunk_tokens is not None:
+        limit = min(limit, config.max_chunk_tokens)
+    if limit < 2:
+        raise ConfigError(f"The probe questions and answers ({room} tokens) leave no room for the corpus in "
+                          f"{lm.name!r}'s context of {lm.max_context}; use shorter probes or fewer answer_tokens.")
+    return limit
+
+
+def _bar(chunks: list[tuple[int, int]], budgets: list[int], progress: bool) -> Iterator[int]:
+    if len(chunks) == 1 or not progress:
+        yield from budgets
+        return
+    from tqdm.auto import tqdm
+
+    yield from tqdm(budgets, desc="compacting chunks", unit="chunk")
+
+
+def _split(total: int, limit: int) -> list[tuple[int, int]]:
+    """Consecutive spans of at most `limit` tokens, as equal as possible."""
+    n = math.ceil(total / limit)
+    edges = [round(i * total / n) for i in range(n + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _shares(num_tokens: int, lengths: list[int]) -> list[int]:
+    """Split `num_tokens` over chunks in proportion to their lengths (largest remainders), each at least 2 tokens
+    (its sink and one more) and at most its length."""
+    if num_tokens < 2 * len(lengths):
+        raise ConfigError(
+            f"num_tokens={num_tokens} is too few for a corpus in {len(lengths)} chunks (each needs >= 2 tokens); "
+            f"pass num_tokens >= {2 * len(lengths)}."
+        )
+    total = sum(lengths)
+    raw = [num_tokens * n / total for n in lengths]
+    out = [max(2, min(n, int(r))) for r, n in zip(raw, lengths)]
+    order = sorted(range(len(lengths)), key=lambda i: raw[i] - int(raw[i]), reverse=True)
+    while sum(out) < num_tokens:
+        grew = False
+        for i in order:
+            if sum(out) < num_tokens and out[i] < lengths[i]:
+                out[i] += 1
+                grew = True
+        if not grew:
+            break
+    while sum(out) > num_tokens:
+        i = max(range(len(out)), key=lambda j: out[j] - raw[j])
+        out[i] -= 1
+    return out
+
+
+# -- reading the reference queries ---------------------------------------------------------------------------------
+class _Recorder:
+    """Collects post-RoPE queries per layer from inside the attention function, for the positions asked for."""
+
+    def __init__(self) -> None:
+        self.select: torch.Tensor | None = None  # positions of the current forward to keep (None: all)
+        self.queries: dict[int, list[torch.Tensor]] = {}
+        self.scaling: dict[int, float] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        from .kv import _sdpa_gqa_attention
+
+        q = query[0] if self.select is None else query[0].index_select(1, self.select.to(query.device))
+        self.queries.setdefault(module.layer_idx, []).append(q.detach().float().cpu())
+        self.scaling[module.layer_idx] = float(scaling if scaling is not None else module.scaling)
+        return _sdpa_gqa_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+@contextlib.contextmanager
+def _recording(model) -> Iterator[_Recorder]:
+    """Route the model's attention through a recorder for the duration (restored afterwards, even on error)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    recorder = _Recorder()
+    name = f"cartridges_record_{id(recorder)}"
+    AttentionInterface.register(name, recorder)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield recorder
+    finally:
+        model.set_attn_implementation(before)
+
+
+@torch.inference_mode()
+def _read(lm: LM, ids: list[int], config: CompactionConfig):
+    """The chunk's per-layer keys and values, and per-layer reference queries ``[heads, m, head_dim]`` placed at
+    positions ``>= T`` (the corpus's own, rotated there, then the probes')."""
+    from transformers import DynamicCache
+
+    model, device, n = lm.model, lm.device, len(ids)
+    inv_freq = rope_inv_freq(lm)
+    cache = DynamicCache(config=model.config)
+    count = min(config.corpus_queries, n - 1)
+    # positions spread evenly over the corpus (the first few tokens' queries are mostly about the sink)
+    positions = torch.linspace(min(16, n - 1), n - 1, count).round().long().unique() if count else torch.empty(0, dtype=torch.long)
+    with _recording(model) as rec:
+        rec.select = positions
+        model.base_model(input_ids=torch.tensor([ids], device=device), position_ids=torch.arange(n, device=device)[None],
+                         past_key_values=cache, use_cache=True)
+        kv = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
+        # each corpus query moves from its position to one just after the corpus (offsets spread evenly, in a fixed
+        # shuffled order so that neighbouring positions do not land together)
+        offsets = torch.randperm(len(positions), generator=torch.Generator().manual_seed(0)) % max(1, config.spread)
+        corpus_q = {i: shift_keys(qs[0], n + offsets - positions, inv_freq) for i, qs in rec.queries.items()}
+        rec.queries.clear()
+        rec.select = None
+        for question in config.probe_questions:
+            _probe(lm, cache, n, lm.chat_ids([{"role": "user", "content": question}]), config.answer_tokens)
+            cache.crop(n - cache.get_seq_length())
+        probe_q = {i: torch.cat(qs, dim=1) for i, qs in rec.queries.items()}
+    layers = range(len(kv))
+    queries = [torch.cat([q[i] for q in (corpus_q, probe_q) if i in q], dim=1) for i in layers]
+    return kv, queries, rec.scaling
+
+
+def _probe(lm: LM, cache, start: int, prompt: list[int], answer_tokens: int) -> None:
+    """Run a probe question after the corpus, then greedily answer it for `answer_tokens` tokens."""
+    model, device = lm.model, lm.device
+    ids, pos = torch.tensor([prompt], device=device), start
+    eos = lm.eos_token_ids
+    for step in range(answer_tokens + 1):
+        out = model(input_ids=ids, position_ids=torch.arange(pos, pos + ids.shape[1], device=device)[None],
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        pos += ids.shape[1]
+        nxt = int(out.logits[0, -1].argmax())
+        if step == answer_tokens or nxt in eos:
+            return
+        ids = torch.tensor([[nxt]], device=device)
+
+
+# -- fitting ---------------------------------------------------------------------------------------------------------
+def _compact_chunk(lm: LM, ids: list[int], budget: int, config: CompactionConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    n = len(ids)
+    if budget >= n:  # nothing to drop: the prefix cache itself, exactly
+        return [(k.clone(), v.clone()) for k, v in lm.kv(ids)]
+    kv, queries, scaling = _read(lm, ids, config)
+    inv_freq = rope_inv_freq(lm)
+    out = []
+    for i, (k, v) in enumerate(kv):
+        keys, values = fit_layer(k.float(), v.float(), queries[i].to(k.device), scaling[i], budget, config.ridge,
+                                 mass=config.mass, select=config.select)
+        out.append((shift_keys(keys, -(n - budget), inv_freq).to(k.dtype), values.to(v.dtype)))
+    return out
+
+
+def fit_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, scaling: float, budget: int,
+              ridge: float, *, mass: bool = True, select: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
+    """Compact one layer: keys and values ``[kv_heads, T, d]``, queries ``[heads, m, d]`` (grouped by KV head as
+    the model groups them). Returns ``budget`` keys (at their original positions) and refitted values per KV head.
+
+    With `mass`, one vector ``delta`` per head is added to all its kept keys, fitted so ``q . delta`` makes up the
+    log of the attention mass the dropped keys held for each reference query. The same shift for every kept key
+    leaves the attention *within* the cartridge as it was, so the values' fit holds; what changes is how much the
+    cartridge as a whole weighs against the tokens that follow it, which without the dropped keys would be too
+    little. It is the per-key attention bias of attention matching, restricted to what a plain KV cache can hold.
+    """
+    kv_heads, n, d = keys.shape
+    group = queries.shape[0] // kv_heads
+    q = queries.reshape(kv_heads, group * queries.shape[1], d)  # query head h uses KV head h // group
+    logits = torch.einsum("gmd,gnd->gmn", q, keys) * scaling
+    weights = logits.softmax(-1)
+    target = weights @ values  # [kv_heads, m, d]
+    score = weights.mean(1) if select == "mean" else weights.amax(1)
+    score[:, 0] = float("inf")  # the attention sink always stays
+    idx = score.topk(budget, dim=-1).indices.sort(-1).values  # [kv_heads, budget]
+    kept_w = logits.gather(-1, idx[:, None, :].expand(-1, logits.shape[1], -1)).softmax(-1).double()
+    kept_k = keys.gather(1, idx[..., None].expand(-1, -1, d))
+    if mass:
+        kept_logits = logits.gather(-1, idx[:, None, :].expand(-1, logits.shape[1], -1))
+        deficit = (logits.logsumexp(-1) - kept_logits.logsumexp(-1)).double()  # [kv_heads, m], >= 0
+        qd = q.double() * scaling
+        gram_q = qd.transpose(1, 2) @ qd
+        lam_q = 1e-3 * gram_q.diagonal(dim1=1, dim2=2).mean(-1)[:, None, None]
+        delta = torch.linalg.solve(gram_q + lam_q * torch.eye(d, dtype=qd.dtype), qd.transpose(1, 2) @ deficit[..., None])
+        kept_k = kept_k + delta.transpose(1, 2).float()
+    kept_v = values.gather(1, idx[..., None].expand(-1, -1, d)).double()
+    gram = kept_w.transpose(1, 2) @ kept_w  # [kv_heads, budget, budget]
+    lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-12)[:, None, None]
+    eye = torch.eye(budget, dtype=gram.dtype, device=gram.device)
+    # ridge toward the tokens' own values: with little evidence a value stays what the model computed
+    rhs = kept_w.transpose(1, 2) @ target.double() + lam * kept_v
+    fitted = torch.linalg.solve(gram + lam * eye, rhs)
+    return kept_k, fitted.float()
+
+
+def attention_error(lm: LM, ids: Sequence[int], cartridge: Cartridge, config: CompactionConfig | None = None) -> float:
+    """Mean relative error of the cartridge's attention outputs against the whole text's, over the reference
+    queries of every layer (queries are the full text's: an error here is the cache's, not the model's drift)."""
+    config = config or CompactionConfig()
+    ids = [int(t) for t in ids]
+    n = len(ids)
+    kv, queries, scaling = _read(lm, ids, config)
+    inv_freq = rope_inv_freq(lm)
+    errors = []
+    for i, (k, v) in enumerate(kv):
+        ck = shift_keys(cartridge.keys[i].float(), n - cartridge.num_tokens, inv_freq)  # back to the text's frame
+        full = _attend(queries[i], k.float(), v.float(), scaling[i])
+        comp = _attend(queries[i], ck, cartridge.values[i].float(), scaling[i])
+        errors.append(float((comp - full).norm(dim=-1).mean() / full.norm(dim=-1).mean()))
+    return sum(errors) / len(errors)
+
+
+def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    kv_heads, _, d = keys.shape
+    q = queries.reshape(kv_heads, -1, d)
+    return (torch.einsum("gmd,gnd->gmn", q, keys) * scaling).softmax(-1) @ values
+
+
+def compact_corpus(lm: LM, corpus: Any, num_tokens: int, **kwargs: Any) -> Cartridge:
+    """`compact` for a text, a path or a `Corpus` (tokenized as `Cartridge.from_prefix` tokenizes it)."""
+    from .corpus import Corpus
+
+    text = Corpus.coerce(corpus).text
+    return compact(lm, lm.encode(text), num_tokens, **kwargs)

@@ -1,0 +1,113 @@
+"""KV compaction: exact at full length, better with more tokens, chunked within the model's context."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cartridges_sdk import Cartridge, load_model
+from cartridges_sdk.compaction import CompactionConfig, attention_error
+from cartridges_sdk.errors import ConfigError
+from cartridges_sdk.testing import tiny_lm as make_tiny_lm
+
+from conftest import TEXT
+
+
+def _ids(lm, n):
+    ids = lm.encode(TEXT)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def test_compacting_to_full_length_is_the_prefix_cartridge(tiny_lm):
+    ids = _ids(tiny_lm, 300)
+    compact = Cartridge.compact(tiny_lm, ids, len(ids), progress=False)
+    prefix = Cartridge.from_prefix(tiny_lm, ids, len(ids))
+    assert compact.meta.init == "compact"
+    for ck, pk, cv, pv in zip(compact.keys, prefix.keys, compact.values, prefix.values):
+        assert torch.equal(ck, pk) and torch.equal(cv, pv)
+    # and so the same next-token distribution as the text in context
+    question = tiny_lm.encode("Who keeps the light?")
+    in_context = tiny_lm.logits(ids + question)[len(ids):]
+    torch.testing.assert_close(compact.logits(question), in_context, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_error_falls_as_num_tokens_grows(tiny_lm):
+    ids = _ids(tiny_lm, 600)
+    errors = [attention_error(tiny_lm, ids, Cartridge.compact(tiny_lm, ids, p, progress=False)) for p in (16, 64, 256, 600)]
+    assert errors[0] > errors[1] > errors[2] > errors[3]
+    assert errors[3] < 1e-5  # nothing dropped: the outputs are the text's own
+
+
+def test_compaction_beats_keeping_the_first_tokens(tiny_lm):
+    """Fitted values and chosen keys reproduce the whole text's attention better than its first p tokens do."""
+    ids = _ids(tiny_lm, 600)
+    compact = Cartridge.compact(tiny_lm, ids, 64, progress=False)
+    # the first 64 tokens, seen from where the text ends (the frame compaction fits in)
+    from cartridges_sdk.rope import rope_inv_freq, shift_keys
+
+    inv = rope_inv_freq(tiny_lm)
+    first = Cartridge.from_prefix(tiny_lm, ids, 64)
+    first = Cartridge([shift_keys(k, -(600 - 64), inv) for k in first.keys], first.values, first.meta, lm=tiny_lm)
+    assert attention_error(tiny_lm, ids, compact) < attention_error(tiny_lm, ids, first)
+
+
+def test_a_corpus_longer_than_the_context_is_compacted_per_chunk_within_it():
+    lm = make_tiny_lm("llama")
+    model = copy.deepcopy(lm.model)
+    model.config.max_position_embeddings = 200
+    short = load_model(model, lm.tokenizer)
+    ids = _ids(short, 700)
+    seen = []
+
+    def watch(_module, args, kwargs):
+        pos = kwargs.get("position_ids")
+        seen.append(int(pos.max()) + 1 if pos is not None else kwargs["input_ids"].shape[1])
+
+    hook = short.model.base_model.register_forward_pre_hook(watch, with_kwargs=True)
+    try:
+        c = Cartridge.compact(short, ids, 64, progress=False)
+    finally:
+        hook.remove()
+    assert seen and max(seen) <= 200
+    info = c.meta.extra["compaction"]
+    assert len(info["chunks"]) == 4 and sum(info["chunk_tokens"]) == 64 == c.num_tokens
+    assert [p["offset"] for p in c.meta.parts] == [0, 16, 32, 48]
+    assert c.meta.init == "compact" and c.meta.corpus["num_tokens"] == 700
+    assert torch.isfinite(c.logits(short.encode("Who keeps the light?"))).all()
+
+
+def test_compaction_round_trips_through_the_file(tmp_path, tiny_llama):
+    ids = _ids(tiny_llama, 300)
+    c = Cartridge.compact(tiny_llama, ids, 32, progress=False)
+    back = Cartridge.load(c.save(tmp_path / "c.safetensors"), tiny_llama)
+    assert back.meta.init == "compact" and back.meta.extra["compaction"]["corpus_tokens"] == 300
+    torch.testing.assert_close(back.logits(ids[:5]), c.logits(ids[:5]))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"select": "best"}, "select='best'"),
+        ({"corpus_queries": -1}, "corpus_queries=-1"),
+        ({"ridge": float("nan")}, "ridge=nan"),
+        ({"corpus_queries": 0}, "no probe_questions"),
+        ({"max_chunk_tokens": 1}, "max_chunk_tokens=1"),
+        ({"probe_questions": ("",)}, "probe_questions"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        CompactionConfig(**settings)
+
+
+def test_bad_sizes_are_refused_before_any_work(tiny_llama):
+    ids = _ids(tiny_llama, 100)
+    with pytest.raises(ConfigError, match="more than the 100 tokens"):
+        Cartridge.compact(tiny_llama, ids, 101, progress=False)
+    with pytest.raises(ConfigError, match="num_tokens=1"):
+        Cartridge.compact(tiny_llama, ids, 1, progress=False)
+    with pytest.raises(ConfigError, match="each needs >= 2 tokens"):
+        Cartridge.compact(tiny_llama, ids, 3, config=CompactionConfig(max_chunk_tokens=20), progress=False)
