@@ -1,6 +1,7 @@
 """cartridges-sdk: turn a large corpus into a small trained KV cache (a cartridge) that a frozen LLM reads as context."""
 
 from .cartridge import Cartridge, CartridgeMeta
+from .compaction import CompactionConfig
 from .corpus import Corpus, Document
 from .errors import (
     BackendError,
@@ -37,6 +38,7 @@ __all__ = [
     "CartridgeError",
     "CartridgeFormatError",
     "CartridgeMeta",
+    "CompactionConfig",
     "Completion",
     "ConfigError",
     "Corpus",

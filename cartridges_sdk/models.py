@@ -287,9 +287,13 @@ class LM:
         *,
         runtime: str | Runtime = "hf",
         runtime_options: dict[str, Any] | None = None,
+        document: str | None = None,
         **gen: Any,
     ) -> str | list[str]:
-        """Answer one question (returns a str) or several at once, batched (returns a list)."""
+        """Answer one question (returns a str) or several at once, batched (returns a list).
+
+        `document` puts a text in context (after any cartridges, before the question): the in-context answer a
+        cartridge of that text stands in for."""
         from .plugins import GenerationParams, GenerationRequest
 
         params = GenerationParams.from_kwargs(gen)
@@ -297,7 +301,11 @@ class LM:
         if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
             raise ConfigError(f"ask() needs a non-empty question string or list of them, got {question!r}.")
         cartridges = list(cartridges or [])
-        requests = [GenerationRequest([{"role": "user", "content": q}], cartridges, params) for q in questions]
+        if document is not None and (not isinstance(document, str) or not document.strip()):
+            raise ConfigError(f"document= must be a non-empty text, got {document!r:.60}.")
+        prefix = self.encode(document) if document is not None else ()
+        requests = [GenerationRequest([{"role": "user", "content": q}], cartridges, params, prefix_ids=prefix)
+                    for q in questions]
         texts = [c.text for c in self._runtime(runtime, runtime_options).generate(requests)]
         return texts[0] if isinstance(question, str) else texts
 

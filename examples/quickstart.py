@@ -1,10 +1,11 @@
-"""Quickstart: train a cartridge by self-study for a small corpus with the embedded default model, fully offline.
+"""Quickstart: a cartridge for a small corpus with the embedded default model, fully offline, in seconds.
 
-Self-study takes a few minutes on a laptop CPU (progress bars show each stage; a re-run resumes from the work
-folder). `--prefix` skips training and uses the KV of the corpus's first tokens (exactly the text in context,
-in seconds) for comparison.
+The cartridge is made by KV compaction (no training): a few dozen tokens of KV that stand in for the whole text.
+Each question is then answered three ways, side by side: with no context, with the whole text in context, and
+with the cartridge, and the KV memory each needs is printed. `--selfstudy` goes on to train the compacted
+cartridge by self-study (minutes; progress bars show each stage, and a re-run resumes from the work folder).
 
-Run: python examples/quickstart.py [--corpus FILE] [--tokens N] [--prefix] [--conversations N] [--question Q]
+Run: python examples/quickstart.py [--corpus FILE] [--tokens N] [--selfstudy] [--question Q ...]
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ QUESTIONS = [
 ]
 
 
+def kib(n: float) -> str:
+    return f"{n / 1024:,.0f} KiB"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, default=HERE / "data" / "harrow_point.txt")
-    parser.add_argument("--tokens", type=int, default=64, help="cartridge size in tokens")
+    parser.add_argument("--tokens", type=int, default=96, help="cartridge size in tokens")
+    parser.add_argument("--selfstudy", action="store_true", help="then train it by self-study (minutes)")
     parser.add_argument("--conversations", type=int, default=64, help="self-study conversations to synthesize")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--prefix", action="store_true", help="no training: the KV of the corpus's first tokens")
     parser.add_argument("--work-dir", type=Path, default=HERE / "quickstart.work", help="resumable work files")
     parser.add_argument("--question", action="append", help="question to ask (repeatable)")
     args = parser.parse_args()
@@ -42,23 +46,39 @@ def main() -> None:
     print(f"loaded {lm.name} in {time.perf_counter() - start:.1f}s")
 
     text = args.corpus.read_text(encoding="utf-8")
-    print(f"corpus: {args.corpus.name}, {len(lm.encode(text))} tokens")
+    corpus_tokens = len(lm.encode(text))
+    print(f"corpus: {args.corpus.name}, {corpus_tokens} tokens")
     start = time.perf_counter()
-    if args.prefix:
-        cartridge = Cartridge.from_prefix(lm, text, min(args.tokens, len(lm.encode(text))))
-    else:
+    if args.selfstudy:
         cartridge = Cartridge.from_corpus(text, lm, num_tokens=args.tokens, num_conversations=args.conversations,
-                                          epochs=args.epochs, output_dir=args.work_dir, **SMALL_CORPUS)
-    print(f"cartridge: {cartridge.num_tokens} tokens, {cartridge.nbytes / 2**20:.1f} MiB of KV, "
-          f"made in {time.perf_counter() - start:.0f}s")
+                                          init="compact", output_dir=args.work_dir, **SMALL_CORPUS)
+    else:
+        cartridge = Cartridge.compact(lm, text, args.tokens)
+    how = "compaction + self-study" if args.selfstudy else "compaction"
+    print(f"cartridge: {cartridge.num_tokens} tokens by {how}, made in {time.perf_counter() - start:.1f}s")
 
     path = cartridge.save(args.work_dir.with_suffix(".safetensors"))
     cartridge = Cartridge.load(path, model=lm)  # the file checks it is used with the right model
-    print(f"saved {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    print(f"saved {path}")
 
     questions = args.question or QUESTIONS
-    for q, a in zip(questions, cartridge.ask(questions, max_new_tokens=60)):  # batched
-        print(f"\nQ: {q}\nA: {a}")
+    gen = dict(max_new_tokens=60)
+    answers = {  # each batched over the questions
+        "no context": lm.ask(questions, **gen),
+        "whole text": lm.ask(questions, document=text, **gen),
+        "cartridge": cartridge.ask(questions, **gen),
+    }
+    for i, q in enumerate(questions):
+        print(f"\nQ: {q}")
+        for how, got in answers.items():
+            print(f"  {how + ':':<12} {got[i].strip()}")
+
+    per_token = cartridge.nbytes / cartridge.num_tokens  # KV bytes per token: every layer's keys and values
+    print("\nKV memory each answer needs before the question (the question's own tokens come on top):")
+    print(f"  {'no context:':<13} {kib(0):>10}")
+    print(f"  {'whole text:':<13} {kib(per_token * corpus_tokens):>10}  ({corpus_tokens} tokens)")
+    print(f"  {'cartridge:':<13} {kib(cartridge.nbytes):>10}  ({cartridge.num_tokens} tokens, "
+          f"{corpus_tokens / cartridge.num_tokens:.1f}x less)")
 
 
 if __name__ == "__main__":
