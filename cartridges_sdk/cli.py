@@ -379,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, required=True, help="cartridge size p in tokens")
     p.add_argument("--conversations", type=int, default=256)
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--init", choices=["compact", "prefix", "random_text", "random"], default="prefix")
+    p.add_argument("--init", choices=["compact", "prefix", "random_text", "random"], default="compact",
+                   help="where training starts (default compact: the corpus compacted, see docs/compaction.md)")
     p.add_argument("--work-dir", help="where data and checkpoints go (default OUTPUT.work); a re-run resumes")
     study_args(p)
     backend_args(p, "synthesizer", "trainer")
@@ -398,9 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="cartridge file to write")
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--init", choices=["compact", "prefix", "random_text", "random"], default="prefix")
+    p.add_argument("--init", choices=["compact", "prefix", "random_text", "random"], default="compact",
+                   help="where training starts (default compact: the corpus compacted, see docs/compaction.md)")
     p.add_argument("--corpus", nargs="*", default=None,
-                   help="the corpus, for init=prefix beyond the opening tokens the dataset keeps")
+                   help="the corpus (needed by the default init=compact, and by init=prefix beyond the opening tokens the dataset keeps)")
     p.add_argument("--include", action="append")
     p.add_argument("--exclude", action="append")
     p.add_argument("--description")

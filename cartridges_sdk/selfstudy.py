@@ -23,6 +23,8 @@ from .synthesis import SynthesisConfig, check_capabilities, check_context, synth
 from .training import CHECKPOINT, RUN_LOG, TrainConfig
 
 INITS = ("compact", "prefix", "random_text", "random")
+# where training starts: the corpus compacted (measured best, docs/self-study.md)
+DEFAULT_INIT = "compact"
 SYNTHESIS_SETTINGS = {f.name for f in attrs.fields(SynthesisConfig)} - {"num_conversations", "seed"}
 TRAINING_SETTINGS = {f.name for f in attrs.fields(TrainConfig)} - {"epochs", "seed"}
 
@@ -50,7 +52,7 @@ def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
 
 
 def check_settings(
-    settings: dict[str, Any], *, num_tokens: int, num_conversations: int = 256, epochs: int = 1, init: str = "prefix",
+    settings: dict[str, Any], *, num_tokens: int, num_conversations: int = 256, epochs: int = 1, init: str = DEFAULT_INIT,
     seed: int = 0, num_frozen: int = 1,
 ) -> tuple[SynthesisConfig, TrainConfig]:
     """Every self-study setting of both stages, validated in one place before any model work; returns the configs.
@@ -94,7 +96,8 @@ def clear_training(folder: Path) -> None:
 def check_compact(corpus_ids: Sequence[int] | None, num_tokens: int) -> None:
     """Refuse a compacted start without the whole corpus (a dataset keeps only its first tokens)."""
     if corpus_ids is None:
-        raise ConfigError("init='compact' needs the whole corpus (pass --corpus), or use init='prefix'.")
+        raise ConfigError("init='compact' (the default) needs the whole corpus: pass --corpus (the dataset keeps only "
+                          "its opening tokens), or --init prefix.")
     if len(corpus_ids) < num_tokens:
         raise ConfigError(
             f"init='compact' needs num_tokens <= the corpus's {len(corpus_ids)} tokens (got {num_tokens}); "
@@ -134,7 +137,7 @@ def train_cartridge(
     *,
     num_tokens: int,
     epochs: int = 1,
-    init: str = "prefix",
+    init: str = DEFAULT_INIT,
     seed: int = 0,
     prefix_ids: Sequence[int] | None = None,
     trainer: str | Trainer = "torch",
@@ -204,7 +207,7 @@ def build_cartridge(
     num_tokens: int,
     num_conversations: int = 256,
     epochs: int = 1,
-    init: str = "prefix",
+    init: str = DEFAULT_INIT,
     seed: int = 0,
     synthesizer: str | Synthesizer = "hf",
     synthesizer_options: dict[str, Any] | None = None,
