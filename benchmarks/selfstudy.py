@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="L-Eval-format JSONL (input, instructions, outputs)")
     parser.add_argument("--docs", default="1", help="comma-separated document indices")
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--conversations", type=int, default=256)
+    parser.add_argument("--conversations", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="any from_corpus setting (repeatable)")

@@ -377,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     corpus_args(p)
     p.add_argument("-o", "--output", required=True, help="cartridge file to write")
     p.add_argument("--tokens", type=int, required=True, help="cartridge size p in tokens")
-    p.add_argument("--conversations", type=int, default=256)
+    p.add_argument("--conversations", type=int, default=128)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--init", choices=["compact", "prefix", "random_text", "random"], default="compact",
                    help="where training starts (default compact: the corpus compacted, see docs/compaction.md)")
@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("synthesize", help="self-study data only: write conversations to a dataset folder")
     corpus_args(p)
     p.add_argument("-o", "--output", required=True, help="dataset folder (e.g. data.parquet); a re-run resumes")
-    p.add_argument("--conversations", type=int, default=256)
+    p.add_argument("--conversations", type=int, default=128)
     study_args(p)
     backend_args(p, "synthesizer")
     p.set_defaults(func=cmd_synthesize)

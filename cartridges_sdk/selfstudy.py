@@ -17,9 +17,10 @@ from .checks import PATH, require
 from .corpus import Corpus
 from .dataset import SelfStudyDataset
 from .errors import ConfigError
+from .identity import token_fingerprint
 from .models import LM, load_model, resolve_dtype
 from .plugins import Synthesizer, Trainer, synthesizers, trainers
-from .synthesis import SynthesisConfig, check_capabilities, check_context, synthesize
+from .synthesis import DEFAULT_CONVERSATIONS, SynthesisConfig, check_capabilities, check_context, synthesize
 from .training import CHECKPOINT, RUN_LOG, TrainConfig
 
 INITS = ("compact", "prefix", "random_text", "random")
@@ -52,7 +53,7 @@ def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
 
 
 def check_settings(
-    settings: dict[str, Any], *, num_tokens: int, num_conversations: int = 256, epochs: int = 1, init: str = DEFAULT_INIT,
+    settings: dict[str, Any], *, num_tokens: int, num_conversations: int = DEFAULT_CONVERSATIONS, epochs: int = 1, init: str = DEFAULT_INIT,
     seed: int = 0, num_frozen: int = 1,
 ) -> tuple[SynthesisConfig, TrainConfig]:
     """Every self-study setting of both stages, validated in one place before any model work; returns the configs.
@@ -114,7 +115,11 @@ def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int,
     very tensors the interrupted one did."""
     if init == "compact":
         if saved is not None and saved.is_file():
-            return Cartridge.load(saved, lm)
+            kept = Cartridge.load(saved, lm)
+            same = (kept.num_tokens, kept.num_frozen) == (num_tokens, num_frozen) and (
+                prefix_ids is None or (kept.meta.corpus or {}).get("fingerprint") == token_fingerprint(prefix_ids))
+            if same:
+                return kept
         check_compact(prefix_ids, num_tokens)
         start = Cartridge.compact(lm, list(prefix_ids), num_tokens, num_frozen=num_frozen)
         if saved is not None:
@@ -205,7 +210,7 @@ def build_cartridge(
     model: Any = None,
     *,
     num_tokens: int,
-    num_conversations: int = 256,
+    num_conversations: int = DEFAULT_CONVERSATIONS,
     epochs: int = 1,
     init: str = DEFAULT_INIT,
     seed: int = 0,

@@ -40,11 +40,17 @@ def _weights(_inst, _attribute, value):
     check_weights(value)
 
 
+# the default data budget: from a compacted start, half the data of the first recipe reached the same quality
+# in half the time (docs/self-study.md)
+DEFAULT_CONVERSATIONS = 128
+DEFAULT_DOCUMENT_WINDOWS = 96
+
+
 @attrs.frozen
 class SynthesisConfig:
     """How self-study conversations are sampled. Defaults suit a small model on a CPU."""
 
-    num_conversations: int = attrs.field(default=256, validator=at_least_one)
+    num_conversations: int = attrs.field(default=DEFAULT_CONVERSATIONS, validator=at_least_one)
     rounds: int = attrs.field(default=1, validator=at_least_one)
     min_chunk: int = attrs.field(default=512, validator=at_least_one)
     max_chunk: int = attrs.field(default=1024, validator=at_least_one)  # CPU-sized; the sampler allows 4096
@@ -58,7 +64,7 @@ class SynthesisConfig:
     top_k: int = attrs.field(default=20, validator=at_least_one)
     targets: str = attrs.field(default="assistant")
     a_context: str = attrs.field(default="message")
-    document_windows: int = attrs.field(default=192, validator=count)
+    document_windows: int = attrs.field(default=DEFAULT_DOCUMENT_WINDOWS, validator=count)
     window_tokens: int = attrs.field(default=256)
     windows_per_chunk: int = attrs.field(default=4, validator=at_least_one)
     seed: int = attrs.field(default=0, validator=optional_int)

@@ -129,7 +129,7 @@ def test_resume_refuses_other_settings_by_name_and_restart_starts_over(tiny_llam
     again = _build(tiny_llama, tmp_path / "w")  # same settings: the finished run is reused, not mixed
     assert all(torch.equal(a, b) for a, b in zip(first.keys, again.keys))
     for changed, named in [
-        ({"init": "random_text"}, "start.init: 'prefix' -> 'random_text'"),
+        ({"init": "random_text"}, "start.init: 'compact' -> 'random_text'"),
         ({"num_tokens": 24}, "start.num_tokens: 16 -> 24"),
         ({"lr": 0.1}, "config.lr: 0.003 -> 0.1"),
         ({"max_tokens_b": 7}, "config.max_tokens_b: 6 -> 7"),

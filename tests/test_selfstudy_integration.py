@@ -55,7 +55,7 @@ def test_metadata_records_the_run(default_lm, trained):
     cartridge, work = trained
     meta = cartridge.meta
     assert meta.init == "trained" and meta.num_tokens == P and cartridge.lm is default_lm
-    assert meta.training["init"] == "prefix" and meta.training["synthesis"]["num_conversations"] == 8
+    assert meta.training["init"] == "compact" and meta.training["synthesis"]["num_conversations"] == 8
     assert meta.training["config"]["epochs"] == 1 and meta.training["steps"] >= 1
     assert meta.corpus["num_tokens"] > P
     assert (work / "data" / "header.json").is_file() and (work / "train" / "checkpoint.pt").is_file()
