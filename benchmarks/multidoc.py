@@ -44,7 +44,7 @@ def pair(lm, corpora, p: int) -> dict:
     out = {
         "none": mean_nll(lm, qa),
         "icl_pair": mean_nll(lm, qa, document=both) if len(both_ids) + ROOM <= (lm.max_context or 10**9) else None,
-        "truncated_pair": mean_nll(lm, qa, document=ids_a[:p] + lm.encode("\n\n" + b.text)[:p]),
+        "truncated_pair": mean_nll(lm, qa, document=ids_a[:p] + ids_b[:p]),
         "first_alone": mean_nll(lm, qa, cartridges=[ca]),
         "second_alone": mean_nll(lm, qa, cartridges=[cb]),
         "composed": mean_nll(lm, qa, cartridges=[Cartridge.compose([ca, cb], reposition=True)]),

@@ -231,14 +231,7 @@ class Cartridge:
                 raise ConfigError("The text is empty; from_prefix needs a text with at least num_tokens tokens.")
             ids = lm.encode(text_or_ids)
         else:
-            ids = text_or_ids.tolist() if torch.is_tensor(text_or_ids) else list(text_or_ids)
-            if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
-                raise ConfigError("from_prefix's token ids must all be integers.")
-            ids = [int(t) for t in ids]
-            vocab = lm.identity.architecture["vocab_size"]
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ConfigError(f"Token ids {bad[:5]} are outside the model's vocabulary [0, {vocab}).")
+            ids = _token_ids(lm, text_or_ids, "from_prefix")
         cls._check_size(num_tokens, num_frozen, len(ids))
         lm.check_context(num_tokens, f"A {num_tokens}-token prefix cartridge", "pass a smaller num_tokens")
         corpus = {"fingerprint": token_fingerprint(ids), "num_tokens": len(ids)}
@@ -257,8 +250,8 @@ class Cartridge:
         """
         from .compaction import compact
 
-        if isinstance(corpus, (list, tuple, torch.Tensor)) and not (corpus and isinstance(corpus[0], str)):
-            ids = corpus.tolist() if torch.is_tensor(corpus) else list(corpus)
+        if torch.is_tensor(corpus) or (isinstance(corpus, (list, tuple)) and corpus and not isinstance(corpus[0], str)):
+            ids = _token_ids(lm, corpus, "compact")
         else:
             from .corpus import Corpus
 
@@ -478,6 +471,19 @@ class Cartridge:
     def logits(self, input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Next-token logits of `input_ids` placed after this cartridge (see `LM.logits`)."""
         return self._bound().logits(input_ids, cartridges=[self])
+
+
+def _token_ids(lm: LM, ids: Sequence[int] | torch.Tensor, what: str) -> list[int]:
+    """Token ids as a list of ints, refusing non-integers and ids outside the model's vocabulary."""
+    ids = ids.reshape(-1).tolist() if torch.is_tensor(ids) else list(ids)
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+        raise ConfigError(f"{what}'s token ids must all be integers.")
+    ids = [int(t) for t in ids]
+    vocab = lm.identity.architecture["vocab_size"]
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ConfigError(f"Token ids {bad[:5]} are outside the model's vocabulary [0, {vocab}).")
+    return ids
 
 
 def _looks_like_torch_save(path: Path) -> bool:

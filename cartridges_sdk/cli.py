@@ -306,10 +306,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     options = backend_options(args, {"trainer": args.trainer})["trainer"]
     _output_file(args.output)
     dataset = SelfStudyDataset(args.data)
+    work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
+    from .selfstudy import COMPACT_START, check_compact
+
+    if args.init == "compact" and not args.corpus and not (work / COMPACT_START).is_file():
+        check_compact(None, args.tokens)  # before the model loads: the dataset alone cannot be compacted
     source = dataset.header.get("model", {}).get("source")
     lm = _model_for(args.model or source, device=args.device)
     prefix_ids = lm.encode(_corpus(args).text) if args.corpus else None
-    work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     c = train_cartridge(
         dataset, lm, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed,
         prefix_ids=prefix_ids, output_dir=work, trainer=args.trainer, trainer_options=options, restart=args.restart,

@@ -17,6 +17,7 @@ its length, and the parts are composed one after another with their keys reposit
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from .checks import count, non_negative, one_of
+from .checks import boolean, count, one_of, positive
 from .errors import ConfigError
 from .identity import token_fingerprint
 from .rope import rope_inv_freq, shift_keys
@@ -45,30 +46,36 @@ PROBE_QUESTIONS = (
 )
 
 
+# the longest chunk read in one pass by default: the fit holds queries x chunk logits per KV head in memory
+MAX_CHUNK = 16384
+
+
 @attrs.frozen
 class CompactionConfig:
-    """How the compact cache is fitted. The defaults were chosen on QASPER papers (docs/self-study.md)."""
+    """How the compact cache is fitted. The defaults were chosen on QASPER papers (docs/compaction.md)."""
 
     corpus_queries: int = attrs.field(default=1024, validator=count)  # corpus positions used as references
-    probe_questions: tuple[str, ...] = attrs.field(default=(), converter=tuple)  # e.g. PROBE_QUESTIONS
+    probe_questions: tuple[str, ...] = attrs.field(default=())  # e.g. PROBE_QUESTIONS
     answer_tokens: int = attrs.field(default=32, validator=count)  # greedy answer tokens per probe question
-    ridge: float = attrs.field(default=1e-2, validator=non_negative)  # relative to the mean diagonal of the system
+    ridge: float = attrs.field(default=1e-2, validator=positive)  # relative to the mean diagonal of the system
     # corpus queries are moved to positions T + [0, spread): where a user's question and answer sit after the corpus
     spread: int = attrs.field(default=64, validator=count)
     # restore the attention mass of the dropped keys (see `fit_layer`)
-    mass: bool = attrs.field(default=True)
+    mass: bool = attrs.field(default=True, validator=boolean)
     # which keys stay: those with the highest mean or highest peak attention weight over the reference queries
     select: str = attrs.field(default="max", validator=one_of("max", "mean"))
     max_chunk_tokens: int | None = attrs.field(default=None)  # None: the model's context minus room for a probe
 
     @probe_questions.validator
-    def _check_probes(self, _attr, value: tuple[str, ...]) -> None:
+    def _check_probes(self, _attr, value) -> None:
+        if isinstance(value, str) or not isinstance(value, (tuple, list)):
+            raise ConfigError(f"probe_questions={value!r} must be a list of questions, e.g. [{value!r}].")
         if any(not isinstance(q, str) or not q.strip() for q in value):
             raise ConfigError(f"probe_questions={value!r} must be non-empty strings.")
 
     @max_chunk_tokens.validator
     def _check_chunk(self, _attr, value: int | None) -> None:
-        if value is not None and (not isinstance(value, int) or value < 2):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
             raise ConfigError(f"max_chunk_tokens={value!r} must be None or an int >= 2.")
 
     def __attrs_post_init__(self) -> None:
@@ -108,7 +115,7 @@ def _chunk_limit(lm: LM, config: CompactionConfig, total: int) -> int:
     """The longest chunk whose forward pass, and each probe question and answer after it, fits the model."""
     room = max((len(lm.chat_ids([{"role": "user", "content": q}])) for q in config.probe_questions), default=0)
     room += config.answer_tokens if config.probe_questions else 0
-    limit = (lm.max_context or total + room) - room
+    limit = min(lm.max_context or total + room, MAX_CHUNK) - room
     if config.max_chunk_tokens is not None:
         limit = min(limit, config.max_chunk_tokens)
     if limit < 2:
@@ -138,23 +145,16 @@ def _shares(num_tokens: int, lengths: list[int]) -> list[int]:
     (its sink and one more) and at most its length."""
     if num_tokens < 2 * len(lengths):
         raise ConfigError(
-            f"num_tokens={num_tokens} is too few for a corpus in {len(lengths)} chunks (each needs >= 2 tokens); "
-            f"pass num_tokens >= {2 * len(lengths)}."
+            f"num_tokens={num_tokens} is too few for a corpus read in {len(lengths)} chunks (each keeps its sink and "
+            f"at least one more token); pass num_tokens >= {2 * len(lengths)}, or a larger max_chunk_tokens."
         )
-    total = sum(lengths)
-    raw = [num_tokens * n / total for n in lengths]
+    raw = [num_tokens * n / sum(lengths) for n in lengths]
     out = [max(2, min(n, int(r))) for r, n in zip(raw, lengths)]
-    order = sorted(range(len(lengths)), key=lambda i: raw[i] - int(raw[i]), reverse=True)
-    while sum(out) < num_tokens:
-        grew = False
-        for i in order:
-            if sum(out) < num_tokens and out[i] < lengths[i]:
-                out[i] += 1
-                grew = True
-        if not grew:
-            break
-    while sum(out) > num_tokens:
-        i = max(range(len(out)), key=lambda j: out[j] - raw[j])
+    while sum(out) < num_tokens:  # one token at a time to the chunk furthest below its share
+        i = max((j for j in range(len(out)) if out[j] < lengths[j]), key=lambda j: raw[j] - out[j])
+        out[i] += 1
+    while sum(out) > num_tokens:  # or from the chunk furthest above it, never below 2
+        i = max((j for j in range(len(out)) if out[j] > 2), key=lambda j: out[j] - raw[j])
         out[i] -= 1
     return out
 
@@ -177,22 +177,44 @@ class _Recorder:
         return _sdpa_gqa_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
+_RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("cartridges_recorder", default=None)
+RECORDING = "cartridges_record"
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention function a model uses while a recorder is active (registered once, under `RECORDING`)."""
+    recorder = _RECORDER.get()
+    if recorder is None:
+        raise RuntimeError("cartridges_record attention ran outside compaction; call model.set_attn_implementation('sdpa').")
+    return recorder(module, query, key, value, attention_mask, **kwargs)
+
+
 @contextlib.contextmanager
-def _recording(model) -> Iterator[_Recorder]:
-    """Route the model's attention through a recorder for the duration (restored afterwards, even on error)."""
+def _recording(lm: LM) -> Iterator[_Recorder]:
+    """Route the model's attention through a recorder for the duration (restored afterwards, even on error).
+    The model is switched as a whole: do not answer with it from another thread meanwhile."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
+    from .errors import UnsupportedModelError
+
+    model = lm.model
+    AttentionInterface.register(RECORDING, _recording_attention)
+    AttentionMaskInterface.register(RECORDING, sdpa_mask)
     recorder = _Recorder()
-    name = f"cartridges_record_{id(recorder)}"
-    AttentionInterface.register(name, recorder)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    token = _RECORDER.set(recorder)
     before = model.config._attn_implementation
-    model.set_attn_implementation(name)
+    model.set_attn_implementation(RECORDING)
     try:
+        if model.config._attn_implementation != RECORDING:
+            raise UnsupportedModelError(
+                f"Model {lm.name!r} would not switch its attention function, so its queries cannot be read; "
+                "compaction needs a transformers model that takes `set_attn_implementation`."
+            )
         yield recorder
     finally:
         model.set_attn_implementation(before)
+        _RECORDER.reset(token)
 
 
 @torch.inference_mode()
@@ -204,10 +226,10 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
     model, device, n = lm.model, lm.device, len(ids)
     inv_freq = rope_inv_freq(lm)
     cache = DynamicCache(config=model.config)
-    count = min(config.corpus_queries, n - 1)
+    wanted = min(config.corpus_queries, n - 1)
     # positions spread evenly over the corpus (the first few tokens' queries are mostly about the sink)
-    positions = torch.linspace(min(16, n - 1), n - 1, count).round().long().unique() if count else torch.empty(0, dtype=torch.long)
-    with _recording(model) as rec:
+    positions = torch.linspace(min(16, n - 1), n - 1, wanted).round().long().unique() if wanted else torch.empty(0, dtype=torch.long)
+    with _recording(lm) as rec:
         rec.select = positions
         model.base_model(input_ids=torch.tensor([ids], device=device), position_ids=torch.arange(n, device=device)[None],
                          past_key_values=cache, use_cache=True)
@@ -223,6 +245,13 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
             cache.crop(n - cache.get_seq_length())
         probe_q = {i: torch.cat(qs, dim=1) for i, qs in rec.queries.items()}
     layers = range(len(kv))
+    if sorted(corpus_q) != list(layers) and sorted(probe_q) != list(layers):
+        from .errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"Model {lm.name!r}: queries were read from layers {sorted(corpus_q)} of {len(kv)}; compaction needs an "
+            "attention layer that calls transformers' attention interface in every layer."
+        )
     queries = [torch.cat([q[i] for q in (corpus_q, probe_q) if i in q], dim=1) for i in layers]
     return kv, queries, rec.scaling
 
@@ -270,6 +299,10 @@ def fit_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, s
     """
     kv_heads, n, d = keys.shape
     group = queries.shape[0] // kv_heads
+    if kv_heads > 1:  # one KV head at a time: the logits of all heads at once can take gigabytes
+        parts = [fit_layer(keys[g : g + 1], values[g : g + 1], queries[g * group : (g + 1) * group], scaling, budget,
+                           ridge, mass=mass, select=select) for g in range(kv_heads)]
+        return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
     q = queries.reshape(kv_heads, group * queries.shape[1], d)  # query head h uses KV head h // group
     logits = torch.einsum("gmd,gnd->gmn", q, keys) * scaling
     weights = logits.softmax(-1)
@@ -285,7 +318,8 @@ def fit_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, s
         qd = q.double() * scaling
         gram_q = qd.transpose(1, 2) @ qd
         lam_q = 1e-3 * gram_q.diagonal(dim1=1, dim2=2).mean(-1)[:, None, None]
-        delta = torch.linalg.solve(gram_q + lam_q * torch.eye(d, dtype=qd.dtype), qd.transpose(1, 2) @ deficit[..., None])
+        eye_d = torch.eye(d, dtype=qd.dtype, device=qd.device)
+        delta = torch.linalg.solve(gram_q + lam_q * eye_d, qd.transpose(1, 2) @ deficit[..., None])
         kept_k = kept_k + delta.transpose(1, 2).float()
     kept_v = values.gather(1, idx[..., None].expand(-1, -1, d)).double()
     gram = kept_w.transpose(1, 2) @ kept_w  # [kv_heads, budget, budget]
@@ -300,6 +334,9 @@ def fit_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, s
 def attention_error(lm: LM, ids: Sequence[int], cartridge: Cartridge, config: CompactionConfig | None = None) -> float:
     """Mean relative error of the cartridge's attention outputs against the whole text's, over the reference
     queries of every layer (queries are the full text's: an error here is the cache's, not the model's drift)."""
+    if len(cartridge.meta.parts) > 1:
+        raise ConfigError("attention_error compares one chunk's cartridge with its text; this one was composed "
+                          f"from {len(cartridge.meta.parts)} chunks.")
     config = config or CompactionConfig()
     ids = [int(t) for t in ids]
     n = len(ids)
@@ -308,8 +345,8 @@ def attention_error(lm: LM, ids: Sequence[int], cartridge: Cartridge, config: Co
     errors = []
     for i, (k, v) in enumerate(kv):
         ck = shift_keys(cartridge.keys[i].float(), n - cartridge.num_tokens, inv_freq)  # back to the text's frame
-        full = _attend(queries[i], k.float(), v.float(), scaling[i])
-        comp = _attend(queries[i], ck, cartridge.values[i].float(), scaling[i])
+        full = _attend(queries[i].to(k.device), k.float(), v.float(), scaling[i])
+        comp = _attend(queries[i].to(k.device), ck, cartridge.values[i].float(), scaling[i])
         errors.append(float((comp - full).norm(dim=-1).mean() / full.norm(dim=-1).mean()))
     return sum(errors) / len(errors)
 

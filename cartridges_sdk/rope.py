@@ -90,6 +90,10 @@ def shift_keys(keys: torch.Tensor, shift: int | torch.Tensor, inv_freq: torch.Te
         return keys.clone()
     rot = 2 * inv_freq.numel()
     freq = inv_freq.to(device=keys.device, dtype=torch.float64)
+    if torch.is_tensor(shift):
+        shift = shift.reshape(-1)
+        if shift.numel() != keys.shape[-2]:
+            raise ValueError(f"{shift.numel()} per-token shifts for {keys.shape[-2]} tokens.")
     angles = (shift.to(keys.device, torch.float64)[:, None] * freq) if torch.is_tensor(shift) else shift * freq
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1)

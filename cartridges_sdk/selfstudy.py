@@ -26,6 +26,7 @@ from .training import CHECKPOINT, RUN_LOG, TrainConfig
 INITS = ("compact", "prefix", "random_text", "random")
 # where training starts: the corpus compacted (measured best, docs/self-study.md)
 DEFAULT_INIT = "compact"
+COMPACT_START = "start-compact.safetensors"  # kept in the training folder, so a resumed run starts from it
 SYNTHESIS_SETTINGS = {f.name for f in attrs.fields(SynthesisConfig)} - {"num_conversations", "seed"}
 TRAINING_SETTINGS = {f.name for f in attrs.fields(TrainConfig)} - {"epochs", "seed"}
 
@@ -64,6 +65,9 @@ def check_settings(
     if init not in INITS:
         raise ConfigError(f"init={init!r} must be one of {INITS}.")
     Cartridge._check_size(num_tokens, num_frozen)
+    if init == "compact" and num_frozen > 1:
+        raise ConfigError(f"num_frozen={num_frozen}: init='compact' keeps one attention sink; use num_frozen=1 or 0, "
+                          "or init='prefix'.")
     return (SynthesisConfig(num_conversations=num_conversations, seed=seed, **synth_settings),
             TrainConfig(epochs=epochs, seed=seed, **train_settings))
 
@@ -90,7 +94,7 @@ def check_prefix(prefix_ids: Sequence[int] | None, num_tokens: int) -> None:
 
 def clear_training(folder: Path) -> None:
     """Delete a training folder's checkpoint, log and compacted start (nothing else), to start over."""
-    for name in (CHECKPOINT, RUN_LOG, "start-compact.safetensors"):
+    for name in (CHECKPOINT, RUN_LOG, COMPACT_START):
         (folder / name).unlink(missing_ok=True)
 
 
@@ -107,7 +111,7 @@ def check_compact(corpus_ids: Sequence[int] | None, num_tokens: int) -> None:
 
 
 def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int, init: str, seed: int,
-                      num_frozen: int = 1, *, saved: Path | None = None) -> Cartridge:
+                      num_frozen: int = 1, *, saved: Path | None = None, progress: bool = True) -> Cartridge:
     """The cartridge training starts from: the corpus compacted (`compact`, `prefix_ids` then holds the whole
     corpus), its first tokens (`prefix`), unrelated text, or random vectors.
 
@@ -121,7 +125,7 @@ def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int,
             if same:
                 return kept
         check_compact(prefix_ids, num_tokens)
-        start = Cartridge.compact(lm, list(prefix_ids), num_tokens, num_frozen=num_frozen)
+        start = Cartridge.compact(lm, list(prefix_ids), num_tokens, num_frozen=num_frozen, progress=progress)
         if saved is not None:
             saved.parent.mkdir(parents=True, exist_ok=True)
             start.save(saved)
@@ -184,8 +188,8 @@ def train_cartridge(
     try:
         if init == "compact" and prefix_ids is corpus_info.get("prefix_ids"):
             prefix_ids = None  # the dataset keeps only the corpus's first tokens, not enough to compact
-        saved = Path(output_dir) / "start-compact.safetensors" if output_dir is not None else None
-        start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen, saved=saved)
+        saved = Path(output_dir) / COMPACT_START if output_dir is not None else None
+        start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen, saved=saved, progress=progress)
         trained = fitter.fit(start.bind(work), dataset, work, config, output_dir=output_dir, progress=progress)
     finally:
         if owned:

@@ -96,6 +96,9 @@ def test_compaction_round_trips_through_the_file(tmp_path, tiny_llama):
         ({"corpus_queries": 0}, "no probe_questions"),
         ({"max_chunk_tokens": 1}, "max_chunk_tokens=1"),
         ({"probe_questions": ("",)}, "probe_questions"),
+        ({"probe_questions": "Summarize it."}, "must be a list of questions"),
+        ({"mass": "False"}, "mass='False' must be true or false"),
+        ({"ridge": 0}, "ridge=0"),
     ],
 )
 def test_bad_settings_are_refused_by_name(settings, message):
@@ -109,7 +112,7 @@ def test_bad_sizes_are_refused_before_any_work(tiny_llama):
         Cartridge.compact(tiny_llama, ids, 101, progress=False)
     with pytest.raises(ConfigError, match="num_tokens=1"):
         Cartridge.compact(tiny_llama, ids, 1, progress=False)
-    with pytest.raises(ConfigError, match="each needs >= 2 tokens"):
+    with pytest.raises(ConfigError, match="too few for a corpus read in 5 chunks.*max_chunk_tokens"):
         Cartridge.compact(tiny_llama, ids, 3, config=CompactionConfig(max_chunk_tokens=20), progress=False)
 
 
@@ -131,3 +134,43 @@ def test_compacted_beats_the_first_tokens_on_held_out_questions(default_lm):
     # measured: NLL 4.106 -> 3.037, KL 0.976 -> 0.362 (self-study's quality test reaches 3.96 and 0.945)
     assert compact.nll_cartridge < first.nll_cartridge - 0.5
     assert compact.kl_icl_cartridge < first.kl_icl_cartridge - 0.3
+
+
+def test_token_ids_may_come_as_a_tensor(tiny_llama):
+    ids = _ids(tiny_llama, 120)
+    a = Cartridge.compact(tiny_llama, ids, 16, progress=False)
+    b = Cartridge.compact(tiny_llama, torch.tensor(ids), 16, progress=False)
+    assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
+    with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+        Cartridge.compact(tiny_llama, [10**7] * 20, 16, progress=False)
+
+
+def test_chunk_shares_add_up_and_follow_the_lengths():
+    import random
+
+    from cartridges_sdk.compaction import _shares, _split
+
+    rng = random.Random(0)
+    for _ in range(500):
+        total, limit = rng.randint(2, 5000), rng.randint(2, 800)
+        lengths = [b - a for a, b in _split(total, limit)]
+        assert sum(lengths) == total and max(lengths) <= limit and max(lengths) - min(lengths) <= 1
+        if total < 2 * len(lengths):
+            continue
+        budget = rng.randint(2 * len(lengths), total)
+        shares = _shares(budget, lengths)
+        assert sum(shares) == budget and all(2 <= s <= n for s, n in zip(shares, lengths))
+        assert max(shares) - min(shares) <= 2  # chunks of (nearly) equal length get (nearly) equal shares
+
+
+def test_the_attention_function_is_restored_after_an_error(tiny_llama):
+    from cartridges_sdk.compaction import _recording
+
+    before = tiny_llama.model.config._attn_implementation
+    with pytest.raises(KeyError):
+        with _recording(tiny_llama):
+            assert tiny_llama.model.config._attn_implementation != before
+            raise KeyError("boom")
+    assert tiny_llama.model.config._attn_implementation == before
+    ids = _ids(tiny_llama, 40)
+    torch.testing.assert_close(tiny_llama.logits(ids), tiny_llama.logits(ids))  # and the model still runs
