@@ -168,7 +168,7 @@ def test_interleaved_keys_convert_exactly_and_serve_the_same(tiny_lm, tmp_path):
 
 def test_settings_a_synthesizer_cannot_serve_are_refused_before_work(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setitem(synthesizers._extra, "fake", testing.FakeSynthesizer)
-    with pytest.raises(ConfigError, match="document_windows=192 needs a synthesizer that scores.*set document_windows=0"):
+    with pytest.raises(ConfigError, match="document_windows=96 needs a synthesizer that scores.*set document_windows=0"):
         Cartridge.from_corpus(TEXT, tiny_llama, num_tokens=8, synthesizer="fake", output_dir=tmp_path / "w")
     with pytest.raises(ConfigError, match=r"top_k=50 but synthesizer 'fake' returns at most 20.*top_k <= 20"):
         Cartridge.from_corpus(TEXT, tiny_llama, num_tokens=8, synthesizer="fake", document_windows=0, top_k=50,

@@ -1,0 +1,117 @@
+"""How close self-study runs to the machine's limit: two ratios, measured in one run.
+
+- **Training**: useful FLOP/s of cartridge training (forward, plus a backward that computes input gradients only,
+  since the model is frozen; `methods.training_flops`) over the measured matmul peak in the same dtype.
+- **Synthesis**: generated tokens/s of self-study synthesis (both participants' tokens) over the model's raw
+  batched decode throughput (greedy, a batch of `conversations_per_chunk` rows after a chunk-sized prompt).
+
+    python -m benchmarks.efficiency [--doc 3] [--dtype bfloat16] [--train-windows 32] [--conversations 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from cartridges_sdk import Cartridge, load_model
+from cartridges_sdk.plugins import synthesizers, trainers
+from cartridges_sdk.selfstudy import work_model
+from cartridges_sdk.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.training import TrainConfig
+
+from . import methods, provenance
+from .data import DEFAULT_DATA
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` square matmuls: what the CPU's matrix units give in this dtype."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+@torch.inference_mode()
+def decode_throughput(lm, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
+    """Tokens/s of greedy batched decoding after a shared prompt (prefill excluded)."""
+    ids = torch.tensor([prompt_ids] * batch, device=lm.device)
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=lm.pad_token_id)
+        return time.perf_counter() - start
+
+    run(2)
+    return batch * (new_tokens - 1) / (run(new_tokens) - run(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--doc", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="work dtype")
+    parser.add_argument("--tokens", type=int, default=256, help="cartridge size p")
+    parser.add_argument("--train-windows", type=int, default=32, help="256-token windows to train on")
+    parser.add_argument("--conversations", type=int, default=32, help="conversations to synthesize")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/efficiency.json"))
+    args = parser.parse_args()
+
+    lm = load_model()
+    work = work_model(lm, args.dtype)
+    dtype = getattr(torch, args.dtype)
+    text = json.loads(args.data.read_text(encoding="utf-8").splitlines()[args.doc])["input"]
+    ids = methods.document_ids(lm, text)
+    peak = matmul_peak(dtype)
+    print(f"{args.dtype} matmul peak: {peak / 1e9:.1f} GFLOP/s", flush=True)
+
+    # training: next-token windows of the document, so no synthesis is needed to time the step
+    windows = methods.raw_windows(ids, args.train_windows, seed=0)
+    config = TrainConfig(objective="ntp", eval_fraction=0.0)
+    start_cart = Cartridge.from_prefix(lm, ids, args.tokens).bind(work)
+    start = time.perf_counter()
+    trainers.create("torch", work).fit(start_cart, windows, work, config, progress=False)
+    train_s = time.perf_counter() - start
+    train_flops = methods.training_flops(lm, windows, args.tokens, 1)
+    train_ratio = train_flops / train_s / peak
+    print(f"training: {sum(c.num_tokens for c in windows)} tokens in {train_s:.1f} s, "
+          f"{train_flops / train_s / 1e9:.1f} useful GFLOP/s = {train_ratio:.2f} of peak", flush=True)
+
+    # synthesis against raw decoding, same model and dtype
+    synth_config = SynthesisConfig(num_conversations=args.conversations, document_windows=0, seed=0)
+    raw = decode_throughput(work, ids[:synth_config.min_chunk], synth_config.conversations_per_chunk,
+                            synth_config.max_tokens_b)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        ds = synthesize(text, work, Path(tmp) / "data", synth_config, synthesizer=synthesizers.create("hf", work),
+                        progress=False)
+        synth_s = time.perf_counter() - start
+        generated = methods.generated_tokens(lm, list(ds))
+    synth_rate = generated / synth_s
+    synth_ratio = synth_rate / raw
+    print(f"raw batched decode: {raw:.1f} tok/s; synthesis: {generated} tokens in {synth_s:.1f} s = "
+          f"{synth_rate:.1f} tok/s = {synth_ratio:.2f} of raw", flush=True)
+    result = {
+        "dtype": args.dtype, "doc": args.doc, "tokens": args.tokens, "matmul_peak_flops": peak,
+        "training": {"seconds": train_s, "useful_flops": train_flops, "ratio": train_ratio,
+                     "tokens": sum(c.num_tokens for c in windows)},
+        "synthesis": {"seconds": synth_s, "generated_tokens": generated, "tokens_per_s": synth_rate,
+                      "raw_decode_tokens_per_s": raw, "ratio": synth_ratio},
+        "model": lm.name, "commit": provenance.commit(), "machine": provenance.machine(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
