@@ -356,10 +356,3 @@ def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     q = queries.reshape(kv_heads, -1, d)
     return (torch.einsum("gmd,gnd->gmn", q, keys) * scaling).softmax(-1) @ values
 
-
-def compact_corpus(lm: LM, corpus: Any, num_tokens: int, **kwargs: Any) -> Cartridge:
-    """`compact` for a text, a path or a `Corpus` (tokenized as `Cartridge.from_prefix` tokenizes it)."""
-    from .corpus import Corpus
-
-    text = Corpus.coerce(corpus).text
-    return compact(lm, lm.encode(text), num_tokens, **kwargs)

@@ -281,7 +281,7 @@ LAYERS = [
     {"identity", "rope", "kv"},
     {"plugins"},
     {"models"},
-    {"cartridge", "interop"},
+    {"cartridge", "interop", "compaction"},
     {"corpus", "dataset", "seeds", "evaluation"},
     {"hf"},
     {"synthesis", "training"},
