@@ -25,19 +25,8 @@ from cartridges_sdk.synthesis import SynthesisConfig, synthesize
 from cartridges_sdk.training import TrainConfig
 
 from . import methods, provenance
+from .measure import matmul_peak
 from .data import DEFAULT_DATA
-
-
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of the best of `repeats` square matmuls: what the CPU's matrix units give in this dtype."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b  # warm up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
 
 
 @torch.inference_mode()
