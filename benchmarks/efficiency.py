@@ -3,7 +3,8 @@
 - **Training**: useful FLOP/s of cartridge training (forward, plus a backward that computes input gradients only,
   since the model is frozen; `methods.training_flops`) over the measured matmul peak in the same dtype.
 - **Synthesis**: generated tokens/s of self-study synthesis (both participants' tokens) over the model's raw
-  batched decode throughput (greedy, a batch of `conversations_per_chunk` rows after a chunk-sized prompt).
+  batched decode throughput where synthesis decodes (`measure.synthesis_yardstick`: greedy, a batch of
+  `conversations_per_chunk` rows, each after its own copy of a chunk of the mean sampled length).
 
     python -m benchmarks.efficiency [--doc 3] [--dtype bfloat16] [--train-windows 32] [--conversations 32]
 """
@@ -25,23 +26,8 @@ from cartridges_sdk.synthesis import SynthesisConfig, synthesize
 from cartridges_sdk.training import TrainConfig
 
 from . import methods, provenance
-from .measure import matmul_peak
+from .measure import matmul_peak, synthesis_yardstick
 from .data import DEFAULT_DATA
-
-
-@torch.inference_mode()
-def decode_throughput(lm, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
-    """Tokens/s of greedy batched decoding after a shared prompt (prefill excluded)."""
-    ids = torch.tensor([prompt_ids] * batch, device=lm.device)
-
-    def run(n: int) -> float:
-        start = time.perf_counter()
-        lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=lm.pad_token_id)
-        return time.perf_counter() - start
-
-    run(2)
-    return batch * (new_tokens - 1) / (run(new_tokens) - run(1))
 
 
 def main() -> None:
@@ -77,8 +63,7 @@ def main() -> None:
 
     # synthesis against raw decoding, same model and dtype
     synth_config = SynthesisConfig(num_conversations=args.conversations, document_windows=0, seed=0)
-    raw = decode_throughput(work, ids[:synth_config.min_chunk], synth_config.conversations_per_chunk,
-                            synth_config.max_tokens_b)
+    raw = synthesis_yardstick(work, ids, synth_config)
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         ds = synthesize(text, work, Path(tmp) / "data", synth_config, synthesizer=synthesizers.create("hf", work),

@@ -22,6 +22,7 @@ from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.evaluation import answer_logprobs, choose, kl, nll
 from cartridges_sdk.kv import prefix_cache
 from cartridges_sdk.models import LM
+from cartridges_sdk.synthesis import SynthesisConfig
 
 from .data import Question
 
@@ -136,6 +137,16 @@ def decode_throughput(lm: LM, cache_kv: Cartridge, batch: int, prompt: Sequence[
         out = lm.model(input_ids=token, position_ids=pos, past_key_values=out.past_key_values, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
     return batch * tokens / (time.perf_counter() - start)
+
+
+def synthesis_yardstick(lm: LM, ids: Sequence[int], config: SynthesisConfig) -> float:
+    """Raw batched decode tokens/s where synthesis decodes: `conversations_per_chunk` rows, each after its own copy
+    of a chunk of the mean sampled length (and a short chat turn), `max_tokens_b` tokens. Synthesis throughput is
+    quoted against this."""
+    chunk = max(2, min(len(ids), (config.min_chunk + config.max_chunk) // 2))
+    prompt = throughput_prompt(lm, "What does this section say?")
+    return decode_throughput(lm, Cartridge.from_prefix(lm, list(ids[:chunk]), chunk), config.conversations_per_chunk,
+                             prompt, config.max_tokens_b)
 
 
 def batch_grid(max_batch: int) -> list[int]:

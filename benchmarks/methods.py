@@ -20,7 +20,6 @@ from cartridges_sdk.corpus import Corpus as SDKCorpus
 from cartridges_sdk.dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset
 from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.models import LM
-from cartridges_sdk.selfstudy import initial_cartridge
 from cartridges_sdk.plugins import synthesizers, trainers
 from cartridges_sdk.synthesis import SynthesisConfig, synthesize, window_chunk_start
 from cartridges_sdk.training import TrainConfig, split_eval
@@ -33,11 +32,12 @@ METHODS = {
     "none": "no context",
     "truncated": "truncated ICL",
     "untrained": "untrained cartridge",
+    "compact": "compaction (no training)",
     "ntp": "NTP on raw document",
     "generic": "self-study, generic seed",
     "selfstudy": "self-study (full)",
 }
-SIZED = ("truncated", "untrained", "ntp", "generic", "selfstudy")
+SIZED = ("truncated", "untrained", "compact", "ntp", "generic", "selfstudy")
 TRAINED = ("ntp", "generic", "selfstudy")
 NTP_WINDOW = 256
 
@@ -156,17 +156,31 @@ def training_flops(lm: LM, conversations: Sequence[Conversation], p: int, epochs
     return total * epochs
 
 
-def train_method(lm: LM, kind: str, p: int, conversations: list[Conversation], prefix_ids: Sequence[int],
+def compact_method(lm: LM, p: int, ids: Sequence[int], work: Path, costs: CostBook) -> Cartridge:
+    """The document compacted to `p` tokens (the SDK's self-study start): loaded if an earlier run made it."""
+    path = work / f"compact-p{p}.safetensors"
+    if path.is_file():
+        return Cartridge.load(path, lm)
+    start = time.perf_counter()
+    cartridge = Cartridge.compact(lm, list(ids), p)
+    costs.add_seconds(f"compaction:p{p}", time.perf_counter() - start)
+    cartridge.save(path)
+    return cartridge
+
+
+def train_method(lm: LM, kind: str, p: int, conversations: list[Conversation], start_cartridge: Cartridge,
                  work: Path, profile: Profile, seed: int, costs: CostBook) -> Cartridge:
-    """The trained cartridge of `kind` at size `p`: loaded if an earlier run finished it, else trained (resuming)."""
+    """The trained cartridge of `kind` at size `p`: loaded if an earlier run finished it, else trained (resuming).
+
+    Every trained method starts from `start_cartridge` (the compacted document, as `from_corpus` does by default),
+    so the methods differ only in their data."""
     path = work / f"{kind}-p{p}.safetensors"
     key = f"training:{kind}:p{p}"
     if path.is_file():
         return Cartridge.load(path, lm)
     config = train_config(kind, seed, profile.epochs)
     start = time.perf_counter()
-    init = initial_cartridge(lm, prefix_ids, p, "prefix", seed)
-    cartridge = trainers.create("torch", lm).fit(init.bind(lm), conversations, lm, config,
+    cartridge = trainers.create("torch", lm).fit(start_cartridge.bind(lm), conversations, lm, config,
                                                  output_dir=work / f"train-{kind}-p{p}")
     costs.add_seconds(key, time.perf_counter() - start)
     train, _ = split_eval(conversations, config.eval_fraction, config.seed)

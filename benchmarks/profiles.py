@@ -22,9 +22,9 @@ class Profile:
 
     name: str
     sizes: tuple[int, ...] = attrs.field(default=(128, 512, 2048), converter=tuple, validator=_sizes)
-    conversations: int = attrs.field(default=256, validator=at_least_one)  # full self-study
-    document_windows: int = attrs.field(default=192, validator=at_least_one)  # full self-study
-    generic_conversations: int = attrs.field(default=256, validator=at_least_one)
+    conversations: int = attrs.field(default=128, validator=at_least_one)  # full self-study (the SDK's default)
+    document_windows: int = attrs.field(default=96, validator=at_least_one)  # full self-study (the SDK's default)
+    generic_conversations: int = attrs.field(default=128, validator=at_least_one)
     epochs: int = attrs.field(default=1, validator=at_least_one)
     mmlu_per_topic: int = attrs.field(default=4, validator=at_least_one)  # 57 topics
     kv_budget_gib: float = attrs.field(default=2.0, validator=positive)  # serving memory for all users' KV
@@ -37,7 +37,7 @@ PROFILES = {
         "quick", conversations=48, document_windows=48, generic_conversations=48, mmlu_per_topic=1,
         decode_tokens=8, expected_minutes_per_document=26,  # measured: 25.6 min on QASPER paper 0
     ),
-    "full": Profile("full", expected_minutes_per_document=105),  # estimated from the quick run's rates
+    "full": Profile("full", expected_minutes_per_document=60),  # estimated from the quick run's rates
 }
 
 

@@ -57,18 +57,22 @@ def markdown(result: dict[str, Any]) -> str:
             (f"Truncated ICL vs untrained cartridge (the same mathematics): largest per-question NLL difference "
             f"{_f(c['max_nll_diff_truncated_vs_untrained'], '.2e')}."),
             "",
-            f"Self-study cost (matmul peak measured in this run: {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s):",
+            (f"Self-study cost (measured in this run: matmul peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s, raw "
+             f"batched decode where synthesis decodes {result['raw_decode_tokens_per_s']:.1f} tokens/s):"),
             "",
-            "| method | synthesis s | tokens generated | training s | training tokens | tokens/s | GFLOP/s | % of peak |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            ("| method | synthesis s | tokens generated | tokens/s | % of raw decode | training s | training tokens "
+             "| tokens/s | GFLOP/s | % of peak |"),
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in c["rows"]:
             if "cost" not in r:
                 continue
             k = r["cost"]
             fps = k["training_flops_per_s"]
+            synth = k["synthesis_tokens_per_s"]
             lines.append(
-                f"| {_label(r)} | {k['synthesis_s']:.0f} | {k['generated_tokens']:,} | {k['training_s']:.0f} | "
+                f"| {_label(r)} | {k['synthesis_s']:.0f} | {k['generated_tokens']:,} | {_f(synth, '.1f')} | "
+                f"{_f(100 * k['fraction_of_raw_decode'] if synth else None, '.1f')} | {k['training_s']:.0f} | "
                 f"{k['training_tokens'] or 0:,} | {_f(k['training_tokens_per_s'], '.0f')} | "
                 f"{_f(fps / 1e9 if fps else None, '.1f')} | {_f(100 * k['fraction_of_matmul_peak'] if fps else None, '.1f')} |"
             )

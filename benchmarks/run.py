@@ -60,8 +60,12 @@ def check_fits(lm: LM, corpus: Corpus, n_tokens: int) -> None:
 
 def build_cartridges(lm: LM, corpus: Corpus, ids: list[int], sizes: list[int], work: Path, profile: Profile,
                      seed: int, costs: methods.CostBook) -> dict[tuple[str, int], Cartridge]:
-    """Every cartridge the run scores: untrained prefixes, then the three trained methods at each size."""
+    """Every cartridge the run scores: untrained prefixes, the compacted document, then the three trained methods
+    (from the compacted start) at each size."""
     carts: dict[tuple[str, int], Cartridge] = {("untrained", p): Cartridge.from_prefix(lm, ids, p) for p in sizes}
+    for p in sizes:
+        _log(f"{corpus.name}: compacting to p={p}")
+        carts[("compact", p)] = methods.compact_method(lm, p, ids, work, costs)
     if not sizes:  # a document shorter than every size: only ICL and no context apply
         return carts
     data = {}
@@ -75,7 +79,8 @@ def build_cartridges(lm: LM, corpus: Corpus, ids: list[int], sizes: list[int], w
     for kind in methods.TRAINED:
         for p in sizes:
             _log(f"{corpus.name}: training {methods.METHODS[kind]} at p={p}")
-            carts[(kind, p)] = methods.train_method(lm, kind, p, data[kind], ids, work, profile, seed, costs)
+            carts[(kind, p)] = methods.train_method(lm, kind, p, data[kind], carts[("compact", p)], work, profile, seed,
+                                                         costs)
     return carts
 
 
@@ -85,7 +90,7 @@ def score_corpus(lm: LM, corpus: Corpus, ids: list[int], sizes: list[int],
     contexts = {"icl": measure.Context(document=tuple(ids)), "none": measure.Context()}
     for p in sizes:
         contexts[f"truncated:{p}"] = measure.Context(document=tuple(ids[:p]))
-        for kind in ("untrained", *methods.TRAINED):
+        for kind in ("untrained", "compact", *methods.TRAINED):
             contexts[f"{kind}:{p}"] = measure.Context(cartridge=carts[(kind, p)])
     if path.is_file():
         saved = json.loads(path.read_text())
@@ -98,7 +103,7 @@ def score_corpus(lm: LM, corpus: Corpus, ids: list[int], sizes: list[int],
 
 
 def summarize(lm: LM, corpus: Corpus, n_tokens: int, sizes: list[int], scores: dict[str, dict[str, list]],
-              costs: methods.CostBook, peak: float, mmlu: dict[str, float]) -> dict[str, Any]:
+              costs: methods.CostBook, peak: float, raw_decode: float, mmlu: dict[str, float]) -> dict[str, Any]:
     per_token = measure.kv_bytes_per_token(lm)
     icl_bytes = n_tokens * per_token
     nll_none, nll_icl = measure.mean(scores["none"]["nll"]), measure.mean(scores["icl"]["nll"])
@@ -129,6 +134,10 @@ def summarize(lm: LM, corpus: Corpus, n_tokens: int, sizes: list[int], scores: d
             }
             fps = row["cost"]["training_flops_per_s"]
             row["cost"]["fraction_of_matmul_peak"] = fps / peak if fps else None
+            gen = synth.get("generated_tokens", 0)
+            row["cost"]["synthesis_tokens_per_s"] = gen / synth["seconds"] if gen and synth["seconds"] else None
+            row["cost"]["fraction_of_raw_decode"] = (
+                row["cost"]["synthesis_tokens_per_s"] / raw_decode if row["cost"]["synthesis_tokens_per_s"] else None)
         rows.append(row)
     order = list(methods.METHODS)
     rows.sort(key=lambda r: (order.index(r["method"]), r["p"] or 0))
@@ -171,6 +180,8 @@ def run(*, profile: Profile, data: Path, docs: str | None, concat: bool, model: 
     tokenized = [(corpus, lm.encode(corpus.text)) for corpus in corpora]
     for corpus, ids in tokenized:  # every corpus is checked before the first one's half hour of work
         check_fits(lm, corpus, len(ids))
+    raw_decode = measure.synthesis_yardstick(lm, tokenized[0][1], methods.synthesis_config("selfstudy", profile, seed))
+    _log(f"raw batched decode where synthesis decodes: {raw_decode:.1f} tokens/s")
     results = []
     first: tuple[Corpus, list[int], dict[tuple[str, int], Cartridge]] | None = None
     for corpus, ids in tokenized:
@@ -186,7 +197,7 @@ def run(*, profile: Profile, data: Path, docs: str | None, concat: bool, model: 
         if mmlu:
             retention = _mmlu_cached(lm, mmlu_questions, carts, sizes, work / "mmlu.json")
             retention["none"] = mmlu_none
-        summary = summarize(lm, corpus, len(ids), sizes, scores, costs, peak, retention)
+        summary = summarize(lm, corpus, len(ids), sizes, scores, costs, peak, raw_decode, retention)
         summary["skipped_sizes"] = skipped
         results.append(summary)
         first = first or (corpus, ids, carts)
@@ -194,7 +205,7 @@ def run(*, profile: Profile, data: Path, docs: str | None, concat: bool, model: 
     result = {
         "profile": attrs.asdict(profile), "data": str(data), "docs": docs, "concat": concat, "seed": seed,
         "model": {"name": lm.name, "fingerprint": lm.identity.fingerprint, "dtype": str(lm.dtype).removeprefix("torch.")},
-        **code, "machine": provenance.machine(), "matmul_peak_flops": peak,
+        **code, "machine": provenance.machine(), "matmul_peak_flops": peak, "raw_decode_tokens_per_s": raw_decode,
         "mmlu": {"questions": len(mmlu_questions), "per_topic": profile.mmlu_per_topic, "chance": 0.25,
                  "none": mmlu_none} if mmlu else None,
         "corpora": results, "throughput": speed,

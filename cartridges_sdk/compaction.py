@@ -46,15 +46,17 @@ PROBE_QUESTIONS = (
 )
 
 
-# the longest chunk read in one pass by default: the fit holds queries x chunk logits per KV head in memory
+# the longest chunk read in one pass by default: one forward pass holds the chunk's KV and recorded queries
 MAX_CHUNK = 16384
+# reference queries whose logits against the whole chunk are in memory at once (1024 x 16k floats = 64 MiB)
+QUERY_BLOCK = 1024
 
 
 @attrs.frozen
 class CompactionConfig:
     """How the compact cache is fitted. The defaults were chosen on QASPER papers (docs/compaction.md)."""
 
-    corpus_queries: int = attrs.field(default=1024, validator=count)  # corpus positions used as references
+    corpus_queries: int = attrs.field(default=2048, validator=count)  # corpus positions used as references
     probe_questions: tuple[str, ...] = attrs.field(default=())  # e.g. PROBE_QUESTIONS
     answer_tokens: int = attrs.field(default=32, validator=count)  # greedy answer tokens per probe question
     ridge: float = attrs.field(default=1e-2, validator=positive)  # relative to the mean diagonal of the system
@@ -303,32 +305,38 @@ def fit_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, s
         parts = [fit_layer(keys[g : g + 1], values[g : g + 1], queries[g * group : (g + 1) * group], scaling, budget,
                            ridge, mass=mass, select=select) for g in range(kv_heads)]
         return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
-    q = queries.reshape(kv_heads, group * queries.shape[1], d)  # query head h uses KV head h // group
-    logits = torch.einsum("gmd,gnd->gmn", q, keys) * scaling
-    weights = logits.softmax(-1)
-    target = weights @ values  # [kv_heads, m, d]
-    score = weights.mean(1) if select == "mean" else weights.amax(1)
-    score[:, 0] = float("inf")  # the attention sink always stays
-    idx = score.topk(budget, dim=-1).indices.sort(-1).values  # [kv_heads, budget]
-    kept_w = logits.gather(-1, idx[:, None, :].expand(-1, logits.shape[1], -1)).softmax(-1).double()
-    kept_k = keys.gather(1, idx[..., None].expand(-1, -1, d))
+    q = queries.reshape(group * queries.shape[1], d)  # query head h uses KV head h // group
+    k, v = keys[0], values[0]
+    # the full attention, one block of queries at a time (all of them at once can take gigabytes): each key's peak or
+    # mean weight, each query's output and log-partition
+    score = k.new_zeros(n)
+    target, lse = [], []
+    for block in q.split(QUERY_BLOCK):
+        logits = (block @ k.T) * scaling
+        lse.append(logits.logsumexp(-1))
+        weights = (logits - lse[-1][:, None]).exp()
+        score = torch.maximum(score, weights.amax(0)) if select == "max" else score + weights.sum(0)
+        target.append(weights @ v)
+    target, lse = torch.cat(target), torch.cat(lse)
+    score[0] = float("inf")  # the attention sink always stays
+    idx = score.topk(budget).indices.sort().values
+    kept_k = k[idx]
+    kept_logits = (q @ kept_k.T) * scaling  # [m, budget]
+    kept_w = kept_logits.softmax(-1).double()
     if mass:
-        kept_logits = logits.gather(-1, idx[:, None, :].expand(-1, logits.shape[1], -1))
-        deficit = (logits.logsumexp(-1) - kept_logits.logsumexp(-1)).double()  # [kv_heads, m], >= 0
+        deficit = (lse - kept_logits.logsumexp(-1)).double()  # [m], >= 0
         qd = q.double() * scaling
-        gram_q = qd.transpose(1, 2) @ qd
-        lam_q = 1e-3 * gram_q.diagonal(dim1=1, dim2=2).mean(-1)[:, None, None]
-        eye_d = torch.eye(d, dtype=qd.dtype, device=qd.device)
-        delta = torch.linalg.solve(gram_q + lam_q * eye_d, qd.transpose(1, 2) @ deficit[..., None])
-        kept_k = kept_k + delta.transpose(1, 2).float()
-    kept_v = values.gather(1, idx[..., None].expand(-1, -1, d)).double()
-    gram = kept_w.transpose(1, 2) @ kept_w  # [kv_heads, budget, budget]
-    lam = ridge * gram.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-12)[:, None, None]
+        gram_q = qd.T @ qd
+        lam_q = 1e-3 * gram_q.diagonal().mean()
+        delta = torch.linalg.solve(gram_q + lam_q * torch.eye(d, dtype=qd.dtype, device=qd.device), qd.T @ deficit)
+        kept_k = kept_k + delta.float()
+    kept_v = v[idx].double()
+    gram = kept_w.T @ kept_w  # [budget, budget]
+    lam = ridge * gram.diagonal().mean().clamp_min(1e-12)
     eye = torch.eye(budget, dtype=gram.dtype, device=gram.device)
     # ridge toward the tokens' own values: with little evidence a value stays what the model computed
-    rhs = kept_w.transpose(1, 2) @ target.double() + lam * kept_v
-    fitted = torch.linalg.solve(gram + lam * eye, rhs)
-    return kept_k, fitted.float()
+    fitted = torch.linalg.solve(gram + lam * eye, kept_w.T @ target.double() + lam * kept_v)
+    return kept_k[None], fitted.float()[None]
 
 
 def attention_error(lm: LM, ids: Sequence[int], cartridge: Cartridge, config: CompactionConfig | None = None) -> float:

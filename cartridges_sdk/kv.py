@@ -125,6 +125,12 @@ def _preallocated_layer_class():
             self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
             return self.keys, self.values
 
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            """Keep (and reorder) the batch rows `beam_idx`: decoding drops the rows that have finished."""
+            self._k = self._k.index_select(0, beam_idx.to(self._k.device))
+            self._v = self._v.index_select(0, beam_idx.to(self._v.device))
+            self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+
     return PreallocatedLayer
 
 

@@ -14,6 +14,7 @@ from benchmarks import measure, methods
 from benchmarks.data import DEFAULT_DATA, EVALDATA, load_corpora, parse_question
 from benchmarks.profiles import Profile, get_profile
 from benchmarks.run import run
+from cartridges_sdk import Cartridge
 from cartridges_sdk.errors import ConfigError
 
 DOC = TEXT[:700]
@@ -147,6 +148,13 @@ def test_whole_run_on_a_tiny_model(tmp_path, tiny_llama):
         assert cost["training_tokens"] > 0 and cost["training_s"] > 0 and cost["fraction_of_matmul_peak"] > 0
         assert rows[(kind, 16)]["mmlu"] is not None
     assert rows[("selfstudy", 16)]["cost"]["generated_tokens"] > 0 and rows[("ntp", 16)]["cost"]["generated_tokens"] == 0
+    assert rows[("selfstudy", 16)]["cost"]["fraction_of_raw_decode"] > 0 and result["raw_decode_tokens_per_s"] > 0
+    assert rows[("ntp", 16)]["cost"]["fraction_of_raw_decode"] is None
+    # the compacted start is scored on its own, and every trained method starts from it
+    assert rows[("compact", 16)]["kv_bytes"] == rows[("untrained", 16)]["kv_bytes"]
+    assert rows[("compact", 16)]["nll"] != pytest.approx(rows[("untrained", 16)]["nll"], abs=1e-4)
+    trained = Cartridge.load(out / "work" / "held-0" / "selfstudy-p16.safetensors", lm)
+    assert trained.meta.extra["init"] == "compact"
 
     second = result["corpora"][1]
     assert second["multiple_choice"] and second["chance"] == pytest.approx((1 / 4 + 1 / 3) / 2)

@@ -174,3 +174,19 @@ def test_the_attention_function_is_restored_after_an_error(tiny_llama):
     assert tiny_llama.model.config._attn_implementation == before
     ids = _ids(tiny_llama, 40)
     torch.testing.assert_close(tiny_llama.logits(ids), tiny_llama.logits(ids))  # and the model still runs
+
+
+@pytest.mark.parametrize("select", ["max", "mean"])
+def test_the_fit_reads_queries_in_blocks_without_changing_the_result(monkeypatch, select):
+    """Blocks bound the fit's memory on long chunks; they must not change what is kept or fitted."""
+    from cartridges_sdk import compaction
+
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 300, 8, generator=g), torch.randn(2, 300, 8, generator=g)
+    queries = 2 * torch.randn(6, 250, 8, generator=g)
+    whole = compaction.fit_layer(keys, values, queries, 0.35, 40, 0.01, select=select)
+    monkeypatch.setattr(compaction, "QUERY_BLOCK", 37)
+    blocked = compaction.fit_layer(keys, values, queries, 0.35, 40, 0.01, select=select)
+    for a, b in zip(whole, blocked):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert whole[0].shape == (2, 40, 8) and whole[1].shape == (2, 40, 8)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cartridges_sdk import Cartridge, ConfigError, GenerationParams, GenerationRequest, PluginError, Runtime
 from cartridges_sdk.errors import BackendUnavailableError
@@ -84,3 +85,37 @@ def test_registry_errors_name_the_plugin():
         reg.get("wrong")
     reg.register("mine", HFRuntime)
     assert reg.get("mine") is HFRuntime
+
+
+def test_rows_that_finish_early_leave_the_batch_without_changing_the_others(tiny_lm):
+    """Finished rows are dropped from a batch decode (they would cost a row of work every step); the rows left
+    must decode exactly as they would alone, top-k log-probs included."""
+    from cartridges_sdk.hf.decode import decode
+    from cartridges_sdk.plugins import GenerationParams
+
+    prefix = tiny_lm.kv(tiny_lm.encode(TEXT[:200]))
+    prompts = [tiny_lm.encode(t) for t in ("alpha beta", "the harbour at dusk", "one", "ledger of the pier")]
+    params = GenerationParams(max_new_tokens=10, temperature=0)
+    free = [list(decode(tiny_lm, [prefix], [p], params))[-1].tokens[0] for p in prompts]
+    stop = sorted({free[0][1], free[2][4]})  # rows stop at different steps, so the batch shrinks more than once
+    alone = [list(decode(tiny_lm, [prefix], [p], params, top_logprobs=3, stop_ids=stop))[-1] for p in prompts]
+    together = list(decode(tiny_lm, [prefix] * 4, prompts, params, top_logprobs=3, stop_ids=stop))[-1]
+    assert len({len(s.tokens[0]) for s in alone}) > 1
+    for row, solo in enumerate(alone):
+        assert together.tokens[row] == solo.tokens[0] and together.reasons[row] == solo.reasons[0]
+        torch.testing.assert_close(torch.stack(together.top_logprobs[row]), torch.stack(solo.top_logprobs[0]),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_sampling_draws_tokens_with_their_probabilities():
+    """The sampler's draws follow softmax(logits / temperature), and never a token top_k has cut."""
+    from cartridges_sdk.hf.decode import _sample
+    from cartridges_sdk.plugins import GenerationParams
+
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, -30.0, 0.5]).expand(40_000, -1).contiguous()
+    generator = torch.Generator().manual_seed(0)
+    draws = _sample(logits, GenerationParams(temperature=0.7), generator)
+    freq = torch.bincount(draws, minlength=6) / len(draws)
+    torch.testing.assert_close(freq, (logits[0] / 0.7).softmax(-1), atol=0.01, rtol=0)
+    cut = _sample(logits, GenerationParams(temperature=1.0, top_k=2), generator)
+    assert set(cut.tolist()) == {1, 2}

@@ -206,3 +206,21 @@ def test_window_settings_that_cannot_make_a_target_are_refused(tiny_lm, tmp_path
         _config(window_tokens=1)
     with pytest.raises(ConfigError, match="document_windows=0"):
         synthesize("x", tiny_lm, tmp_path / "d", _config(num_conversations=1, document_windows=1), progress=False)
+
+
+def test_packed_prompts_give_each_row_the_kv_it_would_have_alone(tiny_lm):
+    """Prompts are prefilled packed end to end (no padding, duplicates once); each row's KV must equal the KV of
+    the prefix and its own prompt computed alone."""
+    from cartridges_sdk.hf.decode import prefill_rows
+
+    prefix_ids = tiny_lm.encode(TEXT[:120])
+    prompts = [tiny_lm.encode(t) for t in ("a question", "another, longer question here", "a question", "x")]
+    rows = prefill_rows(tiny_lm, tiny_lm.kv(prefix_ids), prompts)
+    for prompt, layers in zip(prompts, rows):
+        alone = tiny_lm.kv(prefix_ids + prompt[:-1])
+        assert len(layers) == len(alone)
+        for (k, v), (k0, v0) in zip(layers, alone):
+            torch.testing.assert_close(k, k0, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(v, v0, rtol=1e-4, atol=1e-5)
+    no_prefix = prefill_rows(tiny_lm, None, prompts[:2])
+    torch.testing.assert_close(no_prefix[1][0][0], tiny_lm.kv(prompts[1][:-1])[0][0], rtol=1e-4, atol=1e-5)

@@ -37,8 +37,12 @@ def _sample(logits: torch.Tensor, params: GenerationParams, generator: torch.Gen
         drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest set reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # inverse-CDF sampling: one uniform per row against the cumulative probabilities (in float64, so the sum over a
+    # large vocabulary stays exact enough). It draws as multinomial does, which draws a random number per
+    # vocabulary entry on CPU and took a tenth of synthesis time.
+    cdf = logits.softmax(-1).double().cumsum(-1)
+    u = torch.rand((cdf.shape[0], 1), generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
 
 
 def finish(
@@ -108,23 +112,25 @@ def decode(
     state = DecodeState(batch)
     next_pos = positions[:, -1:] + 1
     step_ids, step_pos = ids, positions
+    live = list(range(batch))  # the state row of each batch row still being decoded
     for _ in range(params.max_new_tokens):
         result = lm.model(
-            input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True
+            input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True,
+            logits_to_keep=1,  # the prompt's own logits are never used
         )
         cache = result.past_key_values
         logits = result.logits[:, -1, :]
         token = _sample(logits, params, generator)
         if top_logprobs:
             top = torch.topk(logits.float().log_softmax(-1), top_logprobs, dim=-1)
-        for row in range(batch):
+        for b, row in enumerate(live):
             if state.reasons[row] is not None:
                 continue
-            t = int(token[row])
+            t = int(token[b])
             state.tokens[row].append(t)
             if top_logprobs:
-                state.top_ids[row].append(top.indices[row].cpu())
-                state.top_logprobs[row].append(top.values[row].cpu())
+                state.top_ids[row].append(top.indices[b].cpu())
+                state.top_logprobs[row].append(top.values[b].cpu())
             if t in eos:
                 state.reasons[row] = "stop"
             elif params.stop:
@@ -132,14 +138,63 @@ def decode(
                 if any(s in text for s in params.stop):
                     state.reasons[row] = "stop"
         yield state
-        if all(r is not None for r in state.reasons):
+        finished = [b for b, row in enumerate(live) if state.reasons[row] is not None]
+        if len(finished) == len(live):
             return
-        step_ids = token[:, None].masked_fill(torch.tensor([[r is not None] for r in state.reasons], device=device), pad)
-        mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long, device=device)], dim=1)
+        if 4 * len(finished) >= len(live):
+            # finished rows would cost a full row of work every step; dropping them copies the cache once, so it
+            # waits until a quarter of the batch is done
+            keep = torch.tensor([b for b in range(len(live)) if state.reasons[live[b]] is None], device=device)
+            cache.reorder_cache(keep)
+            token, mask, next_pos = token[keep], mask[keep], next_pos[keep]
+            live = [live[b] for b in keep.tolist()]
+            finished = []
+        step_ids = token[:, None]
+        if finished:
+            step_ids = step_ids.masked_fill(torch.tensor([[b in finished] for b in range(len(live))], device=device), pad)
+        mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.long, device=device)], dim=1)
         step_pos = next_pos
         next_pos = next_pos + 1
     state.reasons = [r or "length" for r in state.reasons]
     yield state
+
+
+@torch.inference_mode()
+def prefill_rows(lm: LM, prefix: Layers | None, prompts: Sequence[Sequence[int]]) -> list[Layers | None]:
+    """Each row's KV: `prefix`, then its prompt but the last token (which `decode` feeds to get the first logits).
+
+    The distinct prompts are packed end to end into one sequence, each seeing the prefix and its own earlier tokens
+    only, at the positions it would have alone. A padded batch would compute every row to the longest prompt and
+    repeat identical prompts; in self-study that was a third of the prompts' work.
+    """
+    from transformers import DynamicCache
+
+    bodies = [tuple(int(t) for t in p[:-1]) for p in prompts]
+    spans: dict[tuple[int, ...], tuple[int, int]] = {}  # each distinct body's place in the packed sequence
+    total = 0
+    for body in bodies:
+        if body and body not in spans:
+            spans[body] = (total, total + len(body))
+            total += len(body)
+    if not spans:
+        return [prefix] * len(prompts)
+    past = prefix[0][0].shape[1] if prefix else 0
+    device = lm.device
+    ids = torch.tensor([t for body in spans for t in body], device=device)[None]
+    positions = torch.cat([torch.arange(past, past + b - a, device=device) for a, b in spans.values()])[None]
+    segment = torch.cat([torch.full((b - a,), i, device=device) for i, (a, b) in enumerate(spans.values())])
+    own = (segment[:, None] == segment[None, :]) & torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    mask = torch.cat([torch.ones(total, past, dtype=torch.bool, device=device), own], dim=1)[None, None]
+    data = [(k[None], v[None]) for k, v in prefix] if prefix else None
+    cache = DynamicCache(ddp_cache_data=data, config=lm.model.config) if data else DynamicCache(config=lm.model.config)
+    lm.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
+    layers = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+    rows: dict[tuple[int, ...], Layers] = {
+        body: [(torch.cat([k[:, :past], k[:, past + a : past + b]], dim=1),
+                torch.cat([v[:, :past], v[:, past + a : past + b]], dim=1)) for k, v in layers]
+        for body, (a, b) in spans.items()
+    }
+    return [rows[body] if body else prefix for body in bodies]
 
 
 def row_completion(

@@ -13,7 +13,7 @@ from ..identity import ModelIdentity
 from ..kv import concat_layers
 from ..models import autocast, resolve_dtype
 from ..plugins import Completion, GenerationParams, SynthesisRequest, Synthesizer, SynthesizerCapabilities
-from .decode import decode, row_completion
+from .decode import decode, prefill_rows, row_completion
 
 if TYPE_CHECKING:
     from ..cartridge import Cartridge
@@ -66,7 +66,8 @@ class HFSynthesizer(Synthesizer):
             params = GenerationParams(max_new_tokens=max_tokens, temperature=temperature, seed=requests[idx[0]].seed)
             stops = stop_ids or None
             with autocast(self.lm.device, self.autocast_dtype):
-                for state in decode(self.lm, [prefix] * len(idx), [p[cut:] for p in prompts], params,
+                rows = prefill_rows(self.lm, prefix, [p[cut:] for p in prompts])
+                for state in decode(self.lm, rows, [p[-1:] for p in prompts], params,
                                     top_logprobs=top_logprobs, stop_ids=stops):
                     pass
             for row, i in enumerate(idx):
