@@ -34,6 +34,8 @@ CHECKPOINT = "checkpoint.pt"
 RUN_LOG = "train_log.jsonl"
 # how often to save or evaluate does not change what is trained, so a resume may change them
 NOT_SHAPING = ("checkpoint_every", "checkpoint_seconds", "eval_every")
+# target positions whose logits are in memory at once (256 x a 50k vocabulary in float32 = 50 MB)
+OUTPUT_CHUNK = 256
 
 
 @attrs.frozen
@@ -156,26 +158,79 @@ def student_loss(
     # only the positions that predict a target token go through the (large) output layer
     row_idx = torch.cat([torch.full((len(c.target_positions),), r, dtype=torch.long) for r, c in enumerate(batch)])
     pos = torch.cat([torch.from_numpy(c.target_positions.astype(np.int64)) for c in batch])
-    logits = lm.model.get_output_embeddings()(hidden[row_idx.to(device), (pos - 1).to(device)]).float()
-    logp = logits.log_softmax(-1)
     if objective == "ntp":
-        targets = ids[row_idx.to(device), pos.to(device)]
-        per_token = -logp.gather(-1, targets[:, None])[:, 0]
+        top_ids = ids[row_idx.to(device), pos.to(device)][:, None]
+        top_p = torch.ones(top_ids.shape, device=device)
     else:
         top_ids = torch.from_numpy(np.concatenate([c.topk_ids for c in batch]).astype(np.int64)).to(device)
         top_p = torch.from_numpy(np.concatenate([c.topk_logprobs for c in batch])).to(device).exp()
-        per_token = -(top_p * logp.gather(-1, top_ids)).sum(-1)
     weights = target_weights(batch, conversation_weight)
-    return (per_token * torch.from_numpy(weights).to(device)).sum(), float(weights.sum())
+    head = lm.model.get_output_embeddings()
+    loss = OutputLoss.apply(hidden[row_idx.to(device), (pos - 1).to(device)], head.weight, head.bias, top_ids, top_p,
+                            torch.from_numpy(weights).to(device))
+    return loss, float(weights.sum())
+
+
+class OutputLoss(torch.autograd.Function):
+    """The output layer and the loss at the target positions, ``OUTPUT_CHUNK`` positions at a time.
+
+    Per target position: ``-sum_k p(k) log softmax(h W^T + b)_k`` over the target's ids `k` (the teacher's top-k, or
+    the next token with ``p = 1``), times its weight; summed. The gradient with respect to the hidden states is
+    worked out in the same pass, so the ``[targets, vocab]`` logits never exist whole (in float32 with their
+    log-softmax and gradients they were about 1.5 GB of a 2,048-token step). The layer is frozen: it gets no
+    gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, top_ids, top_p, weights):
+        need_grad = ctx.needs_input_grad[0]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad = torch.empty_like(hidden) if need_grad else None
+        for start in range(0, hidden.shape[0], OUTPUT_CHUNK):
+            rows = slice(start, start + OUTPUT_CHUNK)
+            logits = torch.nn.functional.linear(hidden[rows], weight, bias).float()
+            lse = logits.logsumexp(-1)
+            p, w = top_p[rows].float(), weights[rows].float()
+            mass = p.sum(-1)
+            total += (w * (mass * lse - (p * logits.gather(-1, top_ids[rows])).sum(-1))).sum()
+            if need_grad:  # d loss / d logits = w * (mass * softmax - p at the target ids)
+                g = (logits - lse[:, None]).exp_().mul_((w * mass)[:, None])
+                g.scatter_add_(-1, top_ids[rows], -(w[:, None] * p))
+                grad[rows] = g.to(weight.dtype) @ weight
+        if need_grad:
+            ctx.save_for_backward(grad)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output.to(grad.dtype), None, None, None, None, None
 
 
 def _peak_memory_mb(device: torch.device) -> float:
+    """Peak memory since `_reset_peak_memory`: the accelerator's allocations, or on CPU the process's peak
+    resident memory (model and data included)."""
     accelerator = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, ... expose the same counter
     if device.type != "cpu" and hasattr(accelerator, "max_memory_allocated"):
         return accelerator.max_memory_allocated(device) / 2**20
-    import resource
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmHWM:")[1].split()[0]) / 1024  # KiB
+    except (OSError, IndexError, ValueError):  # not Linux
+        import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB, macOS bytes
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    """Start the peak over, so training's figure is not synthesis's (on CPU, Linux only: elsewhere it stays the
+    process's peak so far)."""
+    accelerator = getattr(torch, device.type, None)
+    if device.type != "cpu" and hasattr(accelerator, "reset_peak_memory_stats"):
+        accelerator.reset_peak_memory_stats(device)
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
 
 
 def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -278,6 +333,7 @@ class TorchTrainer(Trainer):
         bar = tqdm(total=total_steps, initial=step, desc="training cartridge", unit="step", disable=not progress)
         start, tokens_seen = time.perf_counter(), 0
         saved_at = start
+        _reset_peak_memory(lm.device)
         try:
             while step < total_steps:
                 lr = _lr_at(step, total_steps, cfg)

@@ -159,3 +159,30 @@ def test_bad_training_settings():
         TrainConfig(lr=0)
     with pytest.raises(ConfigError, match="objective"):
         TrainConfig(objective="mse")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_output_loss_matches_autograd_of_the_plain_formula(monkeypatch, bias):
+    """The output layer's loss and its gradient come chunk by chunk (the logits never exist whole); both must equal
+    autograd's on the plain formula, with weights, partial teacher mass and repeated ids."""
+    from cartridges_sdk import training
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64)
+    b = torch.randn(50, generator=g, dtype=torch.float64) if bias else None
+    top_ids = torch.randint(0, 50, (37, 4), generator=g)
+    top_p = torch.rand(37, 4, generator=g, dtype=torch.float64) / 5
+    weights = torch.rand(37, generator=g, dtype=torch.float64)
+
+    plain_h = hidden.clone().requires_grad_()
+    logp = torch.nn.functional.linear(plain_h, weight, b).log_softmax(-1)
+    plain = -(weights * (top_p * logp.gather(-1, top_ids)).sum(-1)).sum()
+    (3 * plain).backward()
+
+    monkeypatch.setattr(training, "OUTPUT_CHUNK", 10)
+    chunked_h = hidden.clone().requires_grad_()
+    chunked = training.OutputLoss.apply(chunked_h, weight, b, top_ids, top_p, weights)
+    (3 * chunked).backward()
+    assert float(chunked.detach()) == pytest.approx(float(plain.detach()), rel=1e-5)
+    torch.testing.assert_close(chunked_h.grad, plain_h.grad.to(chunked_h.grad.dtype), rtol=1e-5, atol=1e-6)
