@@ -30,6 +30,14 @@ from .measure import matmul_peak, synthesis_yardstick
 from .data import DEFAULT_DATA
 
 
+def resident_mb() -> float:
+    """The process's resident memory now (Linux; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -53,13 +61,17 @@ def main() -> None:
     windows = methods.raw_windows(ids, args.train_windows, seed=0)
     config = TrainConfig(objective="ntp", eval_fraction=0.0)
     start_cart = Cartridge.from_prefix(lm, ids, args.tokens).bind(work)
+    trainer = trainers.create("torch", work)
+    resident = resident_mb()
     start = time.perf_counter()
-    trainers.create("torch", work).fit(start_cart, windows, work, config, progress=False)
+    trainer.fit(start_cart, windows, work, config, progress=False)
     train_s = time.perf_counter() - start
+    train_peak = max(h["peak_memory_mb"] for h in trainer.history)  # restarts when fit starts (Linux)
     train_flops = methods.training_flops(lm, windows, args.tokens, 1)
     train_ratio = train_flops / train_s / peak
     print(f"training: {sum(c.num_tokens for c in windows)} tokens in {train_s:.1f} s, "
-          f"{train_flops / train_s / 1e9:.1f} useful GFLOP/s = {train_ratio:.2f} of peak", flush=True)
+          f"{train_flops / train_s / 1e9:.1f} useful GFLOP/s = {train_ratio:.2f} of peak; peak memory "
+          f"{train_peak:.0f} MB, {train_peak - resident:.0f} MB above the {resident:.0f} MB resident before", flush=True)
 
     # synthesis against raw decoding, same model and dtype
     synth_config = SynthesisConfig(num_conversations=args.conversations, document_windows=0, seed=0)
@@ -77,7 +89,8 @@ def main() -> None:
     result = {
         "dtype": args.dtype, "doc": args.doc, "tokens": args.tokens, "matmul_peak_flops": peak,
         "training": {"seconds": train_s, "useful_flops": train_flops, "ratio": train_ratio,
-                     "tokens": sum(c.num_tokens for c in windows)},
+                     "tokens": sum(c.num_tokens for c in windows), "resident_before_mb": resident,
+                     "peak_memory_mb": train_peak},
         "synthesis": {"seconds": synth_s, "generated_tokens": generated, "tokens_per_s": synth_rate,
                       "raw_decode_tokens_per_s": raw, "ratio": synth_ratio},
         "model": lm.name, "commit": provenance.commit(), "machine": provenance.machine(),

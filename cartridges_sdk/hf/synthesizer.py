@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class HFSynthesizerOptions:
-    # compute dtype for sampling (bf16 is ~2.5x faster on CPUs with bf16 matmuls); None keeps the model's dtype
+    # compute dtype for sampling (bf16 pays where its matrix products are faster: GPUs, CPUs with AMX); None keeps
+    # the model's dtype
     autocast_dtype: str | None = attrs.field(default=None, validator=one_of(None, "bfloat16", "float16"))
 
 
