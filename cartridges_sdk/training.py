@@ -177,7 +177,7 @@ class OutputLoss(torch.autograd.Function):
     Per target position: ``-sum_k p(k) log softmax(h W^T + b)_k`` over the target's ids `k` (the teacher's top-k, or
     the next token with ``p = 1``), times its weight; summed. The gradient with respect to the hidden states is
     worked out in the same pass, so the ``[targets, vocab]`` logits never exist whole (in float32 with their
-    log-softmax and gradients they were about 1.5 GB of a 2,048-token step). The layer is frozen: it gets no
+    log-softmax and gradients they took about 1 GB more in a 2,048-token step). The layer is frozen: it gets no
     gradient.
     """
 
