@@ -23,19 +23,11 @@ from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.plugins import synthesizers, trainers
 from cartridges_sdk.selfstudy import work_model
 from cartridges_sdk.synthesis import SynthesisConfig, synthesize
-from cartridges_sdk.training import TrainConfig
+from cartridges_sdk.training import TrainConfig, process_memory_mb
 
 from . import methods, provenance
 from .measure import matmul_peak, synthesis_yardstick
 from .data import DEFAULT_DATA
-
-
-def resident_mb() -> float:
-    """The process's resident memory now (Linux; 0 elsewhere)."""
-    try:
-        return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def main() -> None:
@@ -62,7 +54,7 @@ def main() -> None:
     config = TrainConfig(objective="ntp", eval_fraction=0.0)
     start_cart = Cartridge.from_prefix(lm, ids, args.tokens).bind(work)
     trainer = trainers.create("torch", work)
-    resident = resident_mb()
+    resident = process_memory_mb() or 0.0  # 0 where /proc is missing
     start = time.perf_counter()
     trainer.fit(start_cart, windows, work, config, progress=False)
     train_s = time.perf_counter() - start

@@ -213,13 +213,21 @@ def _peak_memory_mb(device: torch.device) -> float:
     accelerator = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, ... expose the same counter
     if device.type != "cpu" and hasattr(accelerator, "max_memory_allocated"):
         return accelerator.max_memory_allocated(device) / 2**20
-    try:
-        status = Path("/proc/self/status").read_text()
-        return int(status.split("VmHWM:")[1].split()[0]) / 1024  # KiB
-    except (OSError, IndexError, ValueError):  # not Linux
+    peak = process_memory_mb("VmHWM")
+    if peak is None:  # not Linux
         import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB, macOS bytes
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux; macOS reports bytes
+    return peak
+
+
+def process_memory_mb(field: str = "VmRSS") -> float | None:
+    """A memory figure of this process from Linux's ``/proc/self/status`` (``VmRSS`` now, ``VmHWM`` the peak), or
+    None where there is no such file."""
+    try:
+        return int(Path("/proc/self/status").read_text().split(f"{field}:")[1].split()[0]) / 1024  # KiB
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _reset_peak_memory(device: torch.device) -> None:
