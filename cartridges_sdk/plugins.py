@@ -169,7 +169,7 @@ class Backend(ABC):
         return cls.Options(**options)
 
     @classmethod
-    def create(cls, model: LM, **options: Any) -> Backend:
+    def create(cls, model: LM, /, **options: Any) -> Backend:
         """The SDK's one constructor call for every backend."""
         opts = cls.parse_options(options)
         return cls(model, **{name: getattr(opts, name) for name in cls.option_names()})
@@ -216,6 +216,10 @@ class Synthesizer(Backend):
     def identity(self) -> ModelIdentity | None:
         """The identity of the model it samples from, or None when it cannot tell (then a probe decides)."""
         return None
+
+    def describe(self) -> str:
+        """How messages name it: the class, plus what tells one instance from another (e.g. its model and server)."""
+        return type(self).__name__
 
     def score(self, prefix_ids: Sequence[int], sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[Any, Any]]:
         """Teacher top-k ``(ids, logprobs)`` arrays ``[len(seq) - 1, k]`` predicting tokens 1.. of each sequence
@@ -305,7 +309,7 @@ class Registry(Generic[T]):
             raise PluginError(f"Plugin {name!r} in {self.group!r} is {target!r}, not a subclass of {self.base.__name__}.")
         return target
 
-    def create(self, name: str, model: LM, **options: Any) -> T:
+    def create(self, name: str, model: LM, /, **options: Any) -> T:
         """Build the backend `name` for `model`; options are checked against what it declares before it starts."""
         cls = self.get(name)
         cls.parse_options(options, label=f"{self.kind} {name!r}")

