@@ -32,7 +32,7 @@ class VLLMServer:
 
     def __init__(self, model_dir: str | os.PathLike, *, served_name: str | None = None, port: int | None = None,
                  dtype: str = "float32", kv_cache_gib: int = 1, max_model_len: int = 4096, log_file: str | None = None,
-                 extra_args: tuple[str, ...] = ()):
+                 cpus: str | None = None, extra_args: tuple[str, ...] = ()):
         self.model_dir = Path(model_dir)
         self.served_name = served_name
         self.port = port or free_port()
@@ -40,6 +40,7 @@ class VLLMServer:
         self.kv_cache_gib = kv_cache_gib
         self.max_model_len = max_model_len
         self.log_file = log_file
+        self.cpus = cpus  # cores its engine threads bind to, e.g. "0" or "0-3" (VLLM_CPU_OMP_THREADS_BIND); default all
         self.extra_args = extra_args
         self.process: subprocess.Popen | None = None
 
@@ -58,6 +59,8 @@ class VLLMServer:
     def start(self, timeout: float = 300.0) -> VLLMServer:
         """Start the server and wait until it answers /health; a server that exits or hangs raises with its log."""
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        if self.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         try:
             self.process = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -55,6 +55,9 @@ class OpenAIOptions:
     timeout: float = attrs.field(default=600.0, validator=positive)
     # top-k log-probs the servers return per token (vLLM's --max-logprobs, 20 by default)
     max_logprobs: int = attrs.field(default=20, validator=at_least_one)
+    # send each request's seed, so samples repeat on a server that honours seeds (vLLM on GPUs). Off by default:
+    # vLLM 0.32 on CPUs dies ("CPU Generator does not use offset") when a seeded prompt is prefilled in chunks
+    seeds: bool = attrs.field(default=False, validator=boolean)
     # ask for token ids ('token_id:N', vLLM's return_tokens_as_token_ids); off, or on a server that returns text,
     # each token's text is mapped back to an id of the student's tokenizer and refused when that is ambiguous
     token_ids: bool = attrs.field(default=True, validator=boolean)

