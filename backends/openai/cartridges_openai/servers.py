@@ -22,6 +22,7 @@ class Server:
     slots: asyncio.Semaphore
     assigned: int = 0  # requests given to it and not finished (waiting for a slot or in flight)
     down_until: float = 0.0
+    failing: bool = False  # failed since it last answered (said once, not per request)
     sent: int = 0
     succeeded: int = 0
     failed: int = 0
@@ -58,12 +59,18 @@ class ServerPool:
     def succeeded(self, server: Server) -> None:
         server.succeeded += 1
         server.down_until = 0.0
+        if server.failing:
+            server.failing = False
+            log.warning("%s answers again.", server.url)
 
     def failed(self, server: Server, error: Exception, down: bool) -> None:
+        """Count the failure; a server that is down leaves rotation for `cooldown` seconds when others remain."""
         server.failed += 1
+        if not server.failing:
+            server.failing = True
+            where = f"; out of rotation for {self.cooldown:.0f} s" if down and len(self.servers) > 1 else ""
+            log.warning("%s failed (%s)%s; its requests are retried.", server.url, error, where)
         if down and len(self.servers) > 1:
-            if server.down_until <= self.clock():
-                log.warning("Taking %s out of rotation for %.0f s: %s", server.url, self.cooldown, error)
             server.down_until = self.clock() + self.cooldown
 
     def stats(self) -> list[dict[str, Any]]:

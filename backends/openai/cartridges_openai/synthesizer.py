@@ -250,4 +250,4 @@ def _extra(body: dict[str, Any]) -> dict[str, Any]:
 
 def _log_retry(state: Any) -> None:
     err = state.outcome.exception()
-    log.warning("Retrying a request in %.1f s (attempt %d failed): %s", state.next_action.sleep, state.attempt_number, err)
+    log.debug("Retrying a request in %.1f s (attempt %d failed): %s", state.next_action.sleep, state.attempt_number, err)
