@@ -16,7 +16,7 @@ def _urls(value: Any) -> tuple[str, ...] | None:
     if value is None:
         return None
     if isinstance(value, str):
-        value = [u for u in value.replace(",", " ").split()]
+        value = value.replace(",", " ").split()
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(u, str) for u in value):
         raise ConfigError(f"base_url={value!r} must be a server URL such as 'http://127.0.0.1:8000/v1', or a list of them.")
     urls = tuple(u.rstrip("/") for u in value)
