@@ -2,7 +2,7 @@
 
 For each backend: engine start-up, then synthesis wall clock, conversations/s and generated tokens/s (A's and B's
 tokens; document windows are counted as sequences, not generated tokens). Run it alone on the machine.
-``openai:N`` starts N local vLLM OpenAI servers (cartridges_openai.launch), each bound to its own share of the cores,
+``openai:N`` starts N local vLLM OpenAI servers (cartridges_vllm.server), each bound to its own share of the cores,
 and synthesizes through them over HTTP; their start-up is counted as the engine's.
 
     python -m benchmarks.synthesis [--docs 0] [--conversations 64] [--windows 32] [--synthesizers hf,vllm,openai:2]
@@ -37,7 +37,7 @@ def synthesizer(spec: str, lm):
         with synthesizers.create(name, lm) as synth:
             yield synth
         return
-    from cartridges_openai.launch import VLLMServer
+    from cartridges_vllm.server import VLLMServer
 
     with contextlib.ExitStack() as stack:
         logs = Path(tempfile.gettempdir())

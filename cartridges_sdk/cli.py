@@ -285,7 +285,8 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     synth = _stage_settings(args, "synthesize")
     config = SynthesisConfig(num_conversations=args.conversations, seed=args.seed, **synth)
     options = backend_options(args, {"synthesizer": args.synthesizer})["synthesizer"]
-    check_capabilities(config, synthesizers.get(args.synthesizer).capabilities, f"synthesizer {args.synthesizer!r}")
+    check_capabilities(config, synthesizers.get(args.synthesizer).capabilities_for(options),
+                       f"synthesizer {args.synthesizer!r}")
     lm = _model_for(args.model, device=args.device)
     with synthesizers.create(args.synthesizer, lm, **options) as sampler:
         ds = synthesize(_corpus(args), lm, args.output, config, synthesizer=sampler,

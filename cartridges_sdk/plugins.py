@@ -91,6 +91,22 @@ class Completion:
     top_ids: Any = None
     top_logprobs: Any = None
 
+    @classmethod
+    def from_ids(
+        cls, lm: LM, ids: Sequence[int], finish_reason: str | None, *, stop_ids: Iterable[int] = (),
+        stop: Sequence[str] = (), top_ids: Any = None, top_logprobs: Any = None,
+    ) -> Completion:
+        """Generated ids as a `Completion`, the same in every engine: the text is the student's tokenizer's decoding
+        without the ending stop token (or end-of-turn token), cut before the first stop string."""
+        ids = tuple(int(i) for i in ids)
+        body = ids[:-1] if ids and ids[-1] in set(stop_ids) | lm.eos_token_ids else ids
+        text = lm.tokenizer.decode(list(body), skip_special_tokens=True)
+        for s in stop:
+            if s in text:
+                text = text[: text.index(s)]
+        return cls(text=text, token_ids=ids, finish_reason="stop" if finish_reason == "stop" else "length",
+                   top_ids=top_ids, top_logprobs=top_logprobs)
+
 
 @attrs.frozen
 class GenerationRequest:
@@ -208,6 +224,13 @@ class Synthesizer(Backend):
     """
 
     capabilities: ClassVar[SynthesizerCapabilities] = SynthesizerCapabilities()
+
+    @classmethod
+    def capabilities_for(cls, options: dict[str, Any]) -> SynthesizerCapabilities:
+        """What it can do with these options, known before its engine starts (so settings it cannot serve are
+        refused first). Override when an option changes it, e.g. how many log-probs a server returns."""
+        cls.parse_options(options)
+        return cls.capabilities
 
     @abstractmethod
     def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]:

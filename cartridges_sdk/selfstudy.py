@@ -251,8 +251,8 @@ def build_cartridge(
     _, train_settings = split_settings(settings)
     if isinstance(synthesizer, str):  # what the class can do is known before its engine starts
         cls = synthesizers.get(synthesizer)
-        check_capabilities(synth_cfg, cls.capabilities, f"synthesizer {synthesizer!r}")
         cls.parse_options(synthesizer_options or {}, f"synthesizer {synthesizer!r}")
+        check_capabilities(synth_cfg, cls.capabilities_for(synthesizer_options or {}), f"synthesizer {synthesizer!r}")
     if isinstance(trainer, str):
         trainers.get(trainer).parse_options(trainer_options or {}, f"trainer {trainer!r}")
     lm = model if isinstance(model, LM) else load_model(model)

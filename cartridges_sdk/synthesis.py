@@ -24,7 +24,7 @@ from .dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMEN
 from .errors import BackendError, ConfigError, IncompatibleCartridgeError
 from .files import folder_lock
 from .models import LM, Message
-from .plugins import SynthesisRequest, Synthesizer, SynthesizerCapabilities
+from .plugins import Completion, SynthesisRequest, Synthesizer, SynthesizerCapabilities
 from .seeds import DEFAULT_WEIGHTS, check_weights, sample_seed
 
 
@@ -124,9 +124,22 @@ def probe_model(lm: LM, synthesizer: Synthesizer, tolerance: float = PROBE_TOLER
             f"{name} neither reports its model's identity nor returns log-probabilities, so nothing shows it serves "
             f"{lm.name!r}; use a synthesizer that does one of the two, or pass allow_unverified_model=True (recorded)."
         )
-    prompt = teacher_prompt(lm, lm.encode(PROBE_DOCUMENT), [{"role": "user", "content": PROBE_QUESTION}])
-    request = SynthesisRequest(prompt, tuple(sorted(lm.eos_token_ids)), PROBE_TOKENS, 0.0, k, None, 0)
+    request = probe_request(lm, k)
     (out,) = synthesizer.complete([request])
+    return check_probe(lm, name, request, out, tolerance)
+
+
+def probe_request(lm: LM, top_k: int) -> SynthesisRequest:
+    """The probe's fixed greedy request (a backend with several servers sends it to each; see `check_probe`)."""
+    prompt = teacher_prompt(lm, lm.encode(PROBE_DOCUMENT), [{"role": "user", "content": PROBE_QUESTION}])
+    return SynthesisRequest(prompt, tuple(sorted(lm.eos_token_ids)), PROBE_TOKENS, 0.0, top_k, None, 0)
+
+
+def check_probe(lm: LM, name: str, request: SynthesisRequest, out: Completion,
+                tolerance: float = PROBE_TOLERANCE) -> dict[str, Any]:
+    """The probe's figures for the answer `out` of the synthesizer `name`; raises `IncompatibleCartridgeError`
+    when its log-probs are not the student's."""
+    prompt, k = list(request.prompt_ids), request.top_logprobs
     ids = list(out.token_ids)
     top_ids, top_lps = np.asarray(out.top_ids), np.asarray(out.top_logprobs, dtype=np.float64)
     if not ids or top_ids.shape != (len(ids), k) or top_lps.shape != (len(ids), k):
@@ -153,6 +166,27 @@ def probe_model(lm: LM, synthesizer: Synthesizer, tolerance: float = PROBE_TOLER
             f"{tolerance}). Point it at the same model and tokenizer as the student."
         )
     return record
+
+
+def probe_gap(a: Completion, b: Completion) -> float:
+    """How far apart two answers to the probe are, in nats (several servers behind one synthesizer must agree).
+
+    Compared up to the first position where the greedy tokens differ (the contexts are the same until there): the
+    largest log-prob difference of a candidate both list; a first choice missing from the other's top-k is infinitely
+    far."""
+    if a.top_ids is None or b.top_ids is None:
+        return math.inf
+    n = min(len(a.token_ids), len(b.token_ids))
+    upto = next((i for i in range(n) if a.token_ids[i] != b.token_ids[i]), n - 1) + 1
+    gap = math.inf if n == 0 else 0.0
+    for row in range(min(upto, n)):
+        da = dict(zip(np.asarray(a.top_ids)[row].tolist(), np.asarray(a.top_logprobs)[row].tolist()))
+        db = dict(zip(np.asarray(b.top_ids)[row].tolist(), np.asarray(b.top_logprobs)[row].tolist()))
+        firsts = {int(np.asarray(a.top_ids)[row][0]), int(np.asarray(b.top_ids)[row][0])}
+        if not firsts <= (da.keys() & db.keys()):
+            return math.inf
+        gap = max(gap, max(abs(da[i] - db[i]) for i in da.keys() & db.keys()))
+    return gap
 
 
 def check_same_model(lm: LM, synthesizer: Synthesizer, *, allow_unverified_model: bool = False) -> dict[str, Any]:

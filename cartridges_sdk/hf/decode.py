@@ -45,20 +45,6 @@ def _sample(logits: torch.Tensor, params: GenerationParams, generator: torch.Gen
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
 
 
-def finish(
-    lm: LM, ids: Sequence[int], reason: str | None, *, stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
-    **extra,
-) -> Completion:
-    """A `Completion` from generated ids: text without the end-of-turn token, cut before the first stop string."""
-    eos = set(stop_ids) if stop_ids is not None else lm.eos_token_ids
-    body = ids[:-1] if ids and ids[-1] in eos else ids
-    text = lm.tokenizer.decode(list(body), skip_special_tokens=True)
-    for s in stop:
-        if s in text:
-            text = text[: text.index(s)]
-    return Completion(text=text, token_ids=tuple(ids), finish_reason=reason or "length", **extra)
-
-
 class DecodeState:
     """What a batch decode has produced so far; `top_ids`/`top_logprobs` hold per-token top-k when asked for."""
 
@@ -205,4 +191,4 @@ def row_completion(
     if state.top_ids[row]:
         extra = {"top_ids": torch.stack(state.top_ids[row]).numpy(),
                  "top_logprobs": torch.stack(state.top_logprobs[row]).float().numpy()}
-    return finish(lm, state.tokens[row], state.reasons[row], stop=stop, stop_ids=stop_ids, **extra)
+    return Completion.from_ids(lm, state.tokens[row], state.reasons[row], stop=stop, stop_ids=stop_ids or (), **extra)

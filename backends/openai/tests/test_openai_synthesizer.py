@@ -3,6 +3,7 @@ and the default model. One server lives for the module; the tests that kill serv
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import threading
@@ -10,6 +11,7 @@ import time
 import warnings
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -17,8 +19,8 @@ from cartridges_sdk import BackendError, Cartridge, IncompatibleCartridgeError, 
 from cartridges_sdk.cli import main
 from cartridges_sdk.dataset import SelfStudyDataset
 from cartridges_sdk.plugins import synthesizers
-from cartridges_sdk.synthesis import SynthesisConfig, synthesize
-from cartridges_openai.launch import VLLMServer, free_port
+from cartridges_sdk.synthesis import SynthesisConfig, probe_request, synthesize
+from cartridges_vllm.server import VLLMServer, free_port
 
 pytestmark = pytest.mark.default_model
 
@@ -73,21 +75,28 @@ def test_a_group_of_long_prompts_keeps_the_server_up(synth, lm):
     assert synth.stats()[0]["failed"] == before and synth.complete(requests[:1])[0].token_ids
 
 
-def test_keeps_the_contract_reading_token_text(lm, server):
+def test_keeps_the_contract_reading_token_text(lm, server, synth):
     # a server that returns text, not ids: each token's text is mapped back and verified
-    with synthesizers.create("openai", lm, base_url=server.url, model="smol", token_ids=False) as synth:
-        testing.check_synthesizer(synth, lm, tolerance=1e-4)
+    with synthesizers.create("openai", lm, base_url=server.url, model="smol", token_ids=False) as as_text:
+        testing.check_synthesizer(as_text, lm, tolerance=1e-4)
+        # an answer that ends on the end-of-turn token, which the server leaves out of its text
+        request = attrs.evolve(probe_request(lm, 5), max_tokens=120)
+        (by_id,), (by_text,) = synth.complete([request]), as_text.complete([request])
+    assert by_id.finish_reason == "stop" and by_id.token_ids[-1] in lm.eos_token_ids
+    assert by_text.token_ids == by_id.token_ids and by_text.text == by_id.text and "1871" in by_text.text
+    assert np.array_equal(by_text.top_ids, by_id.top_ids)
 
 
 def test_self_study_data_matches_the_hf_teacher(synth, lm, tmp_path):
     config = SynthesisConfig(**CONFIG)
-    served = synthesize(TEXT, lm, tmp_path / "served", config, synthesizer=synth, progress=False)
+    served, skipped = _synthesize_counting_skips(TEXT, lm, tmp_path / "served", config, synthesizer=synth,
+                                                 progress=False)
     on_hf = synthesize(TEXT, lm, tmp_path / "hf", config, progress=False)
     check = served.header["model_check"]
     assert served.header["synthesizer"] == "OpenAISynthesizer" and check["method"] == "probe"
     assert check["max_logprob_diff"] < 1e-4
     convs = {c.conv_id: c for c in served}
-    assert len(convs) == 8 and sum(c.seed_kind == "document" for c in convs.values()) == 4
+    assert len(convs) + skipped == 8 and sum(c.seed_kind == "document" for c in convs.values()) == 4
     for c in on_hf:  # document windows are the same spans: the teacher's top-k must agree with the HF synthesizer's
         if c.seed_kind == "document":
             s = convs[c.conv_id]
@@ -101,7 +110,8 @@ def test_self_study_data_matches_the_hf_teacher(synth, lm, tmp_path):
     assert np.abs(want.values.numpy() - conv.topk_logprobs).max() < 1e-4
 
 
-def test_from_corpus_and_the_cli_by_name(lm, server, tmp_path, capsys):
+def test_from_corpus_and_the_cli_by_name(lm, server, tmp_path, capsys, caplog):
+    caplog.set_level(logging.DEBUG)  # every logger, the openai client's and httpx's too
     options = {"base_url": server.url, "model": "smol"}
     settings = {k: v for k, v in CONFIG.items() if k not in ("seed", "num_conversations")}
     trained = Cartridge.from_corpus(TEXT, lm, num_tokens=16, num_conversations=4, synthesizer="openai",
@@ -113,12 +123,14 @@ def test_from_corpus_and_the_cli_by_name(lm, server, tmp_path, capsys):
     out = tmp_path / "data"
     assert main(["synthesize", str(corpus), "-o", str(out), "--conversations", "4", *sets, "--synthesizer", "openai",
                  "--backend-option", f"base_url={server.url}", "--backend-option", "api_key=sk-not-to-be-seen"]) == 0
-    assert len(list(SelfStudyDataset(out))) == 8
     said = capsys.readouterr()
-    assert "sk-not-to-be-seen" not in said.out + said.err + (out / "header.json").read_text()
+    skipped = sum(int(n) for n in re.findall(r"Skipped (\d+) bad", said.err))
+    assert len(list(SelfStudyDataset(out))) + skipped == 8
+    assert any(r.name.startswith("openai") for r in caplog.records)  # the client logged its requests
+    assert "sk-not-to-be-seen" not in said.out + said.err + caplog.text + (out / "header.json").read_text()
 
 
-def test_a_server_of_another_model_is_refused_before_work(lm, logs, tmp_path):
+def test_a_server_of_another_model_is_refused_before_work(lm, server, logs, tmp_path):
     # the same architecture and tokenizer with other weights (as a fine-tune would be): only the probe can tell
     from safetensors.torch import load_file, save_file
 
@@ -130,11 +142,15 @@ def test_a_server_of_another_model_is_refused_before_work(lm, logs, tmp_path):
             if "mlp.down_proj" in name:
                 weights[name] = w * 1.5
         save_file(weights, f, metadata={"format": "pt"})
-    with VLLMServer(other, served_name="tuned", log_file=str(logs / "other.log")) as wrong, \
-            synthesizers.create("openai", lm, base_url=wrong.url) as synth:
-        with pytest.raises(IncompatibleCartridgeError, match=r"OpenAISynthesizer \(model 'tuned' at http://127\.0\.0\.1:"
-                           rf"{wrong.port}/v1\) does not serve the student's model '{lm.name}'"):
-            synthesize(TEXT, lm, tmp_path / "d", SynthesisConfig(**CONFIG), synthesizer=synth, progress=False)
+    with VLLMServer(other, log_file=str(logs / "other.log"), extra_args=("--served-model-name", "tuned", "smol")) as wrong:
+        # beside a server of the student's model, under its name too: refused when opened, naming both
+        with pytest.raises(IncompatibleCartridgeError, match=f"{wrong.url} does not serve the same model as "
+                           f"{server.url}: their answers to the same-model probe differ by"):
+            synthesizers.create("openai", lm, base_url=[server.url, wrong.url], model="smol")
+        with synthesizers.create("openai", lm, base_url=wrong.url, model="tuned") as synth:
+            with pytest.raises(IncompatibleCartridgeError, match=r"OpenAISynthesizer \(model 'tuned' at "
+                               rf"http://127\.0\.0\.1:{wrong.port}/v1\) does not serve the student's model '{lm.name}'"):
+                synthesize(TEXT, lm, tmp_path / "d", SynthesisConfig(**CONFIG), synthesizer=synth, progress=False)
     assert not (tmp_path / "d" / "header.json").exists()
 
 

@@ -47,6 +47,15 @@ class EngineOptions:
     reserved_cpus: int = attrs.field(default=0, validator=count)
 
 
+def cpu_env(kv_cache_gib: int, reserved_cpus: int = 0, cores: str | None = None) -> dict[str, str]:
+    """The environment vLLM's CPU engine reads when it starts: its KV budget in whole GiB, the cores kept for its
+    front end, and optionally the cores its threads bind to (e.g. "0" or "0-3")."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved_cpus)}
+    if cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    return env
+
+
 def model_folder(lm: LM, model_dir: str | None) -> Path:
     folder = Path(model_dir) if model_dir is not None else lm.files
     if folder is None:
@@ -67,8 +76,7 @@ def start(lm: LM, options: EngineOptions, **engine_args: Any) -> Any:
             "`pip install -e 'backends/vllm[cpu]'` (then `pip uninstall -y torchvision torchaudio torchcodec`) on a "
             "CPU machine, or `[gpu]` on a GPU machine."
         ) from err
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.kv_cache_gib)  # read when the engine starts
-    os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(options.reserved_cpus)
+    os.environ.update(cpu_env(options.kv_cache_gib, options.reserved_cpus))  # read when the engine starts
     try:
         return LLM(
             model=str(model_folder(lm, options.model_dir)), dtype=options.dtype, enable_prefix_caching=True, seed=0,
@@ -90,17 +98,11 @@ def stop(llm: Any) -> None:
 def completion(lm: LM, sample: Any, stop_ids: Sequence[int], top_logprobs: int, stop: Sequence[str] = ()) -> Completion:
     """A vLLM sample as a `Completion`: text decoded by the student's tokenizer without the ending stop token and cut
     before the first stop string, and the top-k arrays when asked for."""
-    ids = list(sample.token_ids)
     top_ids = top_lps = None
     if top_logprobs:
         top_ids, top_lps = topk(list(sample.logprobs), top_logprobs)
-    body = ids[:-1] if ids and ids[-1] in set(stop_ids) | lm.eos_token_ids else ids
-    text = lm.tokenizer.decode(body, skip_special_tokens=True)
-    for s in stop:
-        if s in text:
-            text = text[: text.index(s)]
-    return Completion(text=text, token_ids=tuple(ids), finish_reason="stop" if sample.finish_reason == "stop" else "length",
-                      top_ids=top_ids, top_logprobs=top_lps)
+    return Completion.from_ids(lm, sample.token_ids, sample.finish_reason, stop_ids=stop_ids, stop=stop,
+                               top_ids=top_ids, top_logprobs=top_lps)
 
 
 def topk(positions: list[dict[int, Any]], k: int) -> tuple[np.ndarray, np.ndarray]:

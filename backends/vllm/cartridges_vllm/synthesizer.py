@@ -21,6 +21,10 @@ class VLLMSynthesizer(Synthesizer):
     Options = EngineOptions
     capabilities = SynthesizerCapabilities(max_top_logprobs=20, score=True, prefix_reuse=True)
 
+    @classmethod
+    def capabilities_for(cls, options: dict[str, Any]) -> SynthesizerCapabilities:
+        return attrs.evolve(cls.capabilities, max_top_logprobs=cls.parse_options(options).max_logprobs)
+
     def __init__(self, model, **options: Any):
         self.lm = model
         self.options = EngineOptions(**options)

@@ -1,7 +1,7 @@
 """Start and stop a local vLLM OpenAI-compatible server for a model folder, as a user would by hand.
 
-Used by this backend's tests and by the synthesis benchmark; handy for trying the backend on one machine. The server
-runs in its own process group, so stopping it stops vLLM's engine process too.
+Used by the openai backend's tests and the synthesis benchmark; handy for trying that backend on one machine. The
+server runs in its own process group, so stopping it stops vLLM's engine process too.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 
 from cartridges_sdk import BackendUnavailableError
+
+from .engine import cpu_env
 
 
 def free_port() -> int:
@@ -58,9 +60,7 @@ class VLLMServer:
 
     def start(self, timeout: float = 300.0) -> VLLMServer:
         """Start the server and wait until it answers /health; a server that exits or hangs raises with its log."""
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        if self.cpus is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
+        env = {**os.environ, **cpu_env(self.kv_cache_gib, 0, self.cpus)}
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         try:
             self.process = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -68,6 +68,14 @@ class VLLMServer:
         finally:
             if self.log_file:
                 log.close()
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:  # a failed start, or Ctrl-C while waiting: no server is left behind
+            self.kill()
+            raise
+        return self
+
+    def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -75,11 +83,10 @@ class VLLMServer:
                                               f"starting{self._log_tail()}")
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.kill()
         raise BackendUnavailableError(f"vLLM's server did not answer within {timeout:.0f} s{self._log_tail()}")
 
     def _log_tail(self) -> str:
@@ -96,17 +103,18 @@ class VLLMServer:
         self._signal(signal.SIGTERM, grace=30.0)
 
     def _signal(self, sig: int, grace: float = 10.0) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        try:
-            os.killpg(self.process.pid, sig)
-            self.process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        except ProcessLookupError:
-            pass
-        self._reap_group()
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, sig)
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
+        self._reap_group()  # also when the server itself had already exited: its engine process may not have
 
     def _reap_group(self) -> None:
         """The engine core is a child in the same group; make sure none of it outlives the server."""
