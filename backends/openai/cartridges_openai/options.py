@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
@@ -30,12 +30,8 @@ def _urls(value: Any) -> tuple[str, ...] | None:
 
 
 def shown(url: str) -> str:
-    """`url` as messages and logs show it: without a user:password part."""
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    return urlunsplit(parts._replace(netloc=f"***@{host}" + (f":{parts.port}" if parts.port else "")))
+    """`url` as messages and logs show it: a user:password part as ***."""
+    return re.sub(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/?#@]*@", r"\1***@", url)
 
 
 def _optional_text(_inst, attribute, value) -> None:

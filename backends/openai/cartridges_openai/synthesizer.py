@@ -157,37 +157,39 @@ class OpenAISynthesizer(Synthesizer):
             raise
 
     async def _open(self) -> ServerPool:
-        import httpx
         import openai
 
         key = self.options.key()
-        timeout = httpx.Timeout(self.options.timeout, connect=min(self.options.connect_timeout, self.options.timeout))
         pool = ServerPool(self.urls, lambda url: openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=0,
-                                                                    timeout=timeout),
+                                                                    timeout=self._timeout(self.options.timeout)),
                           self.options.concurrency, self.options.cooldown)
         try:
             listed = await asyncio.gather(*(self._models(s) for s in pool.servers), return_exceptions=True)
             self._choose_model(pool, listed)
             self.pool = pool
-            # every server that is up answers the probe now (in order, so the first one is the reference)
+            # every server that is up answers the probe now (in order, so the first one is the reference); one that
+            # fails it for a passing reason is probed again, with retries, before its first request
             for server in pool.servers:
                 if server.down_until <= pool.clock():
                     try:
-                        await self._verify(server)
+                        await self._verify(server, pool.clock())
                     except TransientBackendError as err:
-                        log.warning("%s failed the same-model probe (%s); it is checked again when it comes back.",
-                                    server.name, err)
-            if self.reference is None:
-                raise BackendUnavailableError(f"No server answered the same-model probe ({', '.join(self.names)}); "
-                                              "see the warnings above.")
+                        log.warning("%s did not answer the same-model probe (%s); it is probed again before its "
+                                    "first request.", server.name, err)
         except BaseException:
             await pool.aclose()
             raise
         return pool
 
+    def _timeout(self, seconds: float) -> Any:
+        """`seconds` for an answer, and at most `connect_timeout` of them to connect."""
+        import httpx
+
+        return httpx.Timeout(seconds, connect=min(self.options.connect_timeout, seconds))
+
     async def _models(self, server: Server) -> list[str]:
         try:
-            page = await server.client.models.list(timeout=min(self.options.timeout, 30.0))
+            page = await server.client.models.list(timeout=self._timeout(min(self.options.timeout, 30.0)))
         except Exception as err:  # noqa: BLE001 - said with the server's URL below
             raise to_backend_error(err, server.name) from err
         return [m.id for m in page.data]
@@ -216,13 +218,17 @@ class OpenAISynthesizer(Synthesizer):
                             server.name, got, pool.cooldown)
                 pool.failed(server, got, down=True)
 
-    async def _verify(self, server: Server) -> None:
+    async def _verify(self, server: Server, since: float) -> None:
         """Send the probe to `server` alone and check its answer agrees with the reference (the first server's),
-        once per time it joins: a server that failed may come back with other weights."""
+        once per time it joins: a server that failed may come back with other weights. `since`: when the caller
+        began waiting; a failure after that (e.g. of the probe another request sent) sends it elsewhere at once."""
         async with server.verifying:
             if server.verified:
                 return
+            if server.failed_at > since:
+                raise ServerDownError(f"{server.name} failed while a request waited for its same-model probe.")
             body = self._completion_body(self.probe)
+            sent = self.pool.clock()
             name, response = server.name, await self._send(server, body)
             answer = self._read_completion(self.probe, name, response)
             if self.reference is None:
@@ -235,7 +241,7 @@ class OpenAISynthesizer(Synthesizer):
                         f"probe differ by {gap:.3f} nats (tolerance {PROBE_TOLERANCE}). Serve the student's model on "
                         "every server, or leave this one out of base_url; a stopped synthesis resumes where it was."
                     )
-            server.verified = True
+            server.verified = server.failed_at < sent  # not when it went down while the probe was out
 
     async def _send(self, server: Server, body: dict[str, Any]) -> dict[str, Any]:
         """One completions call on `server`, its failure classified and counted."""
@@ -267,7 +273,11 @@ class OpenAISynthesizer(Synthesizer):
                 with attempt:
                     server = self.pool.pick(avoid=server)
                     if not server.verified:
-                        await self._verify(server)
+                        server.assigned += 1  # waiting for its probe counts as its load
+                        try:
+                            await self._verify(server, self.pool.clock())
+                        finally:
+                            server.assigned -= 1
                     return server.name, await self._send(server, body)
         except TransientBackendError as err:
             err.add_note(f"Gave up after {attempts} attempt(s) over {', '.join(self.names)} (the option max_retries).")

@@ -4,6 +4,7 @@ options, and reading token ids out of responses. The real server is in test_open
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,9 +16,14 @@ from cartridges_sdk import BackendError, BackendUnavailableError, ConfigError, S
 from cartridges_sdk.errors import IncompatibleCartridgeError, RateLimitedError, TransientBackendError
 from cartridges_sdk.plugins import synthesizers
 from cartridges_sdk.synthesis import probe_request
-from cartridges_vllm.server import free_port
 from cartridges_openai.logprobs import TokenReader, positions, topk
 from cartridges_openai.options import OpenAIOptions
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def completion(tokens=(5, 6), shift=0.0, alternatives=(9,)) -> dict:
@@ -203,6 +209,15 @@ def test_every_server_answers_the_probe_and_again_when_it_comes_back(fake, tiny_
         with pytest.raises(IncompatibleCartridgeError, match=f"{c.url} does not serve the same model as {c.url}"):
             synth.complete([REQUEST])
     assert len(c.probes) == 2 and len(c.calls) == 2  # the answer after the restart was never sent for
+
+
+def test_a_probe_that_fails_for_a_passing_reason_at_open_is_retried_before_the_first_request(fake, tiny_llama):
+    server = fake(OK, probes=[(503, {}, {"error": {"message": "warming up"}}), probe_answer()])
+    with synth_on(server.url, tiny_llama, backoff=0.01) as synth:
+        assert synth.reference is None and not synth.pool.servers[0].verified
+        assert synth.complete([REQUEST])[0].token_ids == (5, 6)
+        assert synth.reference[0] == server.url and synth.pool.servers[0].verified
+    assert len(server.probes) == 2 and len(server.calls) == 1
 
 
 def test_an_answer_sent_before_a_failure_does_not_put_the_server_back():

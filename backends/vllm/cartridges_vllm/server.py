@@ -45,6 +45,7 @@ class VLLMServer:
         self.cpus = cpus  # cores its engine threads bind to, e.g. "0" or "0-3" (VLLM_CPU_OMP_THREADS_BIND); default all
         self.extra_args = extra_args
         self.process: subprocess.Popen | None = None
+        self._reaped = False  # its process group is gone (the id may be reused later: never signal it again)
 
     @property
     def url(self) -> str:
@@ -61,6 +62,7 @@ class VLLMServer:
     def start(self, timeout: float = 300.0) -> VLLMServer:
         """Start the server and wait until it answers /health; a server that exits or hangs raises with its log."""
         env = {**os.environ, **cpu_env(self.kv_cache_gib, 0, self.cpus)}
+        self._reaped = False
         log = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         try:
             self.process = subprocess.Popen(self.command(), env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -103,7 +105,7 @@ class VLLMServer:
         self._signal(signal.SIGTERM, grace=30.0)
 
     def _signal(self, sig: int, grace: float = 10.0) -> None:
-        if self.process is None:
+        if self.process is None or self._reaped:
             return
         if self.process.poll() is None:
             try:
@@ -122,6 +124,7 @@ class VLLMServer:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        self._reaped = True
 
     def __enter__(self) -> VLLMServer:
         return self.start() if self.process is None else self
