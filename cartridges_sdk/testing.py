@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import string
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -40,6 +40,9 @@ from .plugins import (
 
 if TYPE_CHECKING:
     from .models import LM
+
+# makes the prefix cartridge of given token ids (see `check_runtime_exactness`)
+PrefixMaker = Callable[[Sequence[int]], Cartridge]
 
 # texts the contract suite makes cartridges from; plain ASCII so character-level tiny tokenizers can read them
 CONTRACT_TEXTS = (
@@ -240,20 +243,29 @@ def _greedy(k: int, n: int) -> GenerationParams:
 # the runtime contract
 
 
+def _prefix_maker(lm: LM, prefix: PrefixMaker | None) -> PrefixMaker:
+    return prefix or (lambda ids: Cartridge.from_prefix(lm, list(ids), len(ids)))
+
+
 def check_runtime_exactness(runtime: Runtime, lm: LM, *, sizes: Sequence[int] = (8, 24), top_k: int = 5,
                             max_new_tokens: int = 8, tolerance: float = 1e-4,
-                            reference_tolerance: float | None = None) -> None:
+                            reference_tolerance: float | None = None, prefix: PrefixMaker | None = None) -> None:
     """A cartridge of a text's first p tokens answers like those tokens in context: the same greedy tokens and
     top-k log-probs (within `tolerance`) as the runtime with the tokens as plain prefix, and as the student's own
-    forward pass (within `reference_tolerance`, default `tolerance`; engines with other kernels state theirs)."""
+    forward pass (within `reference_tolerance`, default `tolerance`; engines with other kernels state theirs).
+
+    `prefix` makes the cartridge of given token ids; by default the student's own forward (`Cartridge.from_prefix`).
+    An engine whose numbers are not the student's (quantized weights, its own kernels) passes its own prefill, so
+    exactness is checked inside the engine, and states its distance to the student in `reference_tolerance`."""
     check = "runtime exactness"
+    prefix = _prefix_maker(lm, prefix)
     reference_tolerance = tolerance if reference_tolerance is None else reference_tolerance
     ids = lm.encode(CONTRACT_TEXTS[0])
     messages = [{"role": "user", "content": QUESTIONS[0]}]
     for p in sizes:
         if p > len(ids):
             _fail(check, f"size {p} exceeds the contract text's {len(ids)} tokens; pass smaller sizes.")
-        cartridge = Cartridge.from_prefix(lm, ids[:p], p)
+        cartridge = prefix(ids[:p])
         with_cart, in_context, bare = runtime.generate([
             GenerationRequest(messages, [cartridge], _greedy(top_k, max_new_tokens)),
             GenerationRequest(messages, [], _greedy(top_k, max_new_tokens), prefix_ids=ids[:p]),
@@ -275,11 +287,12 @@ def check_runtime_exactness(runtime: Runtime, lm: LM, *, sizes: Sequence[int] = 
 
 
 def check_no_cross_talk(runtime: Runtime, lm: LM, *, top_k: int = 5, max_new_tokens: int = 8,
-                        tolerance: float = 1e-4) -> None:
+                        tolerance: float = 1e-4, prefix: PrefixMaker | None = None) -> None:
     """A batch whose requests carry different cartridges (and none, and two, and different lengths) answers each
     request as it is answered alone."""
     check = "no cross-talk"
-    carts = [Cartridge.from_prefix(lm, text, n) for text, n in zip(CONTRACT_TEXTS, (24, 9, 17))]
+    prefix = _prefix_maker(lm, prefix)
+    carts = [prefix(lm.encode(text)[:n]) for text, n in zip(CONTRACT_TEXTS, (24, 9, 17))]
     params = _greedy(top_k, max_new_tokens)
     requests = [
         GenerationRequest([{"role": "user", "content": QUESTIONS[0]}], [carts[0]], params),
@@ -302,14 +315,15 @@ def check_no_cross_talk(runtime: Runtime, lm: LM, *, top_k: int = 5, max_new_tok
 
 
 def check_composition(runtime: Runtime, lm: LM, *, top_k: int = 5, max_new_tokens: int = 8,
-                      tolerance: float = 1e-4) -> None:
+                      tolerance: float = 1e-4, prefix: PrefixMaker | None = None) -> None:
     """Two cartridges in one request, and `Cartridge.compose` of them, answer like their tokens in context, where
     positions allow (the second part's keys were computed after the first)."""
     check = "composition"
+    prefix = _prefix_maker(lm, prefix)
     ids = lm.encode(CONTRACT_TEXTS[0] + " " + CONTRACT_TEXTS[1])
     first, total = 12, 30
-    whole = Cartridge.from_prefix(lm, ids[:total], total)
-    head = Cartridge.from_prefix(lm, ids[:first], first)
+    whole = prefix(ids[:total])
+    head = prefix(ids[:first])
     tail = _prefix_part(lm, whole, first)
     messages = [{"role": "user", "content": QUESTIONS[1]}]
     params = _greedy(top_k, max_new_tokens)
@@ -351,11 +365,13 @@ def check_stream(runtime: Runtime, lm: LM, *, max_new_tokens: int = 12) -> None:
         _fail("stream", f"streamed text {streamed!r} differs from the generated text {whole.text!r}.")
 
 
-def check_runtime(runtime: Runtime, lm: LM, *, tolerance: float = 1e-4, reference_tolerance: float | None = None) -> None:
-    """The whole runtime contract: exactness, no cross-talk, composition, a wrong-model cartridge refused, streaming."""
-    check_runtime_exactness(runtime, lm, tolerance=tolerance, reference_tolerance=reference_tolerance)
-    check_no_cross_talk(runtime, lm, tolerance=tolerance)
-    check_composition(runtime, lm, tolerance=tolerance)
+def check_runtime(runtime: Runtime, lm: LM, *, tolerance: float = 1e-4, reference_tolerance: float | None = None,
+                  prefix: PrefixMaker | None = None) -> None:
+    """The whole runtime contract: exactness, no cross-talk, composition, a wrong-model cartridge refused, streaming.
+    `prefix`: how prefix cartridges are made (see `check_runtime_exactness`)."""
+    check_runtime_exactness(runtime, lm, tolerance=tolerance, reference_tolerance=reference_tolerance, prefix=prefix)
+    check_no_cross_talk(runtime, lm, tolerance=tolerance, prefix=prefix)
+    check_composition(runtime, lm, tolerance=tolerance, prefix=prefix)
     check_wrong_model_refused(runtime, lm)
     check_stream(runtime, lm)
 

@@ -109,13 +109,13 @@ def test_rows_that_finish_early_leave_the_batch_without_changing_the_others(tiny
 
 def test_sampling_draws_tokens_with_their_probabilities():
     """The sampler's draws follow softmax(logits / temperature), and never a token top_k has cut."""
-    from cartridges_sdk.hf.decode import _sample
+    from cartridges_sdk.hf.decode import sample_next
     from cartridges_sdk.plugins import GenerationParams
 
     logits = torch.tensor([0.0, 1.0, 2.0, -1.0, -30.0, 0.5]).expand(40_000, -1).contiguous()
     generator = torch.Generator().manual_seed(0)
-    draws = _sample(logits, GenerationParams(temperature=0.7), generator)
+    draws = sample_next(logits, GenerationParams(temperature=0.7), generator)
     freq = torch.bincount(draws, minlength=6) / len(draws)
     torch.testing.assert_close(freq, (logits[0] / 0.7).softmax(-1), atol=0.01, rtol=0)
-    cut = _sample(logits, GenerationParams(temperature=1.0, top_k=2), generator)
+    cut = sample_next(logits, GenerationParams(temperature=1.0, top_k=2), generator)
     assert set(cut.tolist()) == {1, 2}

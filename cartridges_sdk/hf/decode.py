@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _sample(logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None) -> torch.Tensor:
+def sample_next(logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None) -> torch.Tensor:
     """Next token per row from ``[batch, vocab]`` logits."""
     if params.temperature == 0:
         return logits.argmax(dim=-1)
@@ -106,7 +106,7 @@ def decode(
         )
         cache = result.past_key_values
         logits = result.logits[:, -1, :]
-        token = _sample(logits, params, generator)
+        token = sample_next(logits, params, generator)
         if top_logprobs:
             top = torch.topk(logits.float().log_softmax(-1), top_logprobs, dim=-1)
         for b, row in enumerate(live):
