@@ -5,7 +5,9 @@ One request per user (a question, greedy, `--decode` new tokens), all in one bat
 is what ICL pays per request and a cartridge does not. Cartridges here are untrained prefix cartridges: speed does not
 depend on what the tensors hold. Run it alone on the machine.
 
-    python -m benchmarks.serving [--docs 0,1,2,3] [--sizes 128,512,2048] [--decode 32] [--runtimes vllm,hf]
+    python -m benchmarks.serving [--docs 0,1,2,3] [--sizes 128,512,2048] [--decode 32] [--runtimes llamacpp,vllm,hf]
+
+llama.cpp answers one request after another (one sequence) from the default model's GGUF (Q4_1 weights, f16 KV).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def main() -> None:
     parser.add_argument("--docs", default="0,1,2,3", help="comma-separated document indices: one user each")
     parser.add_argument("--sizes", default="128,512,2048", help="cartridge sizes p")
     parser.add_argument("--decode", type=int, default=32, help="new tokens per answer")
-    parser.add_argument("--runtimes", default="vllm,hf")
+    parser.add_argument("--runtimes", default="llamacpp,vllm,hf")
     parser.add_argument("--kv-gib", type=int, default=2, help="KV budget for the users-that-fit figure (and vLLM's cache)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serving.json"))
     args = parser.parse_args()
@@ -39,15 +41,16 @@ def main() -> None:
     questions = [[{"role": "user", "content": c.questions[0].question}] for c in corpora]
     params = GenerationParams(max_new_tokens=args.decode)
     a = lm.identity.architecture
-    kv_bytes_per_token = a["num_layers"] * a["num_kv_heads"] * a["head_dim"] * 2 * lm.dtype.itemsize
-    budget_tokens = args.kv_gib * 2**30 // kv_bytes_per_token
+    kv_values_per_token = a["num_layers"] * a["num_kv_heads"] * a["head_dim"] * 2
     methods = {"icl": [GenerationRequest(q, [], params, prefix_ids=d) for q, d in zip(questions, docs)]}
     for p in (int(s) for s in args.sizes.split(",")):
         methods[f"cartridge p={p}"] = [GenerationRequest(q, [Cartridge.from_prefix(lm, d[:p], min(p, len(d)))], params)
                                        for q, d in zip(questions, docs)]
     rows = []
     for name in args.runtimes.split(","):
-        options = {"kv_cache_gib": args.kv_gib} if name == "vllm" else {}
+        options = {"vllm": {"kv_cache_gib": args.kv_gib}, "llamacpp": {"n_ctx": lm.max_context}}.get(name, {})
+        # llama.cpp keeps its KV in f16, the others in the model's dtype
+        budget_tokens = args.kv_gib * 2**30 // (kv_values_per_token * (2 if name == "llamacpp" else lm.dtype.itemsize))
         start = time.perf_counter()
         runtime = lm.get_runtime(name, **options)
         started = time.perf_counter() - start

@@ -31,3 +31,5 @@ class LlamaCppOptions:
     n_threads: int | None = attrs.field(default=None, validator=_threads)
     # llama.cpp's flash attention (its V cache is then stored untransposed); either way cartridges load exactly
     flash_attn: bool = attrs.field(default=False, validator=boolean)
+    # llama.cpp's own log on stderr (why it refused a state, timings)
+    verbose: bool = attrs.field(default=False, validator=boolean)

@@ -16,8 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from cartridges_sdk import (BackendError, BackendUnavailableError, Cartridge, Completion, ConfigError,
-                            GenerationRequest, IncompatibleCartridgeError, Runtime, UnsupportedModelError)
+from cartridges_sdk import (
+    BackendError,
+    BackendUnavailableError,
+    Cartridge,
+    Completion,
+    ConfigError,
+    GenerationRequest,
+    IncompatibleCartridgeError,
+    Runtime,
+    UnsupportedModelError,
+)
 from cartridges_sdk.cartridge import CartridgeMeta
 from cartridges_sdk.kv import refuse_foreign
 from cartridges_sdk.rope import INTERLEAVED, ROTATE_HALF, key_layout
@@ -26,6 +35,7 @@ from .options import LlamaCppOptions
 from .state import Layout, read
 
 PLACEHOLDER_ID = 0  # what the cartridge's cells claim to hold, in the Llama object's bookkeeping
+MAX_BLOB_BYTES = 256 * 2**20  # recent cartridges kept ready to load, in bytes
 # llama.cpp's RoPE per GGUF architecture: Llama-family GGUFs had their Q/K rows permuted at conversion, so their
 # cached keys pair adjacent dimensions; Qwen2 kept the Hugging Face layout
 PAIRING = {"llama": INTERLEAVED, "qwen2": ROTATE_HALF}
@@ -48,7 +58,14 @@ class LlamaCppRuntime(Runtime):
                 "`pip install -e backends/llamacpp` (it compiles llama.cpp, about 12 minutes the first time)."
             ) from err
         self.llm = Llama(model_path=str(self.gguf), n_ctx=self.options.n_ctx, n_threads=self.options.n_threads,
-                         flash_attn=self.options.flash_attn, logits_all=False, verbose=False)
+                         flash_attn=self.options.flash_attn, logits_all=False, verbose=self.options.verbose)
+        # llama.cpp rounds its context up to a multiple of 256; llama-cpp-python's token list keeps the size asked for
+        self.max_positions = min(self.llm.n_ctx(), len(self.llm.input_ids))
+        self._loaded: str | None = None  # fingerprint of the cartridge the sequence's first cells hold
+        self._blobs: OrderedDict[str, bytes] = OrderedDict()  # recent cartridges, ready to load
+        self._turn = 0  # counts uses of the one sequence, so a paused stream notices another request took it
+        self.installs = 0  # cartridge contents turned into llama.cpp's layout (each once while it stays)
+        self.loads = 0  # cartridges written into the sequence (not again while they are still there)
         try:
             self.arch = self._check_model()
             self.pairing = PAIRING[self.arch]
@@ -56,9 +73,6 @@ class LlamaCppRuntime(Runtime):
         except BaseException:
             self.close()
             raise
-        self._loaded: str | None = None  # fingerprint of the cartridge the sequence's first cells hold
-        self._blobs: OrderedDict[str, bytes] = OrderedDict()  # recent cartridges, ready to load
-        self.installs = 0
 
     # ---- the Runtime API
 
@@ -73,8 +87,9 @@ class LlamaCppRuntime(Runtime):
         refuse_foreign(self.lm, list(request.cartridges))
         self._check_length(0, request)
         shown = ""
-        for ids, _, done in self._decode(request):
-            text = Completion.from_ids(self.lm, ids, "stop" if done else None, stop=request.params.stop).text
+        for ids, _, reason in self._decode(request):
+            done = reason is not None
+            text = Completion.from_ids(self.lm, ids, reason, stop=request.params.stop).text
             # hold back text that may still change (an incomplete multi-byte character) until it settles
             if (done or not text.endswith("\ufffd")) and len(text) > len(shown) and text.startswith(shown):
                 yield text[len(shown) :]
@@ -96,6 +111,7 @@ class LlamaCppRuntime(Runtime):
 
     def state_of(self, ids: Sequence[int]) -> bytes:
         """llama.cpp's own sequence state after these tokens (its prefill, as `llama_state_seq_get_data` writes it)."""
+        self._check_fits(len(ids), "the tokens")
         self._reset()
         self.llm.eval([int(i) for i in ids])
         return self.sequence_state()
@@ -106,6 +122,7 @@ class LlamaCppRuntime(Runtime):
         from llama_cpp import llama_cpp as C
 
         refuse_foreign(self.lm, list(cartridges))
+        self._check_fits(sum(c.num_tokens for c in cartridges) + len(ids), "the cartridges and tokens")
         self._load(cartridges)
         rows = []
         for token in ids:  # one token per step: llama.cpp keeps only the last position's logits here
@@ -120,6 +137,7 @@ class LlamaCppRuntime(Runtime):
         return _blob(self.layout, cartridge, self.pairing)
 
     def close(self) -> None:
+        self._blobs = OrderedDict()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.close()
@@ -171,6 +189,7 @@ class LlamaCppRuntime(Runtime):
     def _reset(self) -> None:
         self.llm.n_tokens = 0  # the next eval removes every cell from position 0
         self._loaded = None
+        self._turn += 1
 
     def sequence_state(self) -> bytes:
         """The sequence's state as llama.cpp writes it now (`llama_state_seq_get_data`)."""
@@ -186,17 +205,18 @@ class LlamaCppRuntime(Runtime):
         if not cartridges:
             self._reset()
             return 0
+        self._turn += 1
         whole = cartridges[0] if len(cartridges) == 1 else Cartridge.compose(list(cartridges))
         key = whole.fingerprint
         p = whole.num_tokens
         if self._loaded != key:
-            if key not in self._blobs:
-                self._blobs[key] = _blob(self.layout, whole, self.pairing)
+            blob = self._blobs.pop(key, None)
+            if blob is None:
+                blob = _blob(self.layout, whole, self.pairing)
                 self.installs += 1
-                while len(self._blobs) > 8:
-                    self._blobs.popitem(last=False)
-            self._blobs.move_to_end(key)
-            blob = self._blobs[key]
+            self._blobs[key] = blob
+            while len(self._blobs) > 1 and sum(map(len, self._blobs.values())) > MAX_BLOB_BYTES:
+                self._blobs.popitem(last=False)
             from llama_cpp import llama_cpp as C
 
             self._loaded = None
@@ -204,9 +224,10 @@ class LlamaCppRuntime(Runtime):
             n = C.llama_state_seq_set_data(self.llm.ctx, buf, len(blob), 0)
             if n != len(blob):
                 raise BackendError(f"llama.cpp did not take the cartridge's sequence state (read {n} of {len(blob)} "
-                                   "bytes); run with verbose llama.cpp logs to see why.")
+                                   "bytes); build the runtime with the option verbose=True to see llama.cpp's reason.")
             self.llm.input_ids[:p] = PLACEHOLDER_ID
             self._loaded = key
+            self.loads += 1
         self.llm.n_tokens = p  # the cells 0..p-1 hold the cartridge; the next eval keeps them and removes the rest
         return p
 
@@ -214,15 +235,17 @@ class LlamaCppRuntime(Runtime):
         need = (sum(c.num_tokens for c in request.cartridges) + len(request.prefix_ids)
                 + len(self.lm.chat_ids(request.messages, after_cartridge=bool(request.cartridges or request.prefix_ids)))
                 + request.params.max_new_tokens)
-        if need > self.llm.n_ctx():
-            raise ConfigError(
-                f"Request {i} (cartridges + prompt + max_new_tokens={request.params.max_new_tokens}) needs {need} "
-                f"positions, more than the runtime's n_ctx={self.llm.n_ctx()}; lower max_new_tokens, or start the "
-                "runtime with a larger n_ctx."
-            )
+        self._check_fits(need, f"Request {i} (cartridges + prompt + max_new_tokens={request.params.max_new_tokens})",
+                         "lower max_new_tokens, or ")
 
-    def _decode(self, request: GenerationRequest) -> Iterator[tuple[list[int], list[np.ndarray], bool]]:
-        """The answer so far after each new token: its ids, each token's log-probs, and whether it has ended."""
+    def _check_fits(self, need: int, what: str, fix: str = "") -> None:
+        if need > self.max_positions:
+            raise ConfigError(f"{what} needs {need} positions, more than the runtime's n_ctx={self.max_positions}; "
+                              f"{fix}start the runtime with a larger n_ctx.")
+
+    def _decode(self, request: GenerationRequest) -> Iterator[tuple[list[int], list[np.ndarray], str | None]]:
+        """The answer so far after each new token: its ids, each token's log-probs, and why it ended ("stop",
+        "length") or None while it goes on."""
         import torch
         from llama_cpp import llama_cpp as C
 
@@ -244,23 +267,28 @@ class LlamaCppRuntime(Runtime):
         ids: list[int] = []
         logps: list[np.ndarray] = []
         step = prompt
-        for _ in range(params.max_new_tokens):
+        turn = self._turn
+        for n in range(params.max_new_tokens):
+            if self._turn != turn:
+                raise BackendError("Another request used llama.cpp's sequence while this stream was paused; it keeps "
+                                   "one sequence, so read a stream to its end before sending the next request.")
             self.llm.eval(step)
             logits = torch.from_numpy(np.ctypeslib.as_array(C.llama_get_logits_ith(self.llm.ctx, -1),
                                                             shape=(n_vocab,)).copy())
             token = int(sample_next(logits[None], params, generator)[0])
             ids.append(token)
             logps.append(logits.double().log_softmax(-1).numpy())
-            done = token in eos or bool(params.stop and any(
+            stopped = token in eos or bool(params.stop and any(
                 s in self.lm.tokenizer.decode(ids, skip_special_tokens=True) for s in params.stop))
-            yield ids, logps, done
-            if done:
+            reason = "stop" if stopped else "length" if n + 1 == params.max_new_tokens else None
+            yield ids, logps, reason
+            if reason:
                 return
             step = [token]
 
     def _answer(self, request: GenerationRequest) -> Completion:
-        ids, logps, done = [], [], False
-        for ids, logps, done in self._decode(request):
+        ids, logps, reason = [], [], None
+        for ids, logps, reason in self._decode(request):
             pass
         k = request.params.top_logprobs
         top_ids = top_lps = None
@@ -268,7 +296,7 @@ class LlamaCppRuntime(Runtime):
             rows = np.stack(logps)
             top_ids = np.argsort(-rows, axis=1, kind="stable")[:, :k]
             top_lps = np.take_along_axis(rows, top_ids, axis=1).astype(np.float32)
-        return Completion.from_ids(self.lm, ids, "stop" if done else "length", stop=request.params.stop,
+        return Completion.from_ids(self.lm, ids, reason, stop=request.params.stop,
                                    top_ids=top_ids, top_logprobs=top_lps)
 
 

@@ -7,8 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cartridges_sdk import (Cartridge, GenerationParams, GenerationRequest, IncompatibleCartridgeError, load_model,
-                            testing)
+from cartridges_sdk import (
+    BackendError,
+    Cartridge,
+    GenerationParams,
+    GenerationRequest,
+    IncompatibleCartridgeError,
+    load_model,
+    testing,
+)
 from cartridges_sdk.cli import main
 
 pytestmark = pytest.mark.default_model
@@ -85,6 +92,8 @@ def test_a_self_study_cartridge_serves_close_to_hf(runtime, lm, tmp_path):
         max_tokens_a=12, max_tokens_b=16, document_windows=4, window_tokens=32, output_dir=tmp_path / "w",
         progress=False,
     )
+    trained.save(tmp_path / "trained.safetensors")  # as a user would: built in HF, saved, loaded for llama.cpp
+    trained = Cartridge.load(tmp_path / "trained.safetensors", model=lm)
     follow = lm.tokenizer(" The lighthouse was built in 1871.", add_special_tokens=False)["input_ids"]
     kl = kl_to_hf(runtime, lm, trained, follow)
     print(f"trained p=32: KL(HF || llama.cpp) mean {kl.mean():.4f}, max {kl.max():.4f} nats")
@@ -94,13 +103,22 @@ def test_a_self_study_cartridge_serves_close_to_hf(runtime, lm, tmp_path):
                                                          [trained], GenerationParams(max_new_tokens=12))])[0].text
 
 
-def test_streams_and_reuses_an_installed_cartridge(runtime, lm):
+def test_streams_and_writes_a_cartridge_into_the_sequence_once(runtime, lm):
     c = Cartridge.from_prefix(lm, testing.CONTRACT_TEXTS[0], 30)
     request = GenerationRequest(QUESTION, [c], GenerationParams(max_new_tokens=24))
-    before = runtime.installs
+    loads = runtime.loads
     pieces = list(runtime.stream(request))
     assert len(pieces) > 5 and "".join(pieces) == runtime.generate([request])[0].text
-    assert runtime.installs - before == 1
+    assert runtime.loads - loads == 1  # the second request found it still in the cells
+    other = GenerationRequest(QUESTION, [], GenerationParams(max_new_tokens=4))
+    runtime.generate([other, request, request])
+    assert runtime.loads - loads == 2  # written again after a request that needed the cells for itself
+    # a stream paused while another request used the one sequence stops with an error, not with wrong text
+    paused = runtime.stream(request)
+    next(paused)
+    runtime.generate([other])
+    with pytest.raises(BackendError, match="Another request used llama.cpp's sequence while this stream was paused"):
+        list(paused)
 
 
 def test_a_gguf_of_another_model_is_refused_before_any_cartridge(lm):
@@ -125,9 +143,8 @@ def test_an_exported_state_file_is_restored_by_llamacpp_itself(lm, tmp_path):
     # what llama-server's slot restore calls (llama_state_seq_load_file), into a context of its own
     import ctypes
 
-    from llama_cpp import llama_cpp as C
-
     from cartridges_llamacpp.export import export_state_file
+    from llama_cpp import llama_cpp as C
 
     runtime = lm.get_runtime("llamacpp", n_ctx=512)
     c = Cartridge.from_prefix(lm, TEXT, 40)

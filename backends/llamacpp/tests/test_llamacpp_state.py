@@ -7,7 +7,6 @@ import struct
 
 import numpy as np
 import pytest
-
 from cartridges_llamacpp.state import MAGIC, Layout, StateFormatError, read
 
 HEADS, DIM, LAYERS = 2, 4, 3
