@@ -28,6 +28,7 @@ from .plugins import (
     SynthesizerCapabilities,
     Trainer,
 )
+from .store import CartridgeStore
 
 __all__ = [
     "LM",
@@ -38,6 +39,7 @@ __all__ = [
     "CartridgeError",
     "CartridgeFormatError",
     "CartridgeMeta",
+    "CartridgeStore",
     "CompactionConfig",
     "Completion",
     "ConfigError",

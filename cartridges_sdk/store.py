@@ -1,0 +1,265 @@
+"""A folder of cartridges served by name, each checked against the model, and routing of a question to the cartridges
+whose corpora answer it.
+
+The folder holds ``NAME.safetensors`` (a cartridge) and, for routing, ``NAME.corpus.txt`` (the text it stands for).
+A file that does not load, or was made for another model, is left out with one log line naming it and why; it is never
+served, and it never stops the store (a server keeps answering from the others). `refresh` re-reads the folder, so
+files dropped in or removed take effect without a restart. Loaded cartridges are kept within a memory budget, least
+recently used first out; a cartridge left out of memory is read again from its file when asked for.
+
+Routing (`route`, `ask`) ranks cartridges by BM25 over their corpora's chunks (the ``bm25s`` library; install the
+``serve`` extra): a cartridge scores its best chunk's score.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .cartridge import Cartridge
+from .errors import CartridgeError, ConfigError
+from .files import atomic_write
+from .models import LM
+
+log = logging.getLogger("cartridges_sdk.store")
+
+SUFFIX = ".safetensors"
+CORPUS_SUFFIX = ".corpus.txt"
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+CHUNK_WORDS, CHUNK_STRIDE = 200, 150  # routing chunks overlap, so a passage split at a boundary is still whole once
+
+
+class NotInStoreError(CartridgeError, KeyError):
+    """A name the store does not hold (the message lists the ones it does)."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0])
+
+
+@attrs.frozen
+class Route:
+    """A cartridge a question was routed to, and its score (BM25 of its best chunk)."""
+
+    name: str
+    score: float
+
+
+@attrs.frozen
+class StoreAnswer:
+    """An answer from the store, and which cartridges gave it (composed in this order)."""
+
+    text: str
+    cartridges: tuple[str, ...]
+
+
+@attrs.frozen
+class _Entry:
+    path: Path
+    stamp: tuple[int, int]  # size and mtime: a file replaced in place is read again
+    num_tokens: int
+    nbytes: int
+    corpus: Path | None
+
+
+class CartridgeStore:
+    """Cartridges for one model, by name, from a folder (created if missing)."""
+
+    def __init__(self, root: str | os.PathLike, model: LM, *, memory_budget: int = 2**30):
+        if not isinstance(model, LM):
+            raise ConfigError(f"model must be a model from load_model(), got {type(model).__name__}.")
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1:
+            raise ConfigError(f"memory_budget={memory_budget!r} must be a positive number of bytes.")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.model = model
+        self.memory_budget = memory_budget
+        self._entries: dict[str, _Entry] = {}
+        self._refused: dict[Path, tuple[tuple[int, int], str]] = {}  # said once per version of a bad file
+        self._memory: OrderedDict[str, Cartridge] = OrderedDict()
+        self._index: Any = None  # (bm25 retriever, owner of each chunk), built when first routed after a change
+        self._lock = threading.RLock()
+        self.refresh()
+
+    # ---- what it holds
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def refused(self) -> dict[str, str]:
+        """Files left out, and why."""
+        with self._lock:
+            return {path.name: why for path, (_, why) in sorted(self._refused.items())}
+
+    def get(self, name: str) -> Cartridge:
+        """The cartridge `name`, bound to the model (read from its file when it is not in memory)."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                shown = ", ".join(self.names()[:20]) or "none"
+                raise NotInStoreError(f"No cartridge {name!r} in the store at {self.root}; it holds: {shown}.")
+            cartridge = self._memory.pop(name, None)
+            if cartridge is None:
+                cartridge = Cartridge.load(entry.path, model=self.model)
+            self._memory[name] = cartridge
+            while len(self._memory) > 1 and sum(self._entries[n].nbytes for n in self._memory) > self.memory_budget:
+                self._memory.popitem(last=False)
+            return cartridge
+
+    # ---- changing it
+
+    def add(self, name: str, cartridge: Cartridge, *, corpus: str | None = None, replace: bool = False) -> Path:
+        """Save `cartridge` as ``NAME.safetensors`` (and its corpus text, for routing), atomically."""
+        if not isinstance(name, str) or not NAME.match(name):
+            raise ConfigError(f"name={name!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter "
+                              "or digit (it becomes a file name and the API's model name).")
+        if name == "auto":
+            raise ConfigError("name='auto' is taken by routing (model='auto' picks cartridges per question).")
+        problem = cartridge.meta.model.mismatch(self.model.identity)
+        if problem:
+            raise ConfigError(f"The cartridge is for model {cartridge.meta.model.name!r}, not the store's "
+                              f"{self.model.name!r} ({problem}).")
+        with self._lock:
+            path = self.root / f"{name}{SUFFIX}"
+            if name in self._entries and not replace:
+                raise ConfigError(f"The store already holds {name!r}; pass replace=True to overwrite it.")
+            if corpus is not None:
+                atomic_write(self.root / f"{name}{CORPUS_SUFFIX}", lambda tmp: Path(tmp).write_text(corpus, "utf-8"))
+            cartridge.save(path)
+            self._memory.pop(name, None)
+            self.refresh()
+            return path
+
+    def remove(self, name: str) -> None:
+        """Delete the cartridge and its corpus text."""
+        with self._lock:
+            if name not in self._entries:
+                self.get(name)  # raises, naming what the store holds
+            for suffix in (SUFFIX, CORPUS_SUFFIX):
+                (self.root / f"{name}{suffix}").unlink(missing_ok=True)
+            self.refresh()
+
+    def refresh(self) -> dict[str, list[str]]:
+        """Re-read the folder: new and replaced files are checked and served, removed ones dropped. Returns the
+        names added, removed and refused."""
+        with self._lock:
+            seen: dict[str, _Entry] = {}
+            changes: dict[str, list[str]] = {"added": [], "removed": [], "refused": []}
+            for path in sorted(self.root.glob(f"*{SUFFIX}")):
+                name = path.name.removesuffix(SUFFIX)
+                try:
+                    st = path.stat()
+                except FileNotFoundError:  # removed while we looked
+                    continue
+                stamp = (st.st_size, st.st_mtime_ns)
+                corpus = self.root / f"{name}{CORPUS_SUFFIX}"
+                corpus = corpus if corpus.is_file() else None
+                old = self._entries.get(name)
+                if old is not None and old.stamp == stamp and old.path == path:
+                    seen[name] = attrs.evolve(old, corpus=corpus)
+                    continue
+                if path in self._refused and self._refused[path][0] == stamp:
+                    continue  # the same bad file: said once already
+                entry = self._check(name, path, stamp, corpus)
+                if entry is None:
+                    changes["refused"].append(name)
+                    continue
+                self._refused.pop(path, None)
+                self._memory.pop(name, None)
+                seen[name] = entry
+                if old is None:
+                    changes["added"].append(name)
+            changes["removed"] = sorted(set(self._entries) - set(seen))
+            for name in changes["removed"]:
+                self._memory.pop(name, None)
+            self._refused = {p: v for p, v in self._refused.items() if p.exists()}
+            if {n: e.corpus for n, e in seen.items()} != {n: e.corpus for n, e in self._entries.items()} or any(
+                    seen[n].stamp != self._entries[n].stamp for n in seen if n in self._entries):
+                self._index = None
+            self._entries = seen
+            return changes
+
+    def _check(self, name: str, path: Path, stamp: tuple[int, int], corpus: Path | None) -> _Entry | None:
+        """The entry for a file that loads and fits the model; else None, said once in the log."""
+        why = None
+        if not NAME.match(name) or name == "auto":
+            why = "its name cannot be served (letters, digits, '.', '_', '-'; not 'auto')"
+        else:
+            try:
+                cartridge = Cartridge.load(path, model=self.model)
+            except CartridgeError as err:
+                why = str(err)
+            except Exception as err:  # noqa: BLE001 - a bad file must never stop the store
+                why = f"{type(err).__name__}: {err}"
+        if why is not None:
+            self._refused[path] = (stamp, why)
+            log.warning("Store %s: leaving out %s: %s", self.root, path.name, why)
+            return None
+        return _Entry(path, stamp, cartridge.num_tokens, cartridge.nbytes, corpus)
+
+    # ---- routing
+
+    def route(self, question: str, k: int = 1) -> list[Route]:
+        """The `k` cartridges whose corpora best match `question` (BM25 over their chunks), best first. Cartridges
+        without a corpus text are never routed to."""
+        if not isinstance(question, str) or not question.strip():
+            raise ConfigError("route needs a non-empty question.")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"k={k!r} must be a positive int.")
+        import bm25s
+
+        with self._lock:
+            index = self._routing_index()
+        if index is None:
+            raise ConfigError(f"No cartridge in the store at {self.root} has a corpus text ({CORPUS_SUFFIX}) to route "
+                              "by; add cartridges with store.add(name, cartridge, corpus=text).")
+        retriever, owners = index
+        n = min(len(owners), max(50, 10 * k))
+        docs, scores = retriever.retrieve(bm25s.tokenize([question], stopwords="en", show_progress=False), k=n,
+                                          show_progress=False)
+        best: dict[str, float] = {}
+        for d, s in zip(docs[0].tolist(), scores[0].tolist()):
+            best[owners[d]] = max(best.get(owners[d], float("-inf")), float(s))
+        ranked = sorted(best.items(), key=lambda item: (-item[1], item[0]))[:k]
+        return [Route(name, score) for name, score in ranked]
+
+    def _routing_index(self) -> Any:
+        if self._index is None:
+            import bm25s
+
+            chunks, owners = [], []
+            for name, entry in sorted(self._entries.items()):
+                if entry.corpus is None:
+                    continue
+                words = entry.corpus.read_text("utf-8", errors="replace").split()
+                for start in range(0, max(len(words) - CHUNK_WORDS + CHUNK_STRIDE, 1), CHUNK_STRIDE):
+                    chunks.append(" ".join(words[start : start + CHUNK_WORDS]))
+                    owners.append(name)
+            if not chunks:
+                return None
+            retriever = bm25s.BM25()
+            retriever.index(bm25s.tokenize(chunks, stopwords="en", show_progress=False), show_progress=False)
+            self._index = (retriever, owners)
+        return self._index
+
+    def ask(self, question: str, *, k: int = 1, cartridges: Sequence[str] | None = None, runtime: Any = "hf",
+            runtime_options: dict[str, Any] | None = None, **gen: Any) -> StoreAnswer:
+        """Answer `question` with the named cartridges (composed in order), or with the `k` it is routed to."""
+        names = list(cartridges) if cartridges is not None else [r.name for r in self.route(question, k)]
+        parts = [self.get(n) for n in names]
+        text = self.model.ask(question, cartridges=parts, runtime=runtime, runtime_options=runtime_options, **gen)
+        return StoreAnswer(text=text, cartridges=tuple(names))

@@ -1,0 +1,108 @@
+"""CartridgeStore: a folder of cartridges by name, checked against the model, bad files left out with a log line,
+a memory budget, re-reading the folder, and routing questions by BM25 over the cartridges' corpora."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from cartridges_sdk import Cartridge, ConfigError
+from cartridges_sdk.store import CartridgeStore, NotInStoreError
+
+CORPORA = {
+    "lighthouse": "The Harrow Point lighthouse was built in 1871 by the engineer Margaret Ellison. Its lamp burned "
+                  "colza oil until a kerosene burner replaced it in 1904. Keepers lived in the cottage below.",
+    "orchard": "The orchard at Fenwick grows seven kinds of apple. Pruning happens in late winter, and the cider "
+               "press runs every October when the harvest is in.",
+    "railway": "The branch railway to Colby opened in 1889 and closed in 1962. Its steam engines hauled slate down "
+               "the valley to the harbour, three trains a day.",
+}
+
+
+@pytest.fixture
+def store(tmp_path, tiny_llama):
+    s = CartridgeStore(tmp_path / "store", tiny_llama)
+    for name, text in CORPORA.items():
+        s.add(name, Cartridge.from_prefix(tiny_llama, text, 12), corpus=text)
+    return s
+
+
+def test_cartridges_by_name(store, tiny_llama):
+    assert store.names() == ["lighthouse", "orchard", "railway"] and len(store) == 3 and "orchard" in store
+    got = store.get("orchard")
+    assert got.num_tokens == 12 and got.lm is tiny_llama
+    with pytest.raises(NotInStoreError, match=r"No cartridge 'harbour' in the store at .*; it holds: lighthouse, "
+                       "orchard, railway"):
+        store.get("harbour")
+    with pytest.raises(ConfigError, match="already holds 'orchard'; pass replace=True"):
+        store.add("orchard", got)
+    store.add("orchard", Cartridge.from_prefix(tiny_llama, CORPORA["orchard"], 20), replace=True)
+    assert store.get("orchard").num_tokens == 20
+    store.remove("railway")
+    assert store.names() == ["lighthouse", "orchard"] and not (store.root / "railway.corpus.txt").exists()
+    for bad in ("../up", "", "auto", "a b"):
+        with pytest.raises(ConfigError):
+            store.add(bad, got)
+
+
+def test_a_cartridge_of_another_model_is_refused(store, tiny_qwen):
+    alien = Cartridge.from_prefix(tiny_qwen, CORPORA["orchard"], 12)
+    with pytest.raises(ConfigError, match="not the store's 'tiny-llama-seed0'"):
+        store.add("alien", alien)
+
+
+def test_bad_files_dropped_in_are_left_out_with_a_log_line_and_the_rest_is_served(store, tiny_qwen, caplog):
+    (store.root / "damaged.safetensors").write_bytes(b"\x00garbage" * 100)
+    Cartridge.from_prefix(tiny_qwen, CORPORA["railway"], 12).save(store.root / "foreign.safetensors")
+    with caplog.at_level(logging.WARNING, logger="cartridges_sdk.store"):
+        changes = store.refresh()
+        assert changes == {"added": [], "removed": [], "refused": ["damaged", "foreign"]}
+        assert store.refresh()["refused"] == []  # said once, not at every refresh
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "leaving out damaged.safetensors: " in said[0] and "not a readable cartridge" in said[0]
+    assert "leaving out foreign.safetensors" in said[1] and "tiny-qwen2-seed0" in said[1]
+    assert set(store.refused()) == {"damaged.safetensors", "foreign.safetensors"}
+    assert store.names() == ["lighthouse", "orchard", "railway"] and store.get("railway").num_tokens == 12
+    # a file replaced in place is read again; one deleted is dropped
+    Cartridge.from_prefix(store.model, CORPORA["lighthouse"], 16).save(store.root / "lighthouse.safetensors")
+    (store.root / "orchard.safetensors").unlink()
+    assert store.refresh()["removed"] == ["orchard"]
+    assert store.get("lighthouse").num_tokens == 16 and store.names() == ["lighthouse", "railway"]
+
+
+def test_loaded_cartridges_stay_within_the_memory_budget(tmp_path, tiny_llama):
+    one = Cartridge.from_prefix(tiny_llama, CORPORA["orchard"], 12)
+    store = CartridgeStore(tmp_path, tiny_llama, memory_budget=one.nbytes + 1)
+    for name in CORPORA:
+        store.add(name, one)
+    for name in CORPORA:
+        store.get(name)
+    assert list(store._memory) == ["railway"]  # the last one used; the others are read again when asked for
+    assert store.get("orchard").num_tokens == 12 and list(store._memory) == ["orchard"]
+    with pytest.raises(ConfigError, match="memory_budget=0 must be a positive number of bytes"):
+        CartridgeStore(tmp_path, tiny_llama, memory_budget=0)
+
+
+def test_questions_are_routed_to_the_cartridges_whose_corpora_answer_them(store, tiny_llama):
+    assert [r.name for r in store.route("When did the railway to Colby close?")] == ["railway"]
+    assert store.route("Who built the lighthouse at Harrow Point?", k=2)[0].name == "lighthouse"
+    assert [r.name for r in store.route("apple pruning and cider", k=3)][0] == "orchard"
+    answer = store.ask("When is the cider press used?", max_new_tokens=6)
+    assert answer.cartridges == ("orchard",)
+    assert answer.text == tiny_llama.ask("When is the cider press used?", cartridges=[store.get("orchard")],
+                                         max_new_tokens=6)
+    both = store.ask("Tell me about slate and apples.", cartridges=["railway", "orchard"], max_new_tokens=4)
+    assert both.cartridges == ("railway", "orchard")
+    with pytest.raises(ConfigError, match="k=0 must be a positive int"):
+        store.route("apples", k=0)
+
+
+def test_routing_needs_a_corpus_text(tmp_path, tiny_llama):
+    store = CartridgeStore(tmp_path, tiny_llama)
+    store.add("bare", Cartridge.from_prefix(tiny_llama, CORPORA["orchard"], 12))
+    with pytest.raises(ConfigError, match=r"has a corpus text \(.corpus.txt\) to route by"):
+        store.route("apples")
+    (tmp_path / "bare.corpus.txt").write_text(CORPORA["orchard"])
+    store.refresh()  # a corpus text dropped in is picked up
+    assert store.route("apples")[0].name == "bare"
