@@ -142,6 +142,33 @@ def cmd_compose(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from .server import ServeConfig, create_app
+    from .store import CartridgeStore
+
+    options = backend_options(args, {"runtime": args.runtime})["runtime"]
+    lm = _model_for(args.model, device=args.device)
+    store = CartridgeStore(args.store, lm)
+    key = args.api_key or os.environ.get("CARTRIDGES_API_KEY") or None
+    if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: serving on {args.host} with no API key; anyone who can reach it can use it "
+              "(--api-key or CARTRIDGES_API_KEY)", file=sys.stderr)
+    runtime = lm.get_runtime(args.runtime, **options)
+    refused = store.refused()
+    print(f"serving {len(store)} cartridge(s) from {args.store} on http://{args.host}:{args.port}/v1 "
+          f"(runtime {args.runtime}{'; left out: ' + ', '.join(refused) if refused else ''})", file=sys.stderr)
+    try:
+        uvicorn.run(create_app(store, runtime, ServeConfig(api_key=key, max_queue=args.max_queue)), host=args.host,
+                    port=args.port, log_level="warning")
+    finally:
+        lm.close()
+    return 0
+
+
 def cmd_ask(args: argparse.Namespace) -> int:
     from .cartridge import Cartridge
 
@@ -438,6 +465,16 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(p)
     backend_args(p, "runtime")
     p.set_defaults(func=cmd_ask)
+
+    p = sub.add_parser("serve", help="serve a folder of cartridges over an OpenAI-compatible HTTP API")
+    p.add_argument("--store", required=True, help="folder of NAME.safetensors (and NAME.corpus.txt for routing)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="bearer token clients must send (default: CARTRIDGES_API_KEY, else none)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting before 429 (default 256)")
+    model_args(p)
+    backend_args(p, "runtime")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("backends", help="list installed runtimes, synthesizers and trainers, and whether each imports")
     p.add_argument("--json", action="store_true", help="print the listing as JSON")

@@ -87,7 +87,7 @@ def test_loaded_cartridges_stay_within_the_memory_budget(tmp_path, tiny_llama):
 def test_questions_are_routed_to_the_cartridges_whose_corpora_answer_them(store, tiny_llama):
     assert [r.name for r in store.route("When did the railway to Colby close?")] == ["railway"]
     assert store.route("Who built the lighthouse at Harrow Point?", k=2)[0].name == "lighthouse"
-    assert [r.name for r in store.route("apple pruning and cider", k=3)][0] == "orchard"
+    assert store.route("apple pruning and cider", k=3)[0].name == "orchard"
     answer = store.ask("When is the cider press used?", max_new_tokens=6)
     assert answer.cartridges == ("orchard",)
     assert answer.text == tiny_llama.ask("When is the cider press used?", cartridges=[store.get("orchard")],

@@ -1,0 +1,383 @@
+"""`cartridges serve`: an OpenAI-compatible HTTP API over a cartridge store, on FastAPI and uvicorn.
+
+``POST /v1/chat/completions`` answers with the cartridge its ``model`` names (or several, composed, listed in the
+extra field ``cartridges``; or the ones a question is routed to, ``model="auto"``), streamed as server-sent events
+when asked. ``GET /v1/models`` lists the cartridges; ``GET /health`` says the server is up.
+
+One thread drives the runtime (engines are not thread-safe): requests wait in a bounded queue, and the ones waiting
+together are answered in one heterogeneous batch. A full queue answers 429 with ``retry-after``; bad input answers
+4xx naming the problem and never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+from fastapi import FastAPI, Request  # this module is imported only to serve; the core never imports it
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .checks import at_least_one
+from .errors import CartridgeError, ConfigError
+from .plugins import Completion, GenerationParams, GenerationRequest, Runtime
+from .store import CartridgeStore, NotInStoreError
+
+log = logging.getLogger("cartridges_sdk.server")
+
+ROLES = ("system", "user", "assistant")
+# request fields this server reads; others are refused by name (an ignored setting would answer something else)
+FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
+          "stream_options", "n", "user", "cartridges", "presence_penalty", "frequency_penalty"}
+
+
+@attrs.frozen
+class ServeConfig:
+    # a bearer token clients must send (compared in constant time); None: no authentication (bind to 127.0.0.1 then)
+    api_key: str | None = attrs.field(default=None, repr=False)
+    # requests waiting for the engine; more are answered 429 with retry-after
+    max_queue: int = attrs.field(default=256, validator=at_least_one)
+    # requests answered together in one batch
+    max_batch: int = attrs.field(default=16, validator=at_least_one)
+    # largest request body, in bytes
+    max_body_bytes: int = attrs.field(default=1_000_000, validator=at_least_one)
+    # largest max_tokens a request may ask for
+    max_new_tokens: int = attrs.field(default=2048, validator=at_least_one)
+    # tokens an answer gets when a request does not say
+    default_max_tokens: int = attrs.field(default=256, validator=at_least_one)
+
+
+class BadRequest(Exception):
+    """A request the server refuses: its HTTP status, and a message naming the field and the fix."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+
+@attrs.define(eq=False)
+class _Job:
+    request: GenerationRequest
+    stream: bool
+    loop: asyncio.AbstractEventLoop
+    out: Any  # a Future (whole answers) or an asyncio.Queue of text pieces, None at the end, or an exception
+    cancelled: threading.Event = attrs.field(factory=threading.Event)
+
+
+class Engine:
+    """The one thread that drives the runtime: whole answers waiting together go in one batch; a stream runs alone."""
+
+    def __init__(self, runtime: Runtime, max_queue: int, max_batch: int):
+        self.runtime = runtime
+        self.max_batch = max_batch
+        self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
+        self._held: _Job | None = None  # a stream met while gathering a batch; it goes next
+        self.thread = threading.Thread(target=self._run, name="cartridges-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: _Job) -> bool:
+        try:
+            self.jobs.put_nowait(job)
+            return True
+        except queue.Full:
+            return False
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=60)
+
+    def _run(self) -> None:
+        while True:
+            job = self._held or self.jobs.get()
+            self._held = None
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                continue
+            if job.stream:
+                self._stream(job)
+                continue
+            batch = [job]
+            while len(batch) < self.max_batch:
+                try:
+                    more = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None or more.stream:
+                    self._held = more
+                    if more is None:
+                        self.jobs.put(None)
+                        self._held = None
+                    break
+                if not more.cancelled.is_set():
+                    batch.append(more)
+            self._answer(batch)
+
+    def _answer(self, batch: list[_Job]) -> None:
+        try:
+            outs = self.runtime.generate([j.request for j in batch])
+        except Exception as err:
+            log.exception("The runtime failed a batch of %d request(s)", len(batch))
+            for j in batch:
+                j.loop.call_soon_threadsafe(_settle, j.out, None, err)
+            return
+        for j, out in zip(batch, outs):
+            j.loop.call_soon_threadsafe(_settle, j.out, out, None)
+
+    def _stream(self, job: _Job) -> None:
+        pieces = self.runtime.stream(job.request)
+        try:
+            for piece in pieces:
+                if job.cancelled.is_set():  # the client went away: stop decoding for it
+                    break
+                job.loop.call_soon_threadsafe(job.out.put_nowait, piece)
+        except Exception as err:
+            log.exception("The runtime failed a stream")
+            job.loop.call_soon_threadsafe(job.out.put_nowait, err)
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()
+        job.loop.call_soon_threadsafe(job.out.put_nowait, None)
+
+
+def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | None = None) -> Any:
+    """The ASGI app (FastAPI). The engine thread starts with the app and stops with it."""
+    config = config or ServeConfig()
+    lm = store.model
+    ids = itertools.count()
+    state: dict[str, Any] = {"refreshed": 0.0}
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        state["engine"] = Engine(runtime, config.max_queue, config.max_batch)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state["engine"].close)
+
+    app = FastAPI(title="cartridges-sdk", lifespan=lifespan)
+
+    def error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
+        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                            status_code=status, headers=headers)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(_request, exc: BadRequest):
+        return error(exc.status, exc.message, exc.param, exc.headers)
+
+    def refresh(force: bool = False) -> None:
+        if force or time.monotonic() - state["refreshed"] > 1.0:  # a folder re-read at most once a second
+            store.refresh()
+            state["refreshed"] = time.monotonic()
+
+    def authorize(request: Request) -> None:
+        if config.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), config.api_key.encode()):
+            raise BadRequest(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "cartridges": len(store), "model": lm.name}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        await asyncio.to_thread(refresh, True)
+        names = store.names()
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "cartridges"} for n in names]
+        data.append({"id": "auto", "object": "model", "created": 0, "owned_by": "cartridges"})
+        data.append({"id": lm.name, "object": "model", "created": 0, "owned_by": "cartridges"})
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        authorize(request)
+        body = await _read_json(request, config.max_body_bytes)
+        await asyncio.to_thread(refresh)
+        names, messages, params, stream = _parse(body, config)
+        if names == [lm.name] and lm.name not in store:  # the bare model, no cartridge
+            names = []
+        if names is None:  # model="auto": routed by the conversation's last user turn
+            question = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+            try:
+                names = [r.name for r in store.route(question, k=body.get("k", 1))]
+            except ConfigError as err:
+                raise BadRequest(400, str(err), "model") from None
+        try:
+            cartridges = [store.get(n) for n in names]
+        except NotInStoreError:
+            await asyncio.to_thread(refresh, True)
+            missing = [n for n in names if n not in store]
+            if missing:
+                raise BadRequest(404, f"No cartridge {missing[0]!r} in the store; it holds: "
+                                 f"{', '.join(store.names()[:50]) or 'none'} (and 'auto', {lm.name!r}).", "model")
+            cartridges = [store.get(n) for n in names]
+        after = bool(cartridges)
+        prompt_tokens = len(lm.chat_ids(messages, after_cartridge=after))
+        used = sum(c.num_tokens for c in cartridges)
+        limit = lm.max_context
+        if limit is not None and used + prompt_tokens + params.max_new_tokens > limit:
+            raise BadRequest(400, f"The conversation ({prompt_tokens} tokens) and max_tokens={params.max_new_tokens} "
+                             f"do not fit the {limit - used} positions the model's {limit}-token context leaves after "
+                             f"the cartridges ({used} tokens); shorten the conversation or lower max_tokens.",
+                             "messages")
+        job_request = GenerationRequest(messages, cartridges, params)
+        loop = asyncio.get_running_loop()
+        job = _Job(job_request, stream, loop, asyncio.Queue() if stream else loop.create_future())
+        if not state["engine"].submit(job):
+            raise BadRequest(429, f"The server is busy ({config.max_queue} requests waiting); retry shortly.",
+                             headers={"retry-after": "1"})
+        rid = f"chatcmpl-{next(ids)}-{int(time.time())}"
+        model = body["model"]
+        if stream:
+            return StreamingResponse(_events(job, rid, model, names, lm, params, request),
+                                     media_type="text/event-stream")
+        try:
+            out: Completion = await job.out
+        except asyncio.CancelledError:
+            job.cancelled.set()
+            raise
+        except CartridgeError as err:
+            raise BadRequest(400, str(err)) from err
+        completion_tokens = len(out.token_ids)
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
+                             "finish_reason": out.finish_reason}],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens, "cartridge_tokens": used},
+                "cartridges": names}
+
+    return app
+
+
+async def _events(job: _Job, rid: str, model: str, names: list[str], lm: Any, params: GenerationParams,
+                  request: Any) -> AsyncIterator[str]:
+    """Server-sent events in the OpenAI chunk format; a client that goes away cancels its decoding."""
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "cartridges": names}
+        return f"data: {json.dumps(body)}\n\n"
+
+    text = ""
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            piece = await job.out.get()
+            if piece is None:
+                break
+            if isinstance(piece, BaseException):
+                yield f"data: {json.dumps({'error': {'message': str(piece), 'type': 'server_error'}})}\n\n"
+                return
+            text += piece
+            yield chunk({"content": piece})
+        produced = len(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+        yield chunk({}, "length" if produced >= params.max_new_tokens else "stop")
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled.set()  # finished, or the client disconnected: either way, no more work for it
+
+
+async def _read_json(request: Any, limit: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(413, f"The request body is {declared} bytes; the limit is {limit}.")
+    raw = b""
+    async for part in request.stream():
+        raw += part
+        if len(raw) > limit:
+            raise BadRequest(413, f"The request body is over the limit of {limit} bytes.")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadRequest(400, f"The request body is not valid JSON: {err}.") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, "The request body must be a JSON object.")
+    return body
+
+
+def _parse(body: dict[str, Any], config: ServeConfig):
+    """(cartridge names, or None for routing; messages; generation params; stream), or BadRequest naming the field."""
+    unknown = sorted(set(body) - FIELDS - {"k"})
+    if unknown:
+        raise BadRequest(400, f"Unsupported parameter(s) {unknown}; this server reads {sorted(FIELDS)}.", unknown[0])
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest(400, "'model' must name a cartridge (GET /v1/models lists them), 'auto', or the bare model.",
+                         "model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest(400, "'messages' must be a non-empty list of {role, content}.", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise BadRequest(400, f"messages[{i}] must be {{'role': one of {list(ROLES)}, 'content': a string}}.",
+                             f"messages[{i}]")
+    if not any(m["role"] == "user" for m in messages):
+        raise BadRequest(400, "'messages' needs at least one user turn.", "messages")
+    if body.get("n", 1) != 1:
+        raise BadRequest(400, "Only n=1 is supported.", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name, 0) not in (0, 0.0, None):
+            raise BadRequest(400, f"{name} is not supported (only 0).", name)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest(400, "'stream' must be true or false.", "stream")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is None:
+        max_tokens = config.default_max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= config.max_new_tokens:
+        raise BadRequest(400, f"'max_tokens' must be an int from 1 to {config.max_new_tokens}.", "max_tokens")
+    stop = body.get("stop") or ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    k = body.get("k", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 8:
+        raise BadRequest(400, "'k' (cartridges routed to, with model='auto') must be an int from 1 to 8.", "k")
+    try:
+        params = GenerationParams(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 0.0),
+                                  top_p=_number(body, "top_p", 1.0), seed=body.get("seed"), stop=tuple(stop))
+    except ConfigError as err:
+        raise BadRequest(400, str(err)) from None
+    listed = body.get("cartridges")
+    if listed is not None:
+        if not isinstance(listed, list) or not listed or not all(isinstance(n, str) for n in listed):
+            raise BadRequest(400, "'cartridges' must be a non-empty list of cartridge names, composed in order.",
+                             "cartridges")
+        names: list[str] | None = list(listed)
+    elif model == "auto":
+        names = None
+    else:
+        names = [model]
+    return names, messages, params, stream
+
+
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(400, f"'{name}' must be a number.", name)
+    return float(value)

@@ -1,0 +1,180 @@
+"""`cartridges serve`'s app on a real uvicorn server on 127.0.0.1 (started and stopped here), called with the real
+openai client and raw HTTP: answers equal the Python API's, many concurrent clients, bad input answered 4xx."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from cartridges_sdk import Cartridge, CartridgeStore
+from cartridges_sdk.server import ServeConfig, create_app
+
+TEXTS = [f"Keeper {n} of the lighthouse number {i} logged {w} storms in the winter of 18{i}{n}."
+         for i, (n, w) in enumerate(zip("ABCDEFGH", ("three", "five", "nine", "two", "six", "one", "four", "ten")))]
+KEY = "sk-test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(app):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.started, "uvicorn did not start"
+    return server, thread, f"http://127.0.0.1:{server.config.port}/v1"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_llama):
+    store = CartridgeStore(tmp_path_factory.mktemp("store"), tiny_llama)
+    for i, text in enumerate(TEXTS):
+        store.add(f"c{i}", Cartridge.from_prefix(tiny_llama, text, 8 + i), corpus=text)
+    server, thread, url = serve(create_app(store, tiny_llama.get_runtime("hf"), ServeConfig(api_key=KEY)))
+    yield url, store
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0], api_key=KEY, max_retries=0, timeout=120)
+
+
+def ask(client, model, question, **kw):
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                          temperature=0, max_tokens=kw.pop("max_tokens", 8), **kw)
+
+
+def test_answers_equal_the_python_apis_streamed_and_not(served, client, tiny_llama):
+    _, store = served
+    want = tiny_llama.ask("Who logged storms?", cartridges=[store.get("c3")], max_new_tokens=8)
+    got = ask(client, "c3", "Who logged storms?")
+    assert got.choices[0].message.content == want and got.usage.completion_tokens == 8
+    assert got.model_extra["cartridges"] == ["c3"]
+    pieces = [c.choices[0].delta.content or "" for c in ask(client, "c3", "Who logged storms?", stream=True)]
+    assert "".join(pieces) == want
+    both = client.chat.completions.create(model="c1", messages=[{"role": "user", "content": "Who?"}], max_tokens=6,
+                                          temperature=0, extra_body={"cartridges": ["c1", "c2"]})
+    assert both.choices[0].message.content == tiny_llama.ask(
+        "Who?", cartridges=[store.get("c1"), store.get("c2")], max_new_tokens=6)
+    names = [m.id for m in client.models.list().data]
+    assert names[:8] == [f"c{i}" for i in range(8)] and "auto" in names and tiny_llama.name in names
+
+
+def test_many_concurrent_clients_get_their_own_answers(served, client, tiny_llama):
+    _, store = served
+    jobs = [(f"c{i % 8}", f"What did keeper {'ABCDEFGH'[i % 8]} log? ({i // 8})") for i in range(64)]
+    want = {j: tiny_llama.ask(j[1], cartridges=[store.get(j[0])], max_new_tokens=8) for j in jobs}
+    start = time.monotonic()
+    with ThreadPoolExecutor(64) as pool:
+        got = list(pool.map(lambda j: ask(client, *j).choices[0].message.content, jobs))
+    assert time.monotonic() - start < 120
+    assert got == [want[j] for j in jobs]  # none lost, none mixed up
+
+
+def test_routing_picks_the_cartridge_and_says_which(client):
+    got = ask(client, "auto", "Which keeper logged ten storms in the winter of 187H?")
+    assert got.model_extra["cartridges"] == ["c7"]
+
+
+def test_bad_input_gets_a_clear_4xx_and_the_server_stays_up(served, client):
+    url, store = served
+    with pytest.raises(openai.NotFoundError, match=r"No cartridge 'nope' in the store; it holds: c0, c1"):
+        ask(client, "nope", "Hi")
+    with pytest.raises(openai.AuthenticationError, match="Missing or wrong API key"):
+        ask(openai.OpenAI(base_url=url, api_key="sk-wrong", max_retries=0), "c0", "Hi")
+    with pytest.raises(openai.BadRequestError, match=r"Unsupported parameter\(s\) \['tools'\]"):
+        ask(client, "c0", "Hi", extra_body={"tools": []})
+    with pytest.raises(openai.BadRequestError, match="'max_tokens' must be an int from 1 to 2048"):
+        ask(client, "c0", "Hi", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match=r"do not fit the \d+ positions the model's \d+-token context"):
+        ask(client, "c0", "storm " * 3000, max_tokens=100)
+    raw = httpx.post(f"{url}/chat/completions", content=b"{not json", headers={"authorization": f"Bearer {KEY}"})
+    assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
+    raw = httpx.post(f"{url}/chat/completions", json={"model": "c0", "messages": [{"role": "robot", "content": "x"}]},
+                     headers={"authorization": f"Bearer {KEY}"})
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "messages[0]"
+    # a damaged file dropped into the store while serving is left out; the others keep answering
+    (store.root / "broken.safetensors").write_bytes(b"\x00" * 64)
+    assert "broken" not in [m.id for m in client.models.list().data]
+    with pytest.raises(openai.NotFoundError):
+        ask(client, "broken", "Hi")
+    # a client that goes away mid-stream: its work stops, the next request is answered
+    with httpx.stream("POST", f"{url}/chat/completions", headers={"authorization": f"Bearer {KEY}"},
+                      json={"model": "c0", "messages": [{"role": "user", "content": "Hi"}], "stream": True,
+                            "max_tokens": 200}) as response:
+        next(response.iter_lines())
+    assert ask(client, "c0", "Hi").choices[0].message.content
+    assert httpx.get(f"{url.removesuffix('/v1')}/health").json()["status"] == "ok"
+
+
+def test_a_full_queue_answers_429_with_retry_after(tmp_path, tiny_llama):
+    release = threading.Event()
+
+    class Slow:  # a runtime that holds the engine until released (our queue logic, not an engine, is under test)
+        def generate(self, requests):
+            release.wait(30)
+            return tiny_llama.get_runtime("hf").generate(requests)
+
+    store = CartridgeStore(tmp_path, tiny_llama)
+    store.add("c0", Cartridge.from_prefix(tiny_llama, TEXTS[0], 8))
+    server, thread, url = serve(create_app(store, Slow(), ServeConfig(max_queue=1, max_batch=1)))
+    try:
+        body = {"model": "c0", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, f"{url}/chat/completions", json=body, timeout=60)  # taken by the engine
+            time.sleep(0.5)
+            second = pool.submit(httpx.post, f"{url}/chat/completions", json=body, timeout=60)  # waits in the queue
+            time.sleep(0.5)
+            third = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+            assert third.status_code == 429 and third.headers["retry-after"] == "1"
+            release.set()
+            assert first.result().status_code == 200 and second.result().status_code == 200
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.mark.default_model
+def test_cartridges_serve_as_a_user_runs_it(tmp_path, default_lm):
+    # the CLI in its own process, on the default model; called from here as another process would
+    import subprocess
+    import sys
+
+    store = CartridgeStore(tmp_path / "store", default_lm)
+    store.add("harrow", Cartridge.from_prefix(default_lm, TEXTS[0] + " " + TEXTS[5], 40), corpus=TEXTS[0])
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cartridges_sdk.cli", "serve", "--store", str(store.root),
+                             "--port", str(port), "--api-key", KEY], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.3)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+        got = ask(client, "harrow", "Who logged storms?", max_tokens=16).choices[0].message.content
+        assert got == default_lm.ask("Who logged storms?", cartridges=[store.get("harrow")], max_new_tokens=16)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "serving 1 cartridge(s)" in proc.stderr.read()
