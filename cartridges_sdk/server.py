@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request  # this module is imported only to serve; t
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .checks import at_least_one
-from .errors import CartridgeError, ConfigError
+from .errors import BackendError, CartridgeError, ConfigError, IncompatibleCartridgeError
 from .plugins import Completion, GenerationParams, GenerationRequest, Runtime
 from .store import CartridgeStore, NotInStoreError
 
@@ -74,17 +74,25 @@ class _Job:
 
 
 class Engine:
-    """The one thread that drives the runtime: whole answers waiting together go in one batch; a stream runs alone."""
+    """The one thread that drives the runtime: whole answers waiting together go in one batch; a stream runs alone.
+    Whatever goes wrong with one batch is handed to its requests; the thread itself keeps going."""
 
     def __init__(self, runtime: Runtime, max_queue: int, max_batch: int):
         self.runtime = runtime
         self.max_batch = max_batch
         self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
-        self._held: _Job | None = None  # a stream met while gathering a batch; it goes next
+        self._stopping = threading.Event()
+        self.largest_batch = 0  # the most requests answered together so far
         self.thread = threading.Thread(target=self._run, name="cartridges-engine", daemon=True)
         self.thread.start()
 
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
     def submit(self, job: _Job) -> bool:
+        if self._stopping.is_set():
+            return False
         try:
             self.jobs.put_nowait(job)
             return True
@@ -92,19 +100,22 @@ class Engine:
             return False
 
     def close(self) -> None:
-        self.jobs.put(None)
+        self._stopping.set()
+        try:
+            self.jobs.put(None, timeout=1)  # wakes the thread if it waits for work
+        except queue.Full:
+            pass
         self.thread.join(timeout=60)
 
     def _run(self) -> None:
-        while True:
-            job = self._held or self.jobs.get()
-            self._held = None
-            if job is None:
-                return
-            if job.cancelled.is_set():
+        held: _Job | None = None  # a stream met while gathering a batch: it goes next
+        while not self._stopping.is_set() or held is not None:
+            job = held or self.jobs.get()
+            held = None
+            if job is None or job.cancelled.is_set():
                 continue
             if job.stream:
-                self._stream(job)
+                self._guarded([job], self._stream)
                 continue
             batch = [job]
             while len(batch) < self.max_batch:
@@ -112,42 +123,74 @@ class Engine:
                     more = self.jobs.get_nowait()
                 except queue.Empty:
                     break
-                if more is None or more.stream:
-                    self._held = more
-                    if more is None:
-                        self.jobs.put(None)
-                        self._held = None
+                if more is None:
+                    continue
+                if more.stream:
+                    held = more
                     break
                 if not more.cancelled.is_set():
                     batch.append(more)
-            self._answer(batch)
+            self._guarded(batch, self._answer)
+        while True:  # stopping: whoever still waits is told so
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                _deliver(job, None, BackendError("The server is shutting down."))
+
+    def _guarded(self, batch: list[_Job], work) -> None:
+        try:
+            work(batch)
+        except Exception as err:
+            log.exception("The engine failed %d request(s)", len(batch))
+            for j in batch:
+                _deliver(j, None, err)
 
     def _answer(self, batch: list[_Job]) -> None:
+        self.largest_batch = max(self.largest_batch, len(batch))
         try:
             outs = self.runtime.generate([j.request for j in batch])
-        except Exception as err:
-            log.exception("The runtime failed a batch of %d request(s)", len(batch))
-            for j in batch:
-                j.loop.call_soon_threadsafe(_settle, j.out, None, err)
+        except CartridgeError:
+            if len(batch) == 1:
+                raise
+            for j in batch:  # one bad request must not fail the others: each alone says whose it was
+                self._guarded([j], self._answer)
             return
+        if len(outs) != len(batch):
+            raise BackendError(f"The runtime answered {len(outs)} of {len(batch)} requests.")
         for j, out in zip(batch, outs):
-            j.loop.call_soon_threadsafe(_settle, j.out, out, None)
+            _deliver(j, out, None)
 
-    def _stream(self, job: _Job) -> None:
+    def _stream(self, batch: list[_Job]) -> None:
+        (job,) = batch
         pieces = self.runtime.stream(job.request)
         try:
             for piece in pieces:
                 if job.cancelled.is_set():  # the client went away: stop decoding for it
                     break
-                job.loop.call_soon_threadsafe(job.out.put_nowait, piece)
-        except Exception as err:
-            log.exception("The runtime failed a stream")
-            job.loop.call_soon_threadsafe(job.out.put_nowait, err)
+                _call(job.loop, job.out.put_nowait, piece)
         finally:
             close = getattr(pieces, "close", None)
             if close is not None:
                 close()
-        job.loop.call_soon_threadsafe(job.out.put_nowait, None)
+        _call(job.loop, job.out.put_nowait, None)
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody waits any more
+        pass
+
+
+def _deliver(job: _Job, value: Any, error: BaseException | None) -> None:
+    if job.stream:
+        _call(job.loop, job.out.put_nowait, error if error is not None else None)
+        if error is not None:
+            _call(job.loop, job.out.put_nowait, None)
+    else:
+        _call(job.loop, _settle, job.out, value, error)
 
 
 def _settle(future: asyncio.Future, value: Any, error: BaseException | None) -> None:
@@ -168,7 +211,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
 
     @asynccontextmanager
     async def lifespan(_app):
-        state["engine"] = Engine(runtime, config.max_queue, config.max_batch)
+        state["engine"] = _app.state.engine = Engine(runtime, config.max_queue, config.max_batch)
         try:
             yield
         finally:
@@ -199,9 +242,45 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
         if not hmac.compare_digest(token.encode(), config.api_key.encode()):
             raise BadRequest(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
 
+    def resolve(body: dict[str, Any], names: list[str] | None, messages: list[dict[str, str]],
+                params: GenerationParams) -> tuple[list[str], list[Any], int, int]:
+        """The request's cartridges (routed, for model='auto') and token counts, checked against the context. Runs
+        off the event loop: it may read files, rebuild the routing index and tokenize a long conversation."""
+        refresh()
+        if names == [lm.name] and lm.name not in store:  # the bare model, no cartridge
+            names = []
+        if names is None:  # model="auto": routed by the conversation's last user turn
+            question = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+            try:
+                names = [r.name for r in store.route(question, k=body.get("k", 1))]
+            except ConfigError as err:
+                raise BadRequest(400, str(err), "model") from None
+        try:
+            cartridges = [store.get(n) for n in names]
+        except NotInStoreError:
+            refresh(True)
+            missing = [n for n in names if n not in store]
+            if missing:
+                raise BadRequest(404, f"No cartridge {missing[0]!r} in the store; it holds: "
+                                 f"{', '.join(store.names()[:50]) or 'none'} (and 'auto', {lm.name!r}).",
+                                 "model") from None
+            cartridges = [store.get(n) for n in names]
+        prompt_tokens = len(lm.chat_ids(messages, after_cartridge=bool(cartridges)))
+        used = sum(c.num_tokens for c in cartridges)
+        limit = lm.max_context
+        if limit is not None and used + prompt_tokens + params.max_new_tokens > limit:
+            raise BadRequest(400, f"The conversation ({prompt_tokens} tokens) and max_tokens={params.max_new_tokens} "
+                             f"do not fit the {limit - used} positions the model's {limit}-token context leaves after "
+                             f"the cartridges ({used} tokens); shorten the conversation or lower max_tokens.",
+                             "messages")
+        return names, cartridges, prompt_tokens, used
+
     @app.get("/health")
     async def health():
-        return {"status": "ok", "cartridges": len(store), "model": lm.name}
+        engine = state.get("engine")
+        if engine is None or not engine.alive:
+            return JSONResponse({"status": "down", "reason": "the engine thread is not running"}, status_code=503)
+        return {"status": "ok", "cartridges": len(store), "model": lm.name, "waiting": engine.jobs.qsize()}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -217,34 +296,8 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     async def chat(request: Request):
         authorize(request)
         body = await _read_json(request, config.max_body_bytes)
-        await asyncio.to_thread(refresh)
         names, messages, params, stream = _parse(body, config)
-        if names == [lm.name] and lm.name not in store:  # the bare model, no cartridge
-            names = []
-        if names is None:  # model="auto": routed by the conversation's last user turn
-            question = next(m["content"] for m in reversed(messages) if m["role"] == "user")
-            try:
-                names = [r.name for r in store.route(question, k=body.get("k", 1))]
-            except ConfigError as err:
-                raise BadRequest(400, str(err), "model") from None
-        try:
-            cartridges = [store.get(n) for n in names]
-        except NotInStoreError:
-            await asyncio.to_thread(refresh, True)
-            missing = [n for n in names if n not in store]
-            if missing:
-                raise BadRequest(404, f"No cartridge {missing[0]!r} in the store; it holds: "
-                                 f"{', '.join(store.names()[:50]) or 'none'} (and 'auto', {lm.name!r}).", "model")
-            cartridges = [store.get(n) for n in names]
-        after = bool(cartridges)
-        prompt_tokens = len(lm.chat_ids(messages, after_cartridge=after))
-        used = sum(c.num_tokens for c in cartridges)
-        limit = lm.max_context
-        if limit is not None and used + prompt_tokens + params.max_new_tokens > limit:
-            raise BadRequest(400, f"The conversation ({prompt_tokens} tokens) and max_tokens={params.max_new_tokens} "
-                             f"do not fit the {limit - used} positions the model's {limit}-token context leaves after "
-                             f"the cartridges ({used} tokens); shorten the conversation or lower max_tokens.",
-                             "messages")
+        names, cartridges, prompt_tokens, used = await asyncio.to_thread(resolve, body, names, messages, params)
         job_request = GenerationRequest(messages, cartridges, params)
         loop = asyncio.get_running_loop()
         job = _Job(job_request, stream, loop, asyncio.Queue() if stream else loop.create_future())
@@ -257,12 +310,13 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
             return StreamingResponse(_events(job, rid, model, names, lm, params, request),
                                      media_type="text/event-stream")
         try:
-            out: Completion = await job.out
-        except asyncio.CancelledError:
-            job.cancelled.set()
-            raise
-        except CartridgeError as err:
+            out: Completion = await _wait(job, request)
+        except (ConfigError, IncompatibleCartridgeError) as err:  # what the runtime's own checks refuse
             raise BadRequest(400, str(err)) from err
+        except BadRequest:
+            raise
+        except Exception as err:
+            raise BadRequest(500, f"The runtime failed: {type(err).__name__}: {err}") from err
         completion_tokens = len(out.token_ids)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
@@ -272,6 +326,21 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
                 "cartridges": names}
 
     return app
+
+
+async def _wait(job: _Job, request: Any) -> Completion:
+    """The job's answer; a client that disconnects meanwhile cancels it (it is not run, or its answer dropped)."""
+    try:
+        while True:
+            done, _ = await asyncio.wait({job.out}, timeout=0.5)
+            if done:
+                return job.out.result()
+            if await request.is_disconnected():
+                job.cancelled.set()
+                raise BadRequest(499, "The client disconnected.")
+    finally:
+        if not job.out.done():
+            job.cancelled.set()
 
 
 async def _events(job: _Job, rid: str, model: str, names: list[str], lm: Any, params: GenerationParams,
@@ -351,15 +420,13 @@ def _parse(body: dict[str, Any], config: ServeConfig):
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= config.max_new_tokens:
         raise BadRequest(400, f"'max_tokens' must be an int from 1 to {config.max_new_tokens}.", "max_tokens")
     stop = body.get("stop") or ()
-    if isinstance(stop, str):
-        stop = (stop,)
     k = body.get("k", 1)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 8:
         raise BadRequest(400, "'k' (cartridges routed to, with model='auto') must be an int from 1 to 8.", "k")
     try:
         params = GenerationParams(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 0.0),
-                                  top_p=_number(body, "top_p", 1.0), seed=body.get("seed"), stop=tuple(stop))
-    except ConfigError as err:
+                                  top_p=_number(body, "top_p", 1.0), seed=body.get("seed"), stop=stop)
+    except (ConfigError, TypeError) as err:
         raise BadRequest(400, str(err)) from None
     listed = body.get("cartridges")
     if listed is not None:

@@ -67,6 +67,12 @@ class _Entry:
     num_tokens: int
     nbytes: int
     corpus: Path | None
+    corpus_stamp: tuple[int, int] | None = None  # an edited corpus text rebuilds the routing index
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
 
 
 class CartridgeStore:
@@ -114,7 +120,19 @@ class CartridgeStore:
                 raise NotInStoreError(f"No cartridge {name!r} in the store at {self.root}; it holds: {shown}.")
             cartridge = self._memory.pop(name, None)
             if cartridge is None:
-                cartridge = Cartridge.load(entry.path, model=self.model)
+                try:
+                    cartridge = Cartridge.load(entry.path, model=self.model)
+                except Exception as err:  # noqa: BLE001 - replaced or deleted since the folder was read: left out
+                    why = str(err) if isinstance(err, CartridgeError) else f"{type(err).__name__}: {err}"
+                    log.warning("Store %s: leaving out %s: %s", self.root, entry.path.name, why)
+                    del self._entries[name]
+                    self._index = None
+                    try:
+                        self._refused[entry.path] = (_stamp(entry.path), why)
+                    except FileNotFoundError:
+                        pass
+                    raise NotInStoreError(f"The cartridge {name!r} can no longer be read ({why}); it is left out.") \
+                        from None
             self._memory[name] = cartridge
             while len(self._memory) > 1 and sum(self._entries[n].nbytes for n in self._memory) > self.memory_budget:
                 self._memory.popitem(last=False)
@@ -168,9 +186,10 @@ class CartridgeStore:
                 stamp = (st.st_size, st.st_mtime_ns)
                 corpus = self.root / f"{name}{CORPUS_SUFFIX}"
                 corpus = corpus if corpus.is_file() else None
+                corpus_stamp = _stamp(corpus) if corpus is not None else None
                 old = self._entries.get(name)
                 if old is not None and old.stamp == stamp and old.path == path:
-                    seen[name] = attrs.evolve(old, corpus=corpus)
+                    seen[name] = attrs.evolve(old, corpus=corpus, corpus_stamp=corpus_stamp)
                     continue
                 if path in self._refused and self._refused[path][0] == stamp:
                     continue  # the same bad file: said once already
@@ -187,8 +206,10 @@ class CartridgeStore:
             for name in changes["removed"]:
                 self._memory.pop(name, None)
             self._refused = {p: v for p, v in self._refused.items() if p.exists()}
-            if {n: e.corpus for n, e in seen.items()} != {n: e.corpus for n, e in self._entries.items()} or any(
-                    seen[n].stamp != self._entries[n].stamp for n in seen if n in self._entries):
+            def routing(entries):
+                return {n: (e.corpus, e.corpus_stamp) for n, e in entries.items()}
+
+            if routing(seen) != routing(self._entries):
                 self._index = None
             self._entries = seen
             return changes
@@ -209,7 +230,8 @@ class CartridgeStore:
             self._refused[path] = (stamp, why)
             log.warning("Store %s: leaving out %s: %s", self.root, path.name, why)
             return None
-        return _Entry(path, stamp, cartridge.num_tokens, cartridge.nbytes, corpus)
+        return _Entry(path, stamp, cartridge.num_tokens, cartridge.nbytes, corpus,
+                      _stamp(corpus) if corpus is not None else None)
 
     # ---- routing
 

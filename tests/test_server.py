@@ -44,8 +44,9 @@ def served(tmp_path_factory, tiny_llama):
     store = CartridgeStore(tmp_path_factory.mktemp("store"), tiny_llama)
     for i, text in enumerate(TEXTS):
         store.add(f"c{i}", Cartridge.from_prefix(tiny_llama, text, 8 + i), corpus=text)
-    server, thread, url = serve(create_app(store, tiny_llama.get_runtime("hf"), ServeConfig(api_key=KEY)))
-    yield url, store
+    app = create_app(store, tiny_llama.get_runtime("hf"), ServeConfig(api_key=KEY))
+    server, thread, url = serve(app)
+    yield url, store, app
     server.should_exit = True
     thread.join(timeout=30)
 
@@ -61,7 +62,7 @@ def ask(client, model, question, **kw):
 
 
 def test_answers_equal_the_python_apis_streamed_and_not(served, client, tiny_llama):
-    _, store = served
+    _, store, _ = served
     want = tiny_llama.ask("Who logged storms?", cartridges=[store.get("c3")], max_new_tokens=8)
     got = ask(client, "c3", "Who logged storms?")
     assert got.choices[0].message.content == want and got.usage.completion_tokens == 8
@@ -77,7 +78,7 @@ def test_answers_equal_the_python_apis_streamed_and_not(served, client, tiny_lla
 
 
 def test_many_concurrent_clients_get_their_own_answers(served, client, tiny_llama):
-    _, store = served
+    _, store, _ = served
     jobs = [(f"c{i % 8}", f"What did keeper {'ABCDEFGH'[i % 8]} log? ({i // 8})") for i in range(64)]
     want = {j: tiny_llama.ask(j[1], cartridges=[store.get(j[0])], max_new_tokens=8) for j in jobs}
     start = time.monotonic()
@@ -85,6 +86,7 @@ def test_many_concurrent_clients_get_their_own_answers(served, client, tiny_llam
         got = list(pool.map(lambda j: ask(client, *j).choices[0].message.content, jobs))
     assert time.monotonic() - start < 120
     assert got == [want[j] for j in jobs]  # none lost, none mixed up
+    assert served[2].state.engine.largest_batch > 1  # answered together, not one by one
 
 
 def test_routing_picks_the_cartridge_and_says_which(client):
@@ -93,7 +95,7 @@ def test_routing_picks_the_cartridge_and_says_which(client):
 
 
 def test_bad_input_gets_a_clear_4xx_and_the_server_stays_up(served, client):
-    url, store = served
+    url, store, _ = served
     with pytest.raises(openai.NotFoundError, match=r"No cartridge 'nope' in the store; it holds: c0, c1"):
         ask(client, "nope", "Hi")
     with pytest.raises(openai.AuthenticationError, match="Missing or wrong API key"):
@@ -104,6 +106,10 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_stays_up(served, client):
         ask(client, "c0", "Hi", max_tokens=0)
     with pytest.raises(openai.BadRequestError, match=r"do not fit the \d+ positions the model's \d+-token context"):
         ask(client, "c0", "storm " * 3000, max_tokens=100)
+    with pytest.raises(openai.BadRequestError, match=r"stop=5 must be a non-empty string or a list of them"):
+        ask(client, "c0", "Hi", extra_body={"stop": 5})
+    big = httpx.post(f"{url}/chat/completions", content=b"x" * 1_000_001, headers={"authorization": f"Bearer {KEY}"})
+    assert big.status_code == 413 and "the limit is 1000000" in big.json()["error"]["message"]
     raw = httpx.post(f"{url}/chat/completions", content=b"{not json", headers={"authorization": f"Bearer {KEY}"})
     assert raw.status_code == 400 and "not valid JSON" in raw.json()["error"]["message"]
     raw = httpx.post(f"{url}/chat/completions", json={"model": "c0", "messages": [{"role": "robot", "content": "x"}]},
@@ -114,6 +120,12 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_stays_up(served, client):
     assert "broken" not in [m.id for m in client.models.list().data]
     with pytest.raises(openai.NotFoundError):
         ask(client, "broken", "Hi")
+    # one deleted behind the store's back is left out when next asked for, with a 404
+    store.get("c6")
+    store._memory.clear()
+    (store.root / "c6.safetensors").unlink()
+    with pytest.raises(openai.NotFoundError, match="'c6'"):
+        ask(client, "c6", "Hi")
     # a client that goes away mid-stream: its work stops, the next request is answered
     with httpx.stream("POST", f"{url}/chat/completions", headers={"authorization": f"Bearer {KEY}"},
                       json={"model": "c0", "messages": [{"role": "user", "content": "Hi"}], "stream": True,
@@ -124,10 +136,11 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_stays_up(served, client):
 
 
 def test_a_full_queue_answers_429_with_retry_after(tmp_path, tiny_llama):
-    release = threading.Event()
+    release, busy = threading.Event(), threading.Event()
 
     class Slow:  # a runtime that holds the engine until released (our queue logic, not an engine, is under test)
         def generate(self, requests):
+            busy.set()
             release.wait(30)
             return tiny_llama.get_runtime("hf").generate(requests)
 
@@ -138,9 +151,11 @@ def test_a_full_queue_answers_429_with_retry_after(tmp_path, tiny_llama):
         body = {"model": "c0", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(httpx.post, f"{url}/chat/completions", json=body, timeout=60)  # taken by the engine
-            time.sleep(0.5)
+            assert busy.wait(30)
             second = pool.submit(httpx.post, f"{url}/chat/completions", json=body, timeout=60)  # waits in the queue
-            time.sleep(0.5)
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{url.removesuffix('/v1')}/health").json()["waiting"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
             third = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
             assert third.status_code == 429 and third.headers["retry-after"] == "1"
             release.set()

@@ -106,3 +106,8 @@ def test_routing_needs_a_corpus_text(tmp_path, tiny_llama):
     (tmp_path / "bare.corpus.txt").write_text(CORPORA["orchard"])
     store.refresh()  # a corpus text dropped in is picked up
     assert store.route("apples")[0].name == "bare"
+    store.add("other", Cartridge.from_prefix(tiny_llama, CORPORA["railway"], 12), corpus=CORPORA["railway"])
+    assert store.route("slate trains")[0].name == "other"
+    (tmp_path / "bare.corpus.txt").write_text(CORPORA["orchard"] + " Slate trains stop here, slate trains.")
+    store.refresh()  # and an edited one is read again
+    assert store.route("slate trains")[0].name == "bare"
