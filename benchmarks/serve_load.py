@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import tempfile
 import threading
 import time
@@ -25,15 +24,10 @@ import numpy as np
 from cartridges_sdk import Cartridge, CartridgeStore, load_model
 from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.server import ServeConfig, create_app
+from cartridges_sdk.testing import free_port
 
 from . import provenance
 from .data import DEFAULT_DATA, load_corpora
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _load(url: str, jobs: list[dict], clients: int) -> dict:
@@ -79,7 +73,7 @@ def main() -> None:
         for c in corpora:
             store.add(c.name, Cartridge.from_prefix(lm, c.text, args.tokens), corpus=c.text)
         app = create_app(store, lm.get_runtime(args.runtime), ServeConfig(max_queue=1024, max_batch=64))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_port(), log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         while not server.started:

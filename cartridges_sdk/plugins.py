@@ -216,6 +216,17 @@ class Runtime(Backend):
         yield self.generate([request])[0].text
 
 
+def text_deltas(texts: Iterable[tuple[str, bool]]) -> Iterator[str]:
+    """The new part of a growing answer each time it settles, for `Runtime.stream`: `texts` gives the answer so far
+    and whether it has ended. Text that may still change (an incomplete multi-byte character at its end) is held
+    back until it does."""
+    shown = ""
+    for text, done in texts:
+        if (done or not text.endswith("\ufffd")) and len(text) > len(shown) and text.startswith(shown):
+            yield text[len(shown) :]
+            shown = text
+
+
 class Synthesizer(Backend):
     """Samples the teacher's completions with its top-k log-probabilities, for self-study.
 

@@ -41,6 +41,15 @@ from .plugins import (
 if TYPE_CHECKING:
     from .models import LM
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server a test starts."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # makes the prefix cartridge of given token ids (see `check_runtime_exactness`)
 PrefixMaker = Callable[[Sequence[int]], Cartridge]
 

@@ -3,7 +3,6 @@ openai client and raw HTTP: answers equal the Python API's, many concurrent clie
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,16 +13,11 @@ import pytest
 
 from cartridges_sdk import Cartridge, CartridgeStore
 from cartridges_sdk.server import ServeConfig, create_app
+from cartridges_sdk.testing import free_port
 
 TEXTS = [f"Keeper {n} of the lighthouse number {i} logged {w} storms in the winter of 18{i}{n}."
          for i, (n, w) in enumerate(zip("ABCDEFGH", ("three", "five", "nine", "two", "six", "one", "four", "ten")))]
 KEY = "sk-test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(app):

@@ -10,7 +10,7 @@ import attrs
 
 from ..checks import at_least_one
 from ..kv import concat_layers, refuse_foreign
-from ..plugins import Completion, GenerationParams, GenerationRequest, Runtime
+from ..plugins import Completion, GenerationParams, GenerationRequest, Runtime, text_deltas
 from .decode import Layers, decode, row_completion
 
 if TYPE_CHECKING:
@@ -98,15 +98,9 @@ class HFRuntime(Runtime):
 
     def stream(self, request: GenerationRequest) -> Iterator[str]:
         (prompt,) = self._check([request])
-        shown = ""
-        for state in decode(self.lm, [self._prefix(request)], [prompt], request.params):
-            text = row_completion(self.lm, state, 0, stop=request.params.stop).text
-            # hold back text that may still change (an incomplete multi-byte character) until it settles
-            if text.endswith("\ufffd") and state.reasons[0] is None:
-                continue
-            if len(text) > len(shown) and text.startswith(shown):
-                yield text[len(shown) :]
-                shown = text
+        yield from text_deltas((row_completion(self.lm, state, 0, stop=request.params.stop).text,
+                                state.reasons[0] is not None)
+                               for state in decode(self.lm, [self._prefix(request)], [prompt], request.params))
 
     def close(self) -> None:
         self._installed.clear()

@@ -29,6 +29,7 @@ from cartridges_sdk import (
 )
 from cartridges_sdk.cartridge import CartridgeMeta
 from cartridges_sdk.kv import refuse_foreign
+from cartridges_sdk.plugins import text_deltas
 from cartridges_sdk.rope import INTERLEAVED, ROTATE_HALF, key_layout
 
 from .options import LlamaCppOptions
@@ -52,7 +53,7 @@ class LlamaCppRuntime(Runtime):
         self.gguf = Path(self.options.gguf) if self.options.gguf else _default_gguf()
         try:
             from llama_cpp import Llama
-        except Exception as err:  # noqa: BLE001 - any import failure means the engine cannot run here
+        except Exception as err:
             raise BackendUnavailableError(
                 f"llama-cpp-python is not usable here ({type(err).__name__}: {err}). Install it with "
                 "`pip install -e backends/llamacpp` (it compiles llama.cpp, about 12 minutes the first time)."
@@ -86,14 +87,8 @@ class LlamaCppRuntime(Runtime):
     def stream(self, request: GenerationRequest) -> Iterator[str]:
         refuse_foreign(self.lm, list(request.cartridges))
         self._check_length(0, request)
-        shown = ""
-        for ids, _, reason in self._decode(request):
-            done = reason is not None
-            text = Completion.from_ids(self.lm, ids, reason, stop=request.params.stop).text
-            # hold back text that may still change (an incomplete multi-byte character) until it settles
-            if (done or not text.endswith("\ufffd")) and len(text) > len(shown) and text.startswith(shown):
-                yield text[len(shown) :]
-                shown = text
+        yield from text_deltas((Completion.from_ids(self.lm, ids, reason, stop=request.params.stop).text,
+                                reason is not None) for ids, _, reason in self._decode(request))
 
     def prefill(self, ids: Sequence[int]) -> Cartridge:
         """A cartridge of these tokens as llama.cpp itself computes them (its own prefill, read back from the

@@ -4,7 +4,6 @@ options, and reading token ids out of responses. The real server is in test_open
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,14 +15,9 @@ from cartridges_sdk import BackendError, BackendUnavailableError, ConfigError, S
 from cartridges_sdk.errors import IncompatibleCartridgeError, RateLimitedError, TransientBackendError
 from cartridges_sdk.plugins import synthesizers
 from cartridges_sdk.synthesis import probe_request
+from cartridges_sdk.testing import free_port
 from cartridges_openai.logprobs import TokenReader, positions, topk
 from cartridges_openai.options import OpenAIOptions
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def completion(tokens=(5, 6), shift=0.0, alternatives=(9,)) -> dict:

@@ -20,7 +20,8 @@ from cartridges_sdk.cli import main
 from cartridges_sdk.dataset import SelfStudyDataset
 from cartridges_sdk.plugins import synthesizers
 from cartridges_sdk.synthesis import SynthesisConfig, probe_request, synthesize
-from cartridges_vllm.server import VLLMServer, free_port
+from cartridges_sdk.testing import free_port
+from cartridges_vllm.server import VLLMServer
 
 pytestmark = pytest.mark.default_model
 

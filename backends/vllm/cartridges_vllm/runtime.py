@@ -13,6 +13,7 @@ from typing import Any
 from cartridges_sdk import Cartridge, Completion, ConfigError, GenerationRequest, Runtime, UnsupportedModelError
 from cartridges_sdk.files import atomic_write
 from cartridges_sdk.kv import refuse_foreign
+from cartridges_sdk.plugins import text_deltas
 from cartridges_sdk.rope import ROTATE_HALF
 
 from . import engine
@@ -132,19 +133,19 @@ class VLLMRuntime(Runtime):
         core = self.llm.llm_engine
         rid = f"cartridges-{next(self._ids)}"
         core.add_request(rid, prompt, params)
-        shown, done = "", False
-        try:
+        done = False
+
+        def texts() -> Iterator[tuple[str, bool]]:
+            nonlocal done
             while not done and core.has_unfinished_requests():
                 for out in core.step():
-                    if out.request_id != rid:
-                        continue
-                    done = out.finished
-                    text = engine.completion(self.lm, out.outputs[0], sorted(self.lm.eos_token_ids), 0,
-                                             request.params.stop).text
-                    # hold back text that may still change (an incomplete multi-byte character) until it settles
-                    if (done or not text.endswith("\ufffd")) and len(text) > len(shown) and text.startswith(shown):
-                        yield text[len(shown) :]
-                        shown = text
+                    if out.request_id == rid:
+                        done = out.finished
+                        yield engine.completion(self.lm, out.outputs[0], sorted(self.lm.eos_token_ids), 0,
+                                                request.params.stop).text, done
+
+        try:
+            yield from text_deltas(texts())
         finally:
             if not done:  # the caller stopped reading: free the engine's slot
                 core.abort_request([rid])

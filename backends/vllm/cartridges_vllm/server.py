@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ from pathlib import Path
 import httpx
 
 from cartridges_sdk import BackendUnavailableError
+from cartridges_sdk.testing import free_port
 
 from .engine import cpu_env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VLLMServer:
