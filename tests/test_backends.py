@@ -286,6 +286,8 @@ LAYERS = [
     {"hf"},
     {"synthesis", "training"},
     {"selfstudy"},
+    {"store"},
+    {"server"},
     {"testing", "cli", "__init__"},
 ]
 # Cartridge.from_corpus hands off to the layer above, lazily (DESIGN.md); Cartridge.compact reads a corpus the
