@@ -64,8 +64,6 @@ class StoreAnswer:
 class _Entry:
     path: Path
     stamp: tuple[int, int]  # size and mtime: a file replaced in place is read again
-    num_tokens: int
-    nbytes: int
     corpus: Path | None
     corpus_stamp: tuple[int, int] | None = None  # an edited corpus text rebuilds the routing index
 
@@ -120,23 +118,35 @@ class CartridgeStore:
                 raise NotInStoreError(f"No cartridge {name!r} in the store at {self.root}; it holds: {shown}.")
             cartridge = self._memory.pop(name, None)
             if cartridge is None:
-                try:
-                    cartridge = Cartridge.load(entry.path, model=self.model)
-                except Exception as err:  # noqa: BLE001 - replaced or deleted since the folder was read: left out
-                    why = str(err) if isinstance(err, CartridgeError) else f"{type(err).__name__}: {err}"
-                    log.warning("Store %s: leaving out %s: %s", self.root, entry.path.name, why)
+                cartridge, why = self._load(entry.path)
+                if cartridge is None:  # replaced or deleted since the folder was read: left out
                     del self._entries[name]
                     self._index = None
-                    try:
-                        self._refused[entry.path] = (_stamp(entry.path), why)
-                    except FileNotFoundError:
-                        pass
-                    raise NotInStoreError(f"The cartridge {name!r} can no longer be read ({why}); it is left out.") \
-                        from None
-            self._memory[name] = cartridge
-            while len(self._memory) > 1 and sum(self._entries[n].nbytes for n in self._memory) > self.memory_budget:
-                self._memory.popitem(last=False)
+                    raise NotInStoreError(f"The cartridge {name!r} can no longer be read ({why}); it is left out.")
+            self._remember(name, cartridge)
             return cartridge
+
+    def _remember(self, name: str, cartridge: Cartridge) -> None:
+        """Keep `cartridge` in memory as the most recently used, within the budget."""
+        self._memory[name] = cartridge
+        while len(self._memory) > 1 and sum(c.nbytes for c in self._memory.values()) > self.memory_budget:
+            self._memory.popitem(last=False)
+
+    def _load(self, path: Path) -> tuple[Cartridge | None, str | None]:
+        """The file's cartridge, bound to the model; or None and why, said once in the log and remembered."""
+        try:
+            return Cartridge.load(path, model=self.model), None
+        except Exception as err:  # noqa: BLE001 - a bad file must never stop the store
+            why = str(err) if isinstance(err, CartridgeError) else f"{type(err).__name__}: {err}"
+        self._refuse(path, why)
+        return None, why
+
+    def _refuse(self, path: Path, why: str) -> None:
+        log.warning("Store %s: leaving out %s: %s", self.root, path.name, why)
+        try:
+            self._refused[path] = (_stamp(path), why)
+        except FileNotFoundError:
+            pass
 
     # ---- changing it
 
@@ -193,13 +203,17 @@ class CartridgeStore:
                     continue
                 if path in self._refused and self._refused[path][0] == stamp:
                     continue  # the same bad file: said once already
-                entry = self._check(name, path, stamp, corpus)
-                if entry is None:
+                if not NAME.match(name) or name == "auto":
+                    self._refuse(path, "its name cannot be served (letters, digits, '.', '_', '-'; not 'auto')")
+                    changes["refused"].append(name)
+                    continue
+                cartridge, _ = self._load(path)
+                if cartridge is None:
                     changes["refused"].append(name)
                     continue
                 self._refused.pop(path, None)
-                self._memory.pop(name, None)
-                seen[name] = entry
+                self._remember(name, cartridge)  # it was read to check it: keep it for the first request
+                seen[name] = _Entry(path, stamp, corpus, corpus_stamp)
                 if old is None:
                     changes["added"].append(name)
             changes["removed"] = sorted(set(self._entries) - set(seen))
@@ -213,25 +227,6 @@ class CartridgeStore:
                 self._index = None
             self._entries = seen
             return changes
-
-    def _check(self, name: str, path: Path, stamp: tuple[int, int], corpus: Path | None) -> _Entry | None:
-        """The entry for a file that loads and fits the model; else None, said once in the log."""
-        why = None
-        if not NAME.match(name) or name == "auto":
-            why = "its name cannot be served (letters, digits, '.', '_', '-'; not 'auto')"
-        else:
-            try:
-                cartridge = Cartridge.load(path, model=self.model)
-            except CartridgeError as err:
-                why = str(err)
-            except Exception as err:  # noqa: BLE001 - a bad file must never stop the store
-                why = f"{type(err).__name__}: {err}"
-        if why is not None:
-            self._refused[path] = (stamp, why)
-            log.warning("Store %s: leaving out %s: %s", self.root, path.name, why)
-            return None
-        return _Entry(path, stamp, cartridge.num_tokens, cartridge.nbytes, corpus,
-                      _stamp(corpus) if corpus is not None else None)
 
     # ---- routing
 
