@@ -6,6 +6,7 @@ never a `TypeError` from a comparison deep inside.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import numbers
 import os
@@ -84,3 +85,11 @@ def require(name: str, value, kind: type | tuple[type, ...], what: str) -> None:
 
 
 PATH = (str, os.PathLike)  # what `require` accepts as a file or folder path
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine only: what may go unauthenticated or unencrypted."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

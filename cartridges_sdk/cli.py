@@ -147,6 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from .checks import is_loopback
     from .server import ServeConfig, create_app
     from .store import CartridgeStore
 
@@ -154,7 +155,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lm = _model_for(args.model, device=args.device)
     store = CartridgeStore(args.store, lm)
     key = args.api_key or os.environ.get("CARTRIDGES_API_KEY") or None
-    if key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if key is None and not is_loopback(args.host):
         print(f"warning: serving on {args.host} with no API key; anyone who can reach it can use it "
               "(--api-key or CARTRIDGES_API_KEY)", file=sys.stderr)
     runtime = lm.get_runtime(args.runtime, **options)

@@ -13,7 +13,6 @@ answer; the SDK's own probe then checks that one against the student (`check_sam
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
 import threading
@@ -25,6 +24,7 @@ import attrs
 
 from cartridges_sdk import (BackendError, BackendUnavailableError, Completion, ConfigError, SynthesisRequest,
                             Synthesizer, SynthesizerCapabilities)
+from cartridges_sdk.checks import is_loopback
 from cartridges_sdk.errors import IncompatibleCartridgeError, TransientBackendError
 from cartridges_sdk.synthesis import PROBE_TOLERANCE, PROBE_TOP_K, probe_gap, probe_request
 
@@ -341,20 +341,12 @@ def _status(err: BaseException) -> int | None:
     return getattr(err.__cause__, "status_code", None)
 
 
-def _is_loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _warn_about_the_key(options: OpenAIOptions, urls: Sequence[str]) -> None:
     """The environment's key was meant for someone's API; say so when it would travel unencrypted off this host."""
     if options.api_key is not None or not os.environ.get("OPENAI_API_KEY"):
         return
     for url in urls:
-        if urlsplit(url).scheme == "http" and not _is_loopback(url):
+        if urlsplit(url).scheme == "http" and not is_loopback(urlsplit(url).hostname or ""):
             log.warning("OPENAI_API_KEY is sent to %s over plain http; pass api_key=... for this server (or 'none'), "
                         "or use https.", shown(url))
 
