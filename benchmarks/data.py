@@ -114,3 +114,18 @@ def load_corpora(path: str | Path, docs: str | Sequence[int] | None = None, *, c
             doc_indices=tuple(indices),
         )
     ]
+
+
+_WORD = re.compile(r"[a-z0-9]{3,}")
+_COMMON = frozenset("the and for are was were with that this what which who how why when where does did do they their "
+                    "them from into over used use using about than then have has had been its not all any can".split())
+
+
+def only_own_words(question: str, own: str, others: Sequence[str]) -> list[str]:
+    """The question's words (3+ letters, not function words) found in `own` and in none of `others`: what lets a
+    router that reads only the question place it. Independent of the store's tokenizer, so tests can check it."""
+    def words(text: str) -> set[str]:
+        return set(_WORD.findall(text.lower())) - _COMMON
+
+    elsewhere = set().union(*map(words, others)) if others else set()
+    return sorted((words(question) & words(own)) - elsewhere)

@@ -7,8 +7,10 @@ served, and it never stops the store (a server keeps answering from the others).
 files dropped in or removed take effect without a restart. Loaded cartridges are kept within a memory budget, least
 recently used first out; a cartridge left out of memory is read again from its file when asked for.
 
-Routing (`route`, `ask`) ranks cartridges by BM25 over their corpora's chunks (the ``bm25s`` library; install the
-``serve`` extra): a cartridge scores its best chunk's score.
+Routing (`route`, `ask`) ranks cartridges by BM25 with each cartridge's whole corpus as one document (the ``bm25s``
+library; install the ``serve`` extra). Scoring whole corpora rather than passages is deliberate: a word's weight then
+says how few *cartridges* use it, so a question naming what only one corpus talks about goes there, even when that
+corpus repeats the word in every passage (passage-level weights rate a paper's own topic as common).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ log = logging.getLogger("cartridges_sdk.store")
 SUFFIX = ".safetensors"
 CORPUS_SUFFIX = ".corpus.txt"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-CHUNK_WORDS, CHUNK_STRIDE = 200, 150  # routing chunks overlap, so a passage split at a boundary is still whole once
 
 
 class NotInStoreError(CartridgeError, KeyError):
@@ -46,7 +47,7 @@ class NotInStoreError(CartridgeError, KeyError):
 
 @attrs.frozen
 class Route:
-    """A cartridge a question was routed to, and its score (BM25 of its best chunk)."""
+    """A cartridge a question was routed to, and its score (BM25 of its corpus)."""
 
     name: str
     score: float
@@ -88,7 +89,7 @@ class CartridgeStore:
         self._entries: dict[str, _Entry] = {}
         self._refused: dict[Path, tuple[tuple[int, int], str]] = {}  # said once per version of a bad file
         self._memory: OrderedDict[str, Cartridge] = OrderedDict()
-        self._index: Any = None  # (bm25 retriever, owner of each chunk), built when first routed after a change
+        self._index: Any = None  # (bm25 retriever, name of each corpus), built when first routed after a change
         self._lock = threading.RLock()
         self.refresh()
 
@@ -231,8 +232,9 @@ class CartridgeStore:
     # ---- routing
 
     def route(self, question: str, k: int = 1) -> list[Route]:
-        """The `k` cartridges whose corpora best match `question` (BM25 over their chunks), best first. Cartridges
-        without a corpus text are never routed to."""
+        """The `k` cartridges whose corpora best match `question` (BM25), best first. Cartridges without a corpus text
+        are never routed to, nor are those sharing no word with the question (fewer than `k` may come back); a
+        question sharing no word with any corpus is refused rather than answered by an arbitrary cartridge."""
         if not isinstance(question, str) or not question.strip():
             raise ConfigError("route needs a non-empty question.")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -244,32 +246,27 @@ class CartridgeStore:
         if index is None:
             raise ConfigError(f"No cartridge in the store at {self.root} has a corpus text ({CORPUS_SUFFIX}) to route "
                               "by; add cartridges with store.add(name, cartridge, corpus=text).")
-        retriever, owners = index
-        n = min(len(owners), max(50, 10 * k))
-        docs, scores = retriever.retrieve(bm25s.tokenize([question], stopwords="en", show_progress=False), k=n,
-                                          show_progress=False)
-        best: dict[str, float] = {}
-        for d, s in zip(docs[0].tolist(), scores[0].tolist()):
-            best[owners[d]] = max(best.get(owners[d], float("-inf")), float(s))
-        ranked = sorted(best.items(), key=lambda item: (-item[1], item[0]))[:k]
+        retriever, names = index
+        found, scores = retriever.retrieve(bm25s.tokenize([question], stopwords="en", show_progress=False),
+                                           k=len(names), show_progress=False)
+        ranked = sorted(((names[d], float(s)) for d, s in zip(found[0].tolist(), scores[0].tolist()) if s > 0),
+                        key=lambda item: (-item[1], item[0]))[:k]
+        if not ranked:
+            raise ConfigError(f"The question {question[:80]!r} shares no word with the corpus of any cartridge in the "
+                              f"store at {self.root}, so it cannot be routed; name the cartridges to use instead.")
         return [Route(name, score) for name, score in ranked]
 
     def _routing_index(self) -> Any:
         if self._index is None:
             import bm25s
 
-            chunks, owners = [], []
-            for name, entry in sorted(self._entries.items()):
-                if entry.corpus is None:
-                    continue
-                words = entry.corpus.read_text("utf-8", errors="replace").split()
-                for start in range(0, max(len(words) - CHUNK_WORDS + CHUNK_STRIDE, 1), CHUNK_STRIDE):
-                    chunks.append(" ".join(words[start : start + CHUNK_WORDS]))
-                    owners.append(name)
-            if not chunks:
+            named = [(name, entry.corpus) for name, entry in sorted(self._entries.items()) if entry.corpus is not None]
+            if not named:
                 return None
             retriever = bm25s.BM25()
-            retriever.index(bm25s.tokenize(chunks, stopwords="en", show_progress=False), show_progress=False)
+            texts = [corpus.read_text("utf-8", errors="replace") for _, corpus in named]
+            retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+            owners = [name for name, _ in named]
             self._index = (retriever, owners)
         return self._index
 
