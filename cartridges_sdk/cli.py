@@ -153,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = backend_options(args, {"runtime": args.runtime})["runtime"]
     lm = _model_for(args.model, device=args.device)
-    store = CartridgeStore(args.store, lm)
+    store = CartridgeStore(args.store, lm, memory_budget=args.memory_mb * 2**20)
     key = args.api_key or os.environ.get("CARTRIDGES_API_KEY") or None
     if key is None and not is_loopback(args.host):
         print(f"warning: serving on {args.host} with no API key; anyone who can reach it can use it "
@@ -163,8 +163,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"serving {len(store)} cartridge(s) from {args.store} on http://{args.host}:{args.port}/v1 "
           f"(runtime {args.runtime}{'; left out: ' + ', '.join(refused) if refused else ''})", file=sys.stderr)
     try:
-        uvicorn.run(create_app(store, runtime, ServeConfig(api_key=key, max_queue=args.max_queue)), host=args.host,
-                    port=args.port, log_level="warning")
+        config = ServeConfig(api_key=key, max_queue=args.max_queue, max_batch=args.max_batch)
+        uvicorn.run(create_app(store, runtime, config), host=args.host, port=args.port, log_level="warning")
     finally:
         lm.close()
     return 0
@@ -473,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="bearer token clients must send (default: CARTRIDGES_API_KEY, else none)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting before 429 (default 256)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests answered together at most (default 16)")
+    p.add_argument("--memory-mb", type=int, default=1024,
+                   help="cartridges kept loaded, in MiB; least recently used out first (default 1024)")
     model_args(p)
     backend_args(p, "runtime")
     p.set_defaults(func=cmd_serve)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
@@ -211,20 +211,26 @@ class Runtime(Backend):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         """One completion per request, in order; each as if it had been asked alone."""
 
-    def stream(self, request: GenerationRequest) -> Iterator[str]:
-        """Yield the answer's text as it is produced; by default all at once, for engines that cannot stream."""
-        yield self.generate([request])[0].text
+    def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
+        """Yield the answer's text as it is produced, and return its `Completion` (what `generate` would give: token
+        ids and finish reason, for usage counts) when read to the end; by default all at once, for engines that cannot
+        stream."""
+        completion = self.generate([request])[0]
+        yield completion.text
+        return completion
 
 
-def text_deltas(texts: Iterable[tuple[str, bool]]) -> Iterator[str]:
-    """The new part of a growing answer each time it settles, for `Runtime.stream`: `texts` gives the answer so far
-    and whether it has ended. Text that may still change (an incomplete multi-byte character at its end) is held
-    back until it does."""
-    shown = ""
-    for text, done in texts:
+def text_deltas(answers: Iterable[tuple[Completion, bool]]) -> Generator[str, None, Completion | None]:
+    """The new part of a growing answer each time it settles, for `Runtime.stream`: `answers` gives the answer so far
+    and whether it has ended; the last one is returned. Text that may still change (an incomplete multi-byte
+    character at its end) is held back until it does."""
+    shown, last = "", None
+    for last, done in answers:
+        text = last.text
         if (done or not text.endswith("\ufffd")) and len(text) > len(shown) and text.startswith(shown):
             yield text[len(shown) :]
             shown = text
+    return last
 
 
 class Synthesizer(Backend):

@@ -69,7 +69,8 @@ class _Job:
     request: GenerationRequest
     stream: bool
     loop: asyncio.AbstractEventLoop
-    out: Any  # a Future (whole answers) or an asyncio.Queue of text pieces, None at the end, or an exception
+    out: Any  # a Future (whole answers), or an asyncio.Queue of text pieces then the Completion (None if cut short)
+    # or an exception
     cancelled: threading.Event = attrs.field(factory=threading.Event)
 
 
@@ -165,16 +166,22 @@ class Engine:
     def _stream(self, batch: list[_Job]) -> None:
         (job,) = batch
         pieces = self.runtime.stream(job.request)
+        final = None
         try:
-            for piece in pieces:
-                if job.cancelled.is_set():  # the client went away: stop decoding for it
+            while not job.cancelled.is_set():  # until the client goes away: then decoding stops for it
+                try:
+                    _call(job.loop, job.out.put_nowait, next(pieces))
+                except StopIteration as end:
+                    final = end.value
+                    if not isinstance(final, Completion):
+                        raise BackendError(f"The runtime's stream ended without returning its Completion (got "
+                                           f"{type(final).__name__}); see Runtime.stream.") from None
                     break
-                _call(job.loop, job.out.put_nowait, piece)
         finally:
             close = getattr(pieces, "close", None)
             if close is not None:
                 close()
-        _call(job.loop, job.out.put_nowait, None)
+        _call(job.loop, job.out.put_nowait, final)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
@@ -296,7 +303,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     async def chat(request: Request):
         authorize(request)
         body = await _read_json(request, config.max_body_bytes)
-        names, messages, params, stream = _parse(body, config)
+        names, messages, params, stream, include_usage = _parse(body, config)
         names, cartridges, prompt_tokens, used = await asyncio.to_thread(resolve, body, names, messages, params)
         job_request = GenerationRequest(messages, cartridges, params)
         loop = asyncio.get_running_loop()
@@ -306,8 +313,9 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
                              headers={"retry-after": "1"})
         rid = f"chatcmpl-{next(ids)}-{int(time.time())}"
         model = body["model"]
+        usage = {"prompt_tokens": prompt_tokens, "cartridge_tokens": used}
         if stream:
-            return StreamingResponse(_events(job, rid, model, names, lm, params, request),
+            return StreamingResponse(_events(job, rid, model, names, usage, include_usage),
                                      media_type="text/event-stream")
         try:
             out: Completion = await _wait(job, request)
@@ -317,13 +325,10 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
             raise
         except Exception as err:
             raise BadRequest(500, f"The runtime failed: {type(err).__name__}: {err}") from err
-        completion_tokens = len(out.token_ids)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
                              "finish_reason": out.finish_reason}],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens, "cartridge_tokens": used},
-                "cartridges": names}
+                "usage": _usage(usage, len(out.token_ids)), "cartridges": names}
 
     return app
 
@@ -343,31 +348,36 @@ async def _wait(job: _Job, request: Any) -> Completion:
             job.cancelled.set()
 
 
-async def _events(job: _Job, rid: str, model: str, names: list[str], lm: Any, params: GenerationParams,
-                  request: Any) -> AsyncIterator[str]:
-    """Server-sent events in the OpenAI chunk format; a client that goes away cancels its decoding."""
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+async def _events(job: _Job, rid: str, model: str, names: list[str], usage: dict[str, int],
+                  include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events in the OpenAI chunk format, then usage (if asked for, as OpenAI does: a last chunk with no
+    choices); a client that goes away cancels its decoding."""
+    def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
         body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "cartridges": names}
+                "choices": choices, "cartridges": names, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    text = ""
     try:
         yield chunk({"role": "assistant", "content": ""})
-        while True:
-            piece = await job.out.get()
-            if piece is None:
-                break
-            if isinstance(piece, BaseException):
-                yield f"data: {json.dumps({'error': {'message': str(piece), 'type': 'server_error'}})}\n\n"
-                return
-            text += piece
+        while isinstance(piece := await job.out.get(), str):
             yield chunk({"content": piece})
-        produced = len(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
-        yield chunk({}, "length" if produced >= params.max_new_tokens else "stop")
+        if isinstance(piece, BaseException):
+            yield f"data: {json.dumps({'error': {'message': str(piece), 'type': 'server_error'}})}\n\n"
+            return
+        if piece is None:  # cut short (the server is stopping)
+            return
+        yield chunk({}, piece.finish_reason)
+        if include_usage:
+            yield chunk(None, usage=_usage(usage, len(piece.token_ids)))
         yield "data: [DONE]\n\n"
     finally:
         job.cancelled.set()  # finished, or the client disconnected: either way, no more work for it
+
+
+def _usage(usage: dict[str, int], completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": completion_tokens,
+            "total_tokens": usage["prompt_tokens"] + completion_tokens, "cartridge_tokens": usage["cartridge_tokens"]}
 
 
 async def _read_json(request: Any, limit: int) -> dict[str, Any]:
@@ -389,7 +399,8 @@ async def _read_json(request: Any, limit: int) -> dict[str, Any]:
 
 
 def _parse(body: dict[str, Any], config: ServeConfig):
-    """(cartridge names, or None for routing; messages; generation params; stream), or BadRequest naming the field."""
+    """(cartridge names, or None for routing; messages; generation params; stream; whether a stream ends with usage),
+    or BadRequest naming the field."""
     unknown = sorted(set(body) - FIELDS - {"k"})
     if unknown:
         raise BadRequest(400, f"Unsupported parameter(s) {unknown}; this server reads {sorted(FIELDS)}.", unknown[0])
@@ -414,6 +425,14 @@ def _parse(body: dict[str, Any], config: ServeConfig):
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(400, "'stream' must be true or false.", "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise BadRequest(400, "'stream_options' goes with 'stream': true only.", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"} or \
+                not isinstance(options.get("include_usage", False), bool):
+            raise BadRequest(400, "'stream_options' must be {\"include_usage\": true or false}.", "stream_options")
+    include_usage = bool((options or {}).get("include_usage", False))
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = config.default_max_tokens
@@ -438,7 +457,7 @@ def _parse(body: dict[str, Any], config: ServeConfig):
         names = None
     else:
         names = [model]
-    return names, messages, params, stream
+    return names, messages, params, stream, include_usage
 
 
 def _number(body: dict[str, Any], name: str, default: float) -> float:

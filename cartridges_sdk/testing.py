@@ -365,13 +365,23 @@ def check_wrong_model_refused(runtime: Runtime, lm: LM) -> None:
 
 
 def check_stream(runtime: Runtime, lm: LM, *, max_new_tokens: int = 12) -> None:
-    """Streamed pieces join to the answer `generate` gives."""
+    """Streamed pieces join to the answer `generate` gives, and the stream returns that answer's `Completion` (its
+    tokens and finish reason, which a server reports as usage)."""
     request = GenerationRequest([{"role": "user", "content": QUESTIONS[0]}],
                                 [Cartridge.from_prefix(lm, CONTRACT_TEXTS[0], 16)], GenerationParams(max_new_tokens=max_new_tokens))
-    streamed = "".join(runtime.stream(request))
+    pieces, stream = [], runtime.stream(request)
+    while True:
+        try:
+            pieces.append(next(stream))
+        except StopIteration as end:
+            final = end.value
+            break
     (whole,) = runtime.generate([request])
-    if streamed != whole.text:
-        _fail("stream", f"streamed text {streamed!r} differs from the generated text {whole.text!r}.")
+    if "".join(pieces) != whole.text:
+        _fail("stream", f"streamed text {''.join(pieces)!r} differs from the generated text {whole.text!r}.")
+    if not isinstance(final, Completion) or (final.text, final.token_ids, final.finish_reason) != \
+            (whole.text, whole.token_ids, whole.finish_reason):
+        _fail("stream", f"the stream returned {final!r}, not the Completion generate gives ({whole!r}).")
 
 
 def check_runtime(runtime: Runtime, lm: LM, *, tolerance: float = 1e-4, reference_tolerance: float | None = None,

@@ -61,8 +61,12 @@ def test_answers_equal_the_python_apis_streamed_and_not(served, client, tiny_lla
     got = ask(client, "c3", "Who logged storms?")
     assert got.choices[0].message.content == want and got.usage.completion_tokens == 8
     assert got.model_extra["cartridges"] == ["c3"]
-    pieces = [c.choices[0].delta.content or "" for c in ask(client, "c3", "Who logged storms?", stream=True)]
-    assert "".join(pieces) == want
+    chunks = list(ask(client, "c3", "Who logged storms?", stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == got.choices[0].finish_reason == "length"
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 8  # usage last, as OpenAI sends it
+    assert chunks[-1].usage.prompt_tokens == got.usage.prompt_tokens
+    assert chunks[-1].model_extra["cartridges"] == ["c3"]
     both = client.chat.completions.create(model="c1", messages=[{"role": "user", "content": "Who?"}], max_tokens=6,
                                           temperature=0, extra_body={"cartridges": ["c1", "c2"]})
     assert both.choices[0].message.content == tiny_llama.ask(
@@ -102,6 +106,10 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_stays_up(served, client):
         ask(client, "c0", "storm " * 3000, max_tokens=100)
     with pytest.raises(openai.BadRequestError, match=r"stop=5 must be a non-empty string or a list of them"):
         ask(client, "c0", "Hi", extra_body={"stop": 5})
+    with pytest.raises(openai.BadRequestError, match="'stream_options' goes with 'stream': true only"):
+        ask(client, "c0", "Hi", stream_options={"include_usage": True})
+    with pytest.raises(openai.BadRequestError, match="'stream_options' must be"):
+        ask(client, "c0", "Hi", stream=True, stream_options={"include_usage": "yes"})
     big = httpx.post(f"{url}/chat/completions", content=b"x" * 1_000_001, headers={"authorization": f"Bearer {KEY}"})
     assert big.status_code == 413 and "the limit is 1000000" in big.json()["error"]["message"]
     raw = httpx.post(f"{url}/chat/completions", content=b"{not json", headers={"authorization": f"Bearer {KEY}"})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -96,11 +96,11 @@ class HFRuntime(Runtime):
                 out[i] = row_completion(self.lm, state, row, stop=params.stop)
         return out  # type: ignore[return-value]
 
-    def stream(self, request: GenerationRequest) -> Iterator[str]:
+    def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
         (prompt,) = self._check([request])
-        yield from text_deltas((row_completion(self.lm, state, 0, stop=request.params.stop).text,
-                                state.reasons[0] is not None)
-                               for state in decode(self.lm, [self._prefix(request)], [prompt], request.params))
+        return (yield from text_deltas((row_completion(self.lm, state, 0, stop=request.params.stop),
+                                        state.reasons[0] is not None)
+                                       for state in decode(self.lm, [self._prefix(request)], [prompt], request.params)))
 
     def close(self) -> None:
         self._installed.clear()

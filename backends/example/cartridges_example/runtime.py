@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 
 from cartridges_sdk import Completion, GenerationRequest, Runtime
 from cartridges_sdk.hf import HFRuntime
@@ -30,9 +30,9 @@ class LoggingRuntime(Runtime):
             record(self.log_file, {"event": "generate", **_describe(r)})
         return self.inner.generate(requests)
 
-    def stream(self, request: GenerationRequest) -> Iterator[str]:
+    def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
         record(self.log_file, {"event": "stream", **_describe(request)})
-        yield from self.inner.stream(request)
+        return (yield from self.inner.stream(request))
 
     def close(self) -> None:
         self.inner.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +84,11 @@ class LlamaCppRuntime(Runtime):
             self._check_length(i, r)
         return [self._answer(r) for r in requests]
 
-    def stream(self, request: GenerationRequest) -> Iterator[str]:
+    def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
         refuse_foreign(self.lm, list(request.cartridges))
         self._check_length(0, request)
-        yield from text_deltas((Completion.from_ids(self.lm, ids, reason, stop=request.params.stop).text,
-                                reason is not None) for ids, _, reason in self._decode(request))
+        return (yield from text_deltas((Completion.from_ids(self.lm, ids, reason, stop=request.params.stop),
+                                        reason is not None) for ids, _, reason in self._decode(request)))
 
     def prefill(self, ids: Sequence[int]) -> Cartridge:
         """A cartridge of these tokens as llama.cpp itself computes them (its own prefill, read back from the

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import tempfile
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +126,7 @@ class VLLMRuntime(Runtime):
         return [engine.completion(self.lm, outs[i].outputs[0], stop_ids, r.params.top_logprobs, r.params.stop)
                 for i, r in enumerate(requests)]
 
-    def stream(self, request: GenerationRequest) -> Iterator[str]:
+    def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
         """Text pieces as the engine produces tokens, stepping vLLM's engine for this one request."""
         refuse_foreign(self.lm, list(request.cartridges))
         prompt, params = self._prepared(0, request)
@@ -135,17 +135,17 @@ class VLLMRuntime(Runtime):
         core.add_request(rid, prompt, params)
         done = False
 
-        def texts() -> Iterator[tuple[str, bool]]:
+        def answers() -> Iterator[tuple[Completion, bool]]:
             nonlocal done
             while not done and core.has_unfinished_requests():
                 for out in core.step():
                     if out.request_id == rid:
                         done = out.finished
                         yield engine.completion(self.lm, out.outputs[0], sorted(self.lm.eos_token_ids), 0,
-                                                request.params.stop).text, done
+                                                request.params.stop), done
 
         try:
-            yield from text_deltas(texts())
+            return (yield from text_deltas(answers()))
         finally:
             if not done:  # the caller stopped reading: free the engine's slot
                 core.abort_request([rid])
