@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from .checks import at_least_one
 from .errors import BackendError, CartridgeError, ConfigError, IncompatibleCartridgeError
 from .plugins import Completion, GenerationParams, GenerationRequest, Runtime
-from .store import CartridgeStore, NotInStoreError
+from .store import SUFFIX, CartridgeStore, NotInStoreError
 
 log = logging.getLogger("cartridges_sdk.server")
 
@@ -268,6 +268,9 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
             refresh(True)
             missing = [n for n in names if n not in store]
             if missing:
+                why = store.refused().get(missing[0] + SUFFIX)
+                if why is not None:  # its file is there but was left out: say why, not just "no such cartridge"
+                    raise BadRequest(404, f"The cartridge {missing[0]!r} is left out of the store: {why}", "model")
                 raise BadRequest(404, f"No cartridge {missing[0]!r} in the store; it holds: "
                                  f"{', '.join(store.names()[:50]) or 'none'} (and 'auto', {lm.name!r}).",
                                  "model") from None
