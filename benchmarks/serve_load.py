@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 from cartridges_sdk import Cartridge, CartridgeStore, load_model
 from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.server import ServeConfig, create_app
-from cartridges_sdk.testing import free_port
+from cartridges_sdk.testing import serving
 
 from . import provenance
 from .data import DEFAULT_DATA, load_corpora
@@ -52,8 +51,6 @@ def _load(url: str, jobs: list[dict], clients: int) -> dict:
 
 
 def main() -> None:
-    import uvicorn
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
     parser.add_argument("--docs", default="0,1,2,3,4,5,6,7")
@@ -73,13 +70,7 @@ def main() -> None:
         for c in corpora:
             store.add(c.name, Cartridge.from_prefix(lm, c.text, args.tokens), corpus=c.text)
         app = create_app(store, lm.get_runtime(args.runtime), ServeConfig(max_queue=1024, max_batch=64))
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.05)
-        url = f"http://127.0.0.1:{server.config.port}/v1"
-        try:
+        with serving(app) as url:
             def job(i, icl):
                 c = corpora[i % len(corpora)]
                 q = c.questions[(i // len(corpora)) % len(c.questions)].question
@@ -92,9 +83,6 @@ def main() -> None:
                        **_load(url, [job(i, method == "icl") for i in range(n)], n)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=60)
     atomic_write_json(args.out, {"docs": args.docs, "tokens": args.tokens, "decode": args.decode, "rows": rows,
                                  "commit": provenance.commit(), "dirty": provenance.dirty(),
                                  "machine": provenance.machine()})

@@ -20,6 +20,7 @@ from .models import LM, ModelIdentity, default_cache_dir, load_model
 from .plugins import (
     Backend,
     Completion,
+    ContinuousRuntime,
     GenerationParams,
     GenerationRequest,
     Runtime,
@@ -43,6 +44,7 @@ __all__ = [
     "CompactionConfig",
     "Completion",
     "ConfigError",
+    "ContinuousRuntime",
     "Corpus",
     "Document",
     "GenerationParams",

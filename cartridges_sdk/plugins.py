@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
@@ -220,16 +220,75 @@ class Runtime(Backend):
         return completion
 
 
+class ContinuousRuntime(Runtime):
+    """A runtime whose engine takes new requests while it decodes others (vLLM's continuous batching). A server adds
+    each request as it arrives and steps the engine, so a request never waits for an earlier batch to finish, and
+    streamed answers share the batch with the rest. `generate` and `stream` come for free on top."""
+
+    @abstractmethod
+    def add(self, request: GenerationRequest) -> str:
+        """Queue `request` in the engine and return its handle; a bad request is refused here, before any step."""
+
+    @abstractmethod
+    def step(self) -> list[tuple[str, Completion, bool]]:
+        """Advance the engine once: each request that progressed, its answer so far, and whether it has ended."""
+
+    @abstractmethod
+    def abort(self, handle: str) -> None:
+        """Drop a request that is no longer wanted (its client went away), freeing its place in the engine."""
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        handles: list[str] = []
+        done: dict[str, Completion] = {}
+        try:
+            for i, r in enumerate(requests):
+                try:
+                    handles.append(self.add(r))
+                except Exception as err:
+                    err.add_note(f"(request {i} of the batch; none of the batch was answered)")
+                    raise
+            while len(done) < len(handles):
+                done.update((h, c) for h, c, ended in self.step() if ended and h in handles)
+        finally:
+            for h in set(handles) - set(done):  # refused or interrupted: the others leave the engine too
+                self.abort(h)
+        return [done[h] for h in handles]
+
+    def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
+        handle = self.add(request)
+        ended = False
+
+        def answers() -> Iterator[tuple[Completion, bool]]:
+            nonlocal ended
+            while not ended:
+                for h, completion, finished in self.step():
+                    if h == handle:
+                        ended = finished
+                        yield completion, finished
+
+        try:
+            return (yield from text_deltas(answers()))
+        finally:
+            if not ended:  # the reader stopped early
+                self.abort(handle)
+
+
+def settled_delta(shown: str, text: str, done: bool) -> str:
+    """What `text` (a growing answer) adds to the `shown` part, once it has settled: text that may still change (an
+    incomplete multi-byte character at its end) is held back until it does."""
+    if (done or not text.endswith("\ufffd")) and len(text) > len(shown) and text.startswith(shown):
+        return text[len(shown) :]
+    return ""
+
+
 def text_deltas(answers: Iterable[tuple[Completion, bool]]) -> Generator[str, None, Completion | None]:
     """The new part of a growing answer each time it settles, for `Runtime.stream`: `answers` gives the answer so far
-    and whether it has ended; the last one is returned. Text that may still change (an incomplete multi-byte
-    character at its end) is held back until it does."""
+    and whether it has ended; the last one is returned."""
     shown, last = "", None
     for last, done in answers:
-        text = last.text
-        if (done or not text.endswith("\ufffd")) and len(text) > len(shown) and text.startswith(shown):
-            yield text[len(shown) :]
-            shown = text
+        if delta := settled_delta(shown, last.text, done):
+            yield delta
+            shown = last.text
     return last
 
 

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .checks import at_least_one
 from .errors import BackendError, CartridgeError, ConfigError, IncompatibleCartridgeError
-from .plugins import Completion, GenerationParams, GenerationRequest, Runtime
+from .plugins import Completion, ContinuousRuntime, GenerationParams, GenerationRequest, Runtime, settled_delta
 from .store import SUFFIX, CartridgeStore, NotInStoreError
 
 log = logging.getLogger("cartridges_sdk.server")
@@ -75,8 +75,10 @@ class _Job:
 
 
 class Engine:
-    """The one thread that drives the runtime: whole answers waiting together go in one batch; a stream runs alone.
-    Whatever goes wrong with one batch is handed to its requests; the thread itself keeps going."""
+    """The one thread that drives the runtime. A `ContinuousRuntime` (vLLM) gets each request as it arrives, streamed
+    or not, and is stepped with up to `max_batch` in flight. Any other runtime answers the whole-answer requests
+    waiting together in one batch, and a stream alone. Whatever goes wrong is handed to the requests it concerns; the
+    thread itself keeps going."""
 
     def __init__(self, runtime: Runtime, max_queue: int, max_batch: int):
         self.runtime = runtime
@@ -84,8 +86,16 @@ class Engine:
         self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
         self._stopping = threading.Event()
         self.largest_batch = 0  # the most requests answered together so far
-        self.thread = threading.Thread(target=self._run, name="cartridges-engine", daemon=True)
+        self._active: dict[str, tuple[_Job, list[str]]] = {}  # a continuous runtime's requests: handle -> the job,
+        # and the text its stream has shown
+        run = self._run_continuous if isinstance(runtime, ContinuousRuntime) else self._run
+        self.thread = threading.Thread(target=run, name="cartridges-engine", daemon=True)
         self.thread.start()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests a continuous runtime holds now."""
+        return len(self._active)
 
     @property
     def alive(self) -> bool:
@@ -132,6 +142,9 @@ class Engine:
                 if not more.cancelled.is_set():
                     batch.append(more)
             self._guarded(batch, self._answer)
+        self._turn_away()
+
+    def _turn_away(self) -> None:
         while True:  # stopping: whoever still waits is told so
             try:
                 job = self.jobs.get_nowait()
@@ -139,6 +152,62 @@ class Engine:
                 return
             if job is not None:
                 _deliver(job, None, BackendError("The server is shutting down."))
+
+    def _run_continuous(self) -> None:
+        runtime: ContinuousRuntime = self.runtime  # type: ignore[assignment]
+        active = self._active
+
+        def drop(handle: str, error: BaseException | None = None) -> None:
+            job, _ = active.pop(handle)
+            if error is not None:
+                _deliver(job, None, error)
+            try:
+                runtime.abort(handle)
+            except Exception:  # a failed abort must not stop the engine
+                log.exception("Aborting a request failed")
+
+        while not self._stopping.is_set():
+            while len(active) < self.max_batch:  # take what has arrived; wait only when there is nothing to step
+                try:
+                    job = self.jobs.get_nowait() if active else self.jobs.get()
+                except queue.Empty:
+                    break
+                if job is None:  # woken to stop
+                    break
+                if job.cancelled.is_set():
+                    continue
+                try:
+                    active[runtime.add(job.request)] = (job, [""])
+                except Exception as err:  # noqa: BLE001 - refused (another model, too long): this request only
+                    _deliver(job, None, err)
+            self.largest_batch = max(self.largest_batch, len(active))
+            for handle in [h for h, (j, _) in active.items() if j.cancelled.is_set()]:
+                drop(handle)  # the client went away: free its place in the engine
+            if not active:
+                continue
+            try:
+                progress = runtime.step()
+            except Exception as err:
+                log.exception("The engine failed %d request(s)", len(active))
+                for handle in list(active):
+                    drop(handle, err)
+                continue
+            for handle, completion, ended in progress:
+                if handle not in active:
+                    continue
+                job, shown = active[handle]
+                if job.stream and (delta := settled_delta(shown[0], completion.text, ended)):
+                    shown[0] = completion.text
+                    _call(job.loop, job.out.put_nowait, delta)
+                if ended:
+                    del active[handle]
+                    if job.stream:
+                        _call(job.loop, job.out.put_nowait, completion)
+                    else:
+                        _deliver(job, completion, None)
+        for handle in list(active):
+            drop(handle, BackendError("The server is shutting down."))
+        self._turn_away()
 
     def _guarded(self, batch: list[_Job], work) -> None:
         try:

@@ -17,9 +17,10 @@ Importing this module imports transformers and tokenizers; the rest of the SDK n
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import string
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -48,6 +49,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """An ASGI app (e.g. `server.create_app`'s) served by uvicorn on 127.0.0.1 in a thread of this process, for
+    tests and benchmarks; yields its ``http://127.0.0.1:PORT/v1`` base URL and stops it on exit."""
+    import threading
+    import time
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not server.started:
+        server.should_exit = True
+        raise RuntimeError("uvicorn did not start within 60 s (see its log above).")
+    try:
+        yield f"http://127.0.0.1:{server.config.port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
 
 
 # makes the prefix cartridge of given token ids (see `check_runtime_exactness`)

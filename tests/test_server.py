@@ -13,24 +13,11 @@ import pytest
 
 from cartridges_sdk import Cartridge, CartridgeStore
 from cartridges_sdk.server import ServeConfig, create_app
-from cartridges_sdk.testing import free_port
+from cartridges_sdk.testing import free_port, serving
 
 TEXTS = [f"Keeper {n} of the lighthouse number {i} logged {w} storms in the winter of 18{i}{n}."
          for i, (n, w) in enumerate(zip("ABCDEFGH", ("three", "five", "nine", "two", "six", "one", "four", "ten")))]
 KEY = "sk-test-key"
-
-
-def serve(app):
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "uvicorn did not start"
-    return server, thread, f"http://127.0.0.1:{server.config.port}/v1"
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +26,8 @@ def served(tmp_path_factory, tiny_llama):
     for i, text in enumerate(TEXTS):
         store.add(f"c{i}", Cartridge.from_prefix(tiny_llama, text, 8 + i), corpus=text)
     app = create_app(store, tiny_llama.get_runtime("hf"), ServeConfig(api_key=KEY))
-    server, thread, url = serve(app)
-    yield url, store, app
-    server.should_exit = True
-    thread.join(timeout=30)
+    with serving(app) as url:
+        yield url, store, app
 
 
 @pytest.fixture(scope="module")
@@ -148,24 +133,22 @@ def test_a_full_queue_answers_429_with_retry_after(tmp_path, tiny_llama):
 
     store = CartridgeStore(tmp_path, tiny_llama)
     store.add("c0", Cartridge.from_prefix(tiny_llama, TEXTS[0], 8))
-    server, thread, url = serve(create_app(store, Slow(), ServeConfig(max_queue=1, max_batch=1)))
-    try:
+    with serving(create_app(store, Slow(), ServeConfig(max_queue=1, max_batch=1))) as url:
         body = {"model": "c0", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
-        with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(httpx.post, f"{url}/chat/completions", json=body, timeout=60)  # taken by the engine
-            assert busy.wait(30)
-            second = pool.submit(httpx.post, f"{url}/chat/completions", json=body, timeout=60)  # waits in the queue
-            deadline = time.monotonic() + 30
-            while httpx.get(f"{url.removesuffix('/v1')}/health").json()["waiting"] < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            third = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
-            assert third.status_code == 429 and third.headers["retry-after"] == "1"
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                first = pool.submit(httpx.post, f"{url}/chat/completions", json=body, timeout=60)  # taken by the engine
+                assert busy.wait(30)
+                second = pool.submit(httpx.post, f"{url}/chat/completions", json=body, timeout=60)  # waits in the queue
+                deadline = time.monotonic() + 30
+                while httpx.get(f"{url.removesuffix('/v1')}/health").json()["waiting"] < 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                third = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+                assert third.status_code == 429 and third.headers["retry-after"] == "1"
+                release.set()
+                assert first.result().status_code == 200 and second.result().status_code == 200
+        finally:
             release.set()
-            assert first.result().status_code == 200 and second.result().status_code == 200
-    finally:
-        release.set()
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.mark.default_model

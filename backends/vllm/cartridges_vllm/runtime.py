@@ -6,14 +6,14 @@ from __future__ import annotations
 import itertools
 import tempfile
 from collections import OrderedDict
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cartridges_sdk import Cartridge, Completion, ConfigError, GenerationRequest, Runtime, UnsupportedModelError
+from cartridges_sdk import BackendError, Cartridge, Completion, ConfigError, GenerationRequest, UnsupportedModelError
 from cartridges_sdk.files import atomic_write
 from cartridges_sdk.kv import refuse_foreign
-from cartridges_sdk.plugins import text_deltas
+from cartridges_sdk.plugins import ContinuousRuntime
 from cartridges_sdk.rope import ROTATE_HALF
 
 from . import engine
@@ -24,7 +24,7 @@ PLACEHOLDER_ID = 0  # the ids the cartridge's positions carry in the prompt; the
 FAMILIES = ("llama", "qwen2")
 
 
-class VLLMRuntime(Runtime):
+class VLLMRuntime(ContinuousRuntime):
     """Answers heterogeneous batches in one vLLM engine. A cartridge (or a composition) is written to the store once,
     by content fingerprint, and keyed in vLLM's prefix cache by a ``cache_salt`` of the same fingerprint."""
 
@@ -44,6 +44,7 @@ class VLLMRuntime(Runtime):
         self._store = tempfile.TemporaryDirectory(prefix="cartridges-vllm-")
         self.installs = 0  # cartridge contents written to the store (each once)
         self._ids = itertools.count()  # request ids of our own, unique in the engine
+        self._live: dict[str, Any] = {}  # handle -> generation params of each request in the engine
         self._composed: OrderedDict[tuple[str, ...], Cartridge] = OrderedDict()  # recent compositions
         connector = KVTransferConfig(
             kv_connector="CartridgeConnector", kv_connector_module_path="cartridges_vllm.connector",
@@ -85,16 +86,18 @@ class VLLMRuntime(Runtime):
         prompt = TokensPrompt(prompt_token_ids=[PLACEHOLDER_ID] * whole.num_tokens + chat, cache_salt=whole.fingerprint)
         return prompt, {"kv_transfer_params": {"cartridge": whole.fingerprint, "cartridge_tokens": whole.num_tokens}}
 
-    def _prepared(self, i: int, request: GenerationRequest) -> tuple[dict[str, Any], Any]:
-        """The engine's prompt and sampling parameters for request `i`, checked against the engine's length limit."""
+    def add(self, request: GenerationRequest) -> str:
+        """Queue the request in vLLM's engine (its cartridges written to the store first); refused here if its
+        cartridges are for another model or it does not fit the engine's length limit."""
         from vllm import SamplingParams
 
+        refuse_foreign(self.lm, list(request.cartridges))
         prompt, extra = self._prompt(request)
         p = request.params
         need = len(prompt["prompt_token_ids"]) + p.max_new_tokens
         if need > self.max_len:  # vLLM would cut the answer short at its limit without saying so
             raise ConfigError(
-                f"Request {i} (cartridge + prompt + max_new_tokens={p.max_new_tokens}) needs {need} tokens, more "
+                f"The request (cartridge + prompt + max_new_tokens={p.max_new_tokens}) needs {need} tokens, more "
                 f"than the engine's max_model_len={self.max_len}; lower max_new_tokens, shorten the conversation or "
                 "start the runtime with a larger max_model_len."
             )
@@ -103,52 +106,31 @@ class VLLMRuntime(Runtime):
             stop=list(p.stop) or None, stop_token_ids=sorted(self.lm.eos_token_ids), logprobs=p.top_logprobs or None,
             detokenize=False, extra_args=extra or None,
         )
-        return prompt, params
+        handle = f"cartridges-{next(self._ids)}"  # outputs and aborts use this id (add_request returns another)
+        self.llm.llm_engine.add_request(handle, prompt, params)
+        self._live[handle] = request.params
+        return handle
 
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
-        requests = list(requests)
-        refuse_foreign(self.lm, [c for r in requests for c in r.cartridges])  # before the engine sees any of them
-        prepared = [self._prepared(i, r) for i, r in enumerate(requests)]
+    def step(self) -> list[tuple[str, Completion, bool]]:
         core = self.llm.llm_engine
-        ids = {}
-        for i, (prompt, params) in enumerate(prepared):
-            rid = f"cartridges-{next(self._ids)}"  # outputs and aborts use this id (add_request returns an internal one)
-            core.add_request(rid, prompt, params)
-            ids[rid] = i
-        outs: dict[int, Any] = {}
-        # our own loop over the engine's steps: outputs are matched by request id, so a stream abandoned mid-way
-        # (its last output may still arrive) can never be taken for one of these answers
-        while len(outs) < len(ids) and core.has_unfinished_requests():
-            for out in core.step():
-                if out.finished and out.request_id in ids:
-                    outs[ids[out.request_id]] = out
-        stop_ids = sorted(self.lm.eos_token_ids)
-        return [engine.completion(self.lm, outs[i].outputs[0], stop_ids, r.params.top_logprobs, r.params.stop)
-                for i, r in enumerate(requests)]
+        if not core.has_unfinished_requests():
+            if self._live:
+                raise BackendError(f"vLLM's engine holds none of the {len(self._live)} requests still awaited.")
+            return []
+        progress = []
+        for out in core.step():
+            params = self._live.get(out.request_id)
+            if params is None:  # one aborted meanwhile, whose last output still arrived
+                continue
+            if out.finished:
+                del self._live[out.request_id]
+            progress.append((out.request_id, engine.completion(self.lm, out.outputs[0], sorted(self.lm.eos_token_ids),
+                                                               params.top_logprobs, params.stop), out.finished))
+        return progress
 
-    def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
-        """Text pieces as the engine produces tokens, stepping vLLM's engine for this one request."""
-        refuse_foreign(self.lm, list(request.cartridges))
-        prompt, params = self._prepared(0, request)
-        core = self.llm.llm_engine
-        rid = f"cartridges-{next(self._ids)}"
-        core.add_request(rid, prompt, params)
-        done = False
-
-        def answers() -> Iterator[tuple[Completion, bool]]:
-            nonlocal done
-            while not done and core.has_unfinished_requests():
-                for out in core.step():
-                    if out.request_id == rid:
-                        done = out.finished
-                        yield engine.completion(self.lm, out.outputs[0], sorted(self.lm.eos_token_ids), 0,
-                                                request.params.stop), done
-
-        try:
-            return (yield from text_deltas(answers()))
-        finally:
-            if not done:  # the caller stopped reading: free the engine's slot
-                core.abort_request([rid])
+    def abort(self, handle: str) -> None:
+        if self._live.pop(handle, None) is not None:
+            self.llm.llm_engine.abort_request([handle])
 
     def close(self) -> None:
         if self.llm is not None:

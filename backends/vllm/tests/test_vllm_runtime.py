@@ -109,3 +109,70 @@ def test_answers_stay_exact_when_the_engine_runs_out_of_kv_memory(lm):
     expected = lm.get_runtime("hf").generate(asks)
     assert [len(c.token_ids) for c in squeezed] == [240] * 6
     assert [c.token_ids for c in squeezed] == [c.token_ids for c in expected]
+
+
+def test_cartridges_serve_feeds_vllm_requests_as_they_arrive(runtime, lm, tmp_path):
+    """Behind `cartridges serve`, requests join vLLM's running batch as they arrive: a short question sent while a
+    long answer is being decoded comes back first (batch by batch, it would wait for the long one). Streamed and
+    whole answers, sent together, equal the ones asked alone; a stream whose client goes away leaves the engine."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import openai
+
+    from cartridges_sdk import CartridgeStore
+    from cartridges_sdk.server import ServeConfig, create_app
+
+    store = CartridgeStore(tmp_path, lm)
+    for i, text in enumerate(testing.CONTRACT_TEXTS[:3]):
+        store.add(f"c{i}", Cartridge.from_prefix(lm, text, 20 + i))
+    app = create_app(store, runtime, ServeConfig())
+    asks = [(f"c{i % 3}", q, 8 + i) for i, q in enumerate(testing.QUESTIONS * 2)]
+    alone = [runtime.generate([GenerationRequest([{"role": "user", "content": q}], [store.get(name)],
+                                                 GenerationParams(max_new_tokens=n))])[0].text for name, q, n in asks]
+    with testing.serving(app) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
+
+        def ask(name, question, n, stream=False):
+            out = client.chat.completions.create(model=name, messages=[{"role": "user", "content": question}],
+                                                 max_tokens=n, temperature=0, stream=stream)
+            return "".join(c.choices[0].delta.content or "" for c in out if c.choices) if stream \
+                else out.choices[0].message.content
+
+        with ThreadPoolExecutor(len(asks)) as pool:
+            got = list(pool.map(lambda j: ask(*asks[j], stream=j % 2 == 0), range(len(asks))))
+        assert got == alone
+
+        finished: list[str] = []
+        long = threading.Thread(target=lambda: (ask("c0", "Write a long story about the text.", 400),
+                                                finished.append("long")))
+        long.start()
+        engine = app.state.engine
+        deadline = time.monotonic() + 60
+        while engine.in_flight < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ask("c1", testing.QUESTIONS[0], 4) and not finished  # answered while the long one still decodes
+        finished.append("short")
+        long.join(timeout=300)
+        assert finished == ["short", "long"]
+
+        aborted = []
+        abort = runtime.abort
+        runtime.abort = lambda handle: (aborted.append(handle), abort(handle))  # watched, and still done
+        try:
+            with httpx.stream("POST", f"{url}/chat/completions", json={
+                    "model": "c2", "messages": [{"role": "user", "content": "Write a long story about the text."}],
+                    "stream": True, "max_tokens": 1000}) as response:
+                lines = response.iter_lines()
+                while '"content": ""' in next(lines) or engine.in_flight == 0:  # until it is being decoded
+                    pass
+            deadline = time.monotonic() + 60
+            while engine.in_flight and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            del runtime.abort
+        assert engine.in_flight == 0 and len(aborted) == 1 and not runtime._live
+        assert not runtime.llm.llm_engine.has_unfinished_requests()
+        assert engine.largest_batch > 1
