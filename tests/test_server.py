@@ -60,16 +60,34 @@ def test_answers_equal_the_python_apis_streamed_and_not(served, client, tiny_lla
     assert names[:8] == [f"c{i}" for i in range(8)] and "auto" in names and tiny_llama.name in names
 
 
-def test_many_concurrent_clients_get_their_own_answers(served, client, tiny_llama):
-    _, store, _ = served
-    jobs = [(f"c{i % 8}", f"What did keeper {'ABCDEFGH'[i % 8]} log? ({i // 8})") for i in range(64)]
-    want = {j: tiny_llama.ask(j[1], cartridges=[store.get(j[0])], max_new_tokens=8) for j in jobs}
+def hammer(client, app, store, lm, clients=64):
+    """`clients` concurrent requests over 8 cartridges, every third one streamed: each gets its own greedy answer."""
+    jobs = [(f"c{i % 8}", f"What did keeper {'ABCDEFGH'[i % 8]} log? ({i // 8})", i % 3 == 0) for i in range(clients)]
+    want = {j: lm.ask(j[1], cartridges=[store.get(j[0])], max_new_tokens=8) for j in jobs}
+
+    def one(job):
+        name, question, stream = job
+        if not stream:
+            return ask(client, name, question).choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in ask(client, name, question, stream=True))
+
     start = time.monotonic()
-    with ThreadPoolExecutor(64) as pool:
-        got = list(pool.map(lambda j: ask(client, *j).choices[0].message.content, jobs))
+    with ThreadPoolExecutor(clients) as pool:
+        got = list(pool.map(one, jobs))
     assert time.monotonic() - start < 120
     assert got == [want[j] for j in jobs]  # none lost, none mixed up
-    assert served[2].state.engine.largest_batch > 1  # answered together, not one by one
+    assert app.state.engine.largest_batch > 1  # answered together, not one by one
+
+
+def test_many_concurrent_clients_get_their_own_answers(served, client, tiny_llama):
+    hammer(client, served[2], served[1], tiny_llama)  # HF: a ContinuousRuntime, streams batched with the rest
+
+
+def test_a_runtime_answering_batch_by_batch_serves_them_too(served, tiny_llama):
+    store = served[1]  # the example plugin's runtime is a plain Runtime: the server gathers batches for it
+    app = create_app(store, tiny_llama.get_runtime("example"), ServeConfig(api_key=KEY))
+    with serving(app) as url:
+        hammer(openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=120), app, store, tiny_llama, 24)
 
 
 def test_routing_picks_the_cartridge_and_says_which(client):

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Generator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 
 from ..checks import at_least_one
 from ..kv import concat_layers, refuse_foreign
-from ..plugins import Completion, GenerationParams, GenerationRequest, Runtime, text_deltas
-from .decode import Layers, decode, row_completion
+from ..plugins import Completion, ContinuousRuntime, GenerationParams, GenerationRequest
+from .decode import DecodeState, Layers, decode, row_completion
 
 if TYPE_CHECKING:
     from ..cartridge import Cartridge
@@ -24,11 +25,23 @@ class HFRuntimeOptions:
     max_installed: int = attrs.field(default=64, validator=at_least_one)
 
 
-class HFRuntime(Runtime):
+@attrs.define
+class _Decoding:
+    """A batch decode under way for `add`/`step`: its steps, the handle of each row, and the rows still reported."""
+
+    steps: Iterator[DecodeState]
+    handles: list[str]
+    params: GenerationParams
+    open: set[str]
+
+
+class HFRuntime(ContinuousRuntime):
     """Runs cartridges on the transformers model inside an `LM`.
 
     Requests with equal generation settings are decoded as one batch, whatever their cartridges: each row gets its
-    own prefix, and the attention mask hides the padding, so every answer equals the one asked alone.
+    own prefix, and the attention mask hides the padding, so every answer equals the one asked alone. Through
+    `add`/`step` (how `cartridges serve` drives it), the requests added while a batch decodes start together when it
+    ends: a transformers batch cannot take new rows mid-way, but streams share it with the rest.
     """
 
     Options = HFRuntimeOptions
@@ -38,6 +51,9 @@ class HFRuntime(Runtime):
         self.max_installed = max_installed
         self._installed: OrderedDict[str, Layers] = OrderedDict()
         self.installs = 0  # cartridges moved into the model's device and dtype (each content once while it stays)
+        self._handles = itertools.count()
+        self._waiting: OrderedDict[str, tuple[GenerationRequest, list[int]]] = OrderedDict()  # added, not started
+        self._running: _Decoding | None = None
 
     def _install(self, cartridge: Cartridge) -> Layers:
         key = cartridge.fingerprint
@@ -96,11 +112,52 @@ class HFRuntime(Runtime):
                 out[i] = row_completion(self.lm, state, row, stop=params.stop)
         return out  # type: ignore[return-value]
 
-    def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
+    def add(self, request: GenerationRequest) -> str:
         (prompt,) = self._check([request])
-        return (yield from text_deltas((row_completion(self.lm, state, 0, stop=request.params.stop),
-                                        state.reasons[0] is not None)
-                                       for state in decode(self.lm, [self._prefix(request)], [prompt], request.params)))
+        handle = f"hf-{next(self._handles)}"
+        self._waiting[handle] = (request, prompt)
+        return handle
+
+    def step(self) -> list[tuple[str, Completion, bool]]:
+        if self._running is None:
+            if not self._waiting:
+                return []
+            params = next(iter(self._waiting.values()))[0].params  # the oldest request's settings, and all that share them
+            handles = [h for h, (r, _) in self._waiting.items() if r.params == params]
+            batch = [self._waiting.pop(h) for h in handles]
+            steps = decode(self.lm, [self._prefix(r) for r, _ in batch], [prompt for _, prompt in batch], params,
+                           top_logprobs=params.top_logprobs)
+            self._running = _Decoding(steps, handles, params, set(handles))
+        run = self._running
+        try:
+            state = next(run.steps)
+        except BaseException:
+            self._running = None  # a batch that failed is over; the requests added since start on the next step
+            raise
+        progress = []
+        for row, handle in enumerate(run.handles):
+            if handle in run.open:
+                ended = state.reasons[row] is not None
+                progress.append((handle, row_completion(self.lm, state, row, stop=run.params.stop), ended))
+                if ended:
+                    run.open.discard(handle)
+        if not run.open:
+            self._finish()
+        return progress
+
+    def abort(self, handle: str) -> None:
+        self._waiting.pop(handle, None)
+        if self._running is not None and handle in self._running.open:
+            self._running.open.discard(handle)
+            if not self._running.open:  # nobody waits for this batch any more: stop decoding it
+                self._finish()
+
+    def _finish(self) -> None:
+        self._running.steps.close()  # type: ignore[union-attr]
+        self._running = None
 
     def close(self) -> None:
+        if self._running is not None:
+            self._finish()
+        self._waiting.clear()
         self._installed.clear()
