@@ -28,6 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cartridges_sdk import Cartridge, CartridgeStore, load_model
+from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.evaluation import answer_logprobs, nll
 from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.models import LM
@@ -86,8 +87,11 @@ def accuracy_rows(store: CartridgeStore, corpora: list[Corpus]) -> list[dict]:
     for c in corpora:
         others = [o.text for o in corpora if o is not c]
         for q in c.questions:
-            ranked = [r.name for r in store.route(q.question, k=3)]
-            rows.append({"doc": c.name, "question": q.question, "top1": ranked[0] == c.name, "top3": c.name in ranked,
+            try:
+                ranked = [r.name for r in store.route(q.question, k=3)]
+            except ConfigError:  # shares no word with any document: a miss, not the end of the run
+                ranked = []
+            rows.append({"doc": c.name, "question": q.question, "top1": ranked[:1] == [c.name], "top3": c.name in ranked,
                          "routed": ranked, "only_own_words": only_own_words(q.question, c.text, others)})
     return rows
 
@@ -104,7 +108,10 @@ def closure_rows(lm: LM, store: CartridgeStore, corpora: list[Corpus], tokens: i
     questions = [(c, q) for c in corpora for q in c.questions]
     for c, q in tqdm(questions, desc="questions", unit="q"):
         start = time.perf_counter()
-        routed = store.route(q.question, k=1)[0].name
+        try:
+            routed = store.route(q.question, k=1)[0].name
+        except ConfigError:  # shares no word with any paper: answered with none, as a router that finds nothing would
+            routed = None
         found, _ = retriever.retrieve(bm25s.tokenize([q.question], stopwords="en", show_progress=False),
                                       k=min(len(passages), 4 * tokens // PASSAGE_WORDS), show_progress=False)
         rag_ids: list[int] = []
@@ -113,12 +120,13 @@ def closure_rows(lm: LM, store: CartridgeStore, corpora: list[Corpus], tokens: i
             if len(rag_ids) >= tokens:
                 break
 
-        def score(**where) -> float:
-            return nll(answer_logprobs(lm, q.question, q.answer, **where), lm, q.answer)
+        def score(question: str = q.question, answer: str = q.answer, **where) -> float:
+            return nll(answer_logprobs(lm, question, answer, **where), lm, answer)
 
         rows.append({"doc": c.name, "question": q.question, "routed": routed, "none": score(),
                      "icl": score(document=c.text), "oracle": score(cartridges=[store.get(c.name)]),
-                     "routed_cartridge": score(cartridges=[store.get(routed)]), "rag": score(document=rag_ids),
+                     "routed_cartridge": score(cartridges=[store.get(routed)] if routed else None),
+                     "rag": score(document=rag_ids),
                      "rag_docs": sorted({passages[i][0] for i in found[0].tolist()[:3]}), "rag_tokens": len(rag_ids),
                      "icl_tokens": len(lm.encode(c.text)), "seconds": round(time.perf_counter() - start, 2)})
     return rows

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Container, Generator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
@@ -221,9 +221,14 @@ class Runtime(Backend):
 
 
 class ContinuousRuntime(Runtime):
-    """A runtime whose engine takes new requests while it decodes others (vLLM's continuous batching). A server adds
-    each request as it arrives and steps the engine, so a request never waits for an earlier batch to finish, and
-    streamed answers share the batch with the rest. `generate` and `stream` come for free on top."""
+    """A runtime that takes requests one at a time and is stepped: a server adds each request as it arrives, and the
+    engine starts it at once (vLLM's continuous batching) or with the next batch (the HF runtime), so streamed answers
+    share batches with the rest. `generate` and `stream` come for free on top.
+
+    What an implementation guarantees: every added handle is reported ended exactly once by some `step` (unless
+    aborted); nothing is reported for it after that or after `abort`; a failed `step` raises, and the requests it
+    concerned are then dropped by the caller (`abort`).
+    """
 
     @abstractmethod
     def add(self, request: GenerationRequest) -> str:
@@ -237,6 +242,20 @@ class ContinuousRuntime(Runtime):
     def abort(self, handle: str) -> None:
         """Drop a request that is no longer wanted (its client went away), freeing its place in the engine."""
 
+    def _reports(self, handles: Container[str]) -> list[tuple[str, Completion, bool]]:
+        """The next reports for `handles`: held ones first, else one `step`, whose reports for other requests (a
+        `stream` and a `generate` interleaved on one runtime) are held for their own readers (the latest of each)."""
+        held: dict[str, tuple[Completion, bool]] = self.__dict__.setdefault("_held_reports", {})
+        mine = [(h, *held.pop(h)) for h in [h for h in held if h in handles]]
+        if mine:
+            return mine
+        for h, completion, ended in self.step():
+            if h in handles:
+                mine.append((h, completion, ended))
+            else:
+                held[h] = (completion, ended or held.get(h, (None, False))[1])
+        return mine
+
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         handles: list[str] = []
         done: dict[str, Completion] = {}
@@ -247,11 +266,12 @@ class ContinuousRuntime(Runtime):
                 except Exception as err:
                     err.add_note(f"(request {i} of the batch; none of the batch was answered)")
                     raise
+            wanted = set(handles)
             while len(done) < len(handles):
-                done.update((h, c) for h, c, ended in self.step() if ended and h in handles)
+                done.update((h, c) for h, c, ended in self._reports(wanted - set(done)) if ended)
         finally:
             for h in set(handles) - set(done):  # refused or interrupted: the others leave the engine too
-                self.abort(h)
+                self._drop(h)
         return [done[h] for h in handles]
 
     def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
@@ -261,16 +281,19 @@ class ContinuousRuntime(Runtime):
         def answers() -> Iterator[tuple[Completion, bool]]:
             nonlocal ended
             while not ended:
-                for h, completion, finished in self.step():
-                    if h == handle:
-                        ended = finished
-                        yield completion, finished
+                for _, completion, finished in self._reports({handle}):
+                    ended = finished
+                    yield completion, finished
 
         try:
             return (yield from text_deltas(answers()))
         finally:
             if not ended:  # the reader stopped early
-                self.abort(handle)
+                self._drop(handle)
+
+    def _drop(self, handle: str) -> None:
+        self.abort(handle)
+        self.__dict__.get("_held_reports", {}).pop(handle, None)
 
 
 def settled_delta(shown: str, text: str, done: bool) -> str:

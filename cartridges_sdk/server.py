@@ -86,8 +86,7 @@ class Engine:
         self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
         self._stopping = threading.Event()
         self.largest_batch = 0  # the most requests answered together so far
-        self._active: dict[str, tuple[_Job, list[str]]] = {}  # a continuous runtime's requests: handle -> the job,
-        # and the text its stream has shown
+        self._active: dict[str, _Running] = {}  # the requests a continuous runtime holds, by handle
         run = self._run_continuous if isinstance(runtime, ContinuousRuntime) else self._run
         self.thread = threading.Thread(target=run, name="cartridges-engine", daemon=True)
         self.thread.start()
@@ -153,62 +152,6 @@ class Engine:
             if job is not None:
                 _deliver(job, None, BackendError("The server is shutting down."))
 
-    def _run_continuous(self) -> None:
-        runtime: ContinuousRuntime = self.runtime  # type: ignore[assignment]
-        active = self._active
-
-        def drop(handle: str, error: BaseException | None = None) -> None:
-            job, _ = active.pop(handle)
-            if error is not None:
-                _deliver(job, None, error)
-            try:
-                runtime.abort(handle)
-            except Exception:  # a failed abort must not stop the engine
-                log.exception("Aborting a request failed")
-
-        while not self._stopping.is_set():
-            while len(active) < self.max_batch:  # take what has arrived; wait only when there is nothing to step
-                try:
-                    job = self.jobs.get_nowait() if active else self.jobs.get()
-                except queue.Empty:
-                    break
-                if job is None:  # woken to stop
-                    break
-                if job.cancelled.is_set():
-                    continue
-                try:
-                    active[runtime.add(job.request)] = (job, [""])
-                except Exception as err:  # noqa: BLE001 - refused (another model, too long): this request only
-                    _deliver(job, None, err)
-            self.largest_batch = max(self.largest_batch, len(active))
-            for handle in [h for h, (j, _) in active.items() if j.cancelled.is_set()]:
-                drop(handle)  # the client went away: free its place in the engine
-            if not active:
-                continue
-            try:
-                progress = runtime.step()
-            except Exception as err:
-                log.exception("The engine failed %d request(s)", len(active))
-                for handle in list(active):
-                    drop(handle, err)
-                continue
-            for handle, completion, ended in progress:
-                if handle not in active:
-                    continue
-                job, shown = active[handle]
-                if job.stream and (delta := settled_delta(shown[0], completion.text, ended)):
-                    shown[0] = completion.text
-                    _call(job.loop, job.out.put_nowait, delta)
-                if ended:
-                    del active[handle]
-                    if job.stream:
-                        _call(job.loop, job.out.put_nowait, completion)
-                    else:
-                        _deliver(job, completion, None)
-        for handle in list(active):
-            drop(handle, BackendError("The server is shutting down."))
-        self._turn_away()
-
     def _guarded(self, batch: list[_Job], work) -> None:
         try:
             work(batch)
@@ -251,6 +194,79 @@ class Engine:
             if close is not None:
                 close()
         _call(job.loop, job.out.put_nowait, final)
+
+    def _run_continuous(self) -> None:
+        active = self._active
+        while not self._stopping.is_set():
+            self._take_arrivals()
+            if not active:
+                continue
+            try:
+                self._advance()
+            except Exception as err:  # a failed step, or a runtime that broke its contract: its requests are told
+                log.exception("The engine failed %d request(s)", len(active))
+                for handle in list(active):
+                    self._drop(handle, err)
+        for handle in list(active):
+            self._drop(handle, BackendError("The server is shutting down."))
+        self._turn_away()
+
+    def _take_arrivals(self) -> None:
+        """Add what has arrived to the runtime (waiting only when nothing is under way), up to `max_batch`."""
+        runtime: ContinuousRuntime = self.runtime  # type: ignore[assignment]
+        while len(self._active) < self.max_batch:
+            try:
+                job = self.jobs.get_nowait() if self._active else self.jobs.get()
+            except queue.Empty:
+                break
+            if job is None:  # woken to stop
+                break
+            if job.cancelled.is_set():
+                continue
+            try:
+                self._active[runtime.add(job.request)] = _Running(job)
+            except Exception as err:  # noqa: BLE001 - refused (another model, too long): this request only
+                _deliver(job, None, err)
+        self.largest_batch = max(self.largest_batch, len(self._active))
+
+    def _advance(self) -> None:
+        """One step of the runtime: new text to streams, finished answers to their requests; requests whose clients
+        went away are dropped first."""
+        for handle in [h for h, r in self._active.items() if r.job.cancelled.is_set()]:
+            self._drop(handle)
+        if not self._active:
+            return
+        for handle, completion, ended in self.runtime.step():  # type: ignore[attr-defined]
+            running = self._active.get(handle)
+            if running is None:
+                continue
+            job = running.job
+            if job.stream and (delta := settled_delta(running.shown, completion.text, ended)):
+                running.shown = completion.text
+                _call(job.loop, job.out.put_nowait, delta)
+            if ended:
+                del self._active[handle]
+                if job.stream:
+                    _call(job.loop, job.out.put_nowait, completion)
+                else:
+                    _deliver(job, completion, None)
+
+    def _drop(self, handle: str, error: BaseException | None = None) -> None:
+        running = self._active.pop(handle)
+        if error is not None:
+            _deliver(running.job, None, error)
+        try:
+            self.runtime.abort(handle)  # type: ignore[attr-defined]
+        except Exception:  # a failed abort must not stop the engine
+            log.exception("Aborting a request failed")
+
+
+@attrs.define
+class _Running:
+    """A request a continuous runtime holds, and the text its stream has shown so far."""
+
+    job: _Job
+    shown: str = ""
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
@@ -325,12 +341,16 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
         refresh()
         if names == [lm.name] and lm.name not in store:  # the bare model, no cartridge
             names = []
-        if names is None:  # model="auto": routed by the conversation's last user turn
-            question = next(m["content"] for m in reversed(messages) if m["role"] == "user")
-            try:
-                names = [r.name for r in store.route(question, k=body.get("k", 1))]
-            except ConfigError as err:
-                raise BadRequest(400, str(err), "model") from None
+        if names is None:  # model="auto": routed by the last user turn, or all of them for a follow-up ("Why?")
+            turns = [m["content"] for m in messages if m["role"] == "user"]
+            for question in (turns[-1], "\n".join(turns)) if len(turns) > 1 else (turns[-1],):
+                try:
+                    names = [r.name for r in store.route(question, k=body.get("k", 1))]
+                    break
+                except ConfigError as err:
+                    refused = err
+            if names is None:
+                raise BadRequest(400, str(refused), "model")
         try:
             cartridges = [store.get(n) for n in names]
         except NotInStoreError:

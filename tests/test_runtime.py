@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TEXT
 
-from cartridges_sdk import Cartridge, ConfigError, GenerationParams, GenerationRequest, PluginError, Runtime
+from cartridges_sdk import (
+    Cartridge,
+    Completion,
+    ConfigError,
+    ContinuousRuntime,
+    GenerationParams,
+    GenerationRequest,
+    PluginError,
+    Runtime,
+)
 from cartridges_sdk.errors import BackendUnavailableError
 from cartridges_sdk.hf import HFRuntime
 from cartridges_sdk.plugins import Registry, runtimes
-
-from conftest import TEXT
 
 
 def test_stream_concatenates_to_the_answer(tiny_lm):
@@ -119,3 +127,66 @@ def test_sampling_draws_tokens_with_their_probabilities():
     torch.testing.assert_close(freq, (logits[0] / 0.7).softmax(-1), atol=0.01, rtol=0)
     cut = sample_next(logits, GenerationParams(temperature=1.0, top_k=2), generator)
     assert set(cut.tolist()) == {1, 2}
+
+
+def test_interleaved_streams_and_generate_on_one_continuous_runtime_each_get_their_answer():
+    """Each `step` advances every request in the runtime; a reader keeps the reports meant for another request
+    for it, so two streams read in turns and a `generate` in between all finish with their own answers."""
+    class Letters(ContinuousRuntime):  # answers each question with its own text, one character per step
+        def __init__(self):
+            self.live: dict[str, str] = {}
+            self.given: dict[str, int] = {}
+
+        def add(self, request):
+            handle = f"r{len(self.given)}"
+            self.live[handle], self.given[handle] = request.messages[-1]["content"].upper(), 0
+            return handle
+
+        def step(self):
+            out = []
+            for handle, text in list(self.live.items()):
+                self.given[handle] += 1
+                done = self.given[handle] == len(text)
+                out.append((handle, Completion(text[: self.given[handle]], (), "stop"), done))
+                if done:
+                    del self.live[handle]
+            return out
+
+        def abort(self, handle):
+            self.live.pop(handle, None)
+
+    def request(text):
+        return GenerationRequest([{"role": "user", "content": text}], [], GenerationParams())
+
+    rt = Letters()
+    a, b = rt.stream(request("harbour")), rt.stream(request("lamp"))
+    pieces = {"a": [next(a)], "b": [next(b)]}
+    assert rt.generate([request("keeper"), request("oil")]) == [Completion("KEEPER", (), "stop"),
+                                                                Completion("OIL", (), "stop")]
+    for name, stream in (("a", a), ("b", b)):
+        pieces[name] += list(stream)
+    assert "".join(pieces["a"]) == "HARBOUR" and "".join(pieces["b"]) == "LAMP"
+    assert not rt.live and not rt.__dict__.get("_held_reports")
+    c = rt.stream(request("gone"))
+    next(c)
+    c.close()  # a reader that stops early aborts its request
+    assert not rt.live
+
+
+def test_an_aborted_request_stops_decoding_and_leaves_the_others_exact(tiny_lm):
+    rt = HFRuntime.create(tiny_lm)
+    c = Cartridge.from_prefix(tiny_lm, "The lamp burned colza oil until 1904.", 8)
+    short = GenerationRequest([{"role": "user", "content": "Oil?"}], [c], GenerationParams(max_new_tokens=6))
+    long = GenerationRequest([{"role": "user", "content": "Lamp?"}], [c], GenerationParams(max_new_tokens=6))
+    (want,) = rt.generate([short])
+    keep, drop = rt.add(short), rt.add(long)
+    first = rt.step()
+    assert {h for h, _, _ in first} == {keep, drop} and rt.widest_batch == 2
+    run = rt._running
+    rt.abort(drop)
+    reports = []
+    while rt._running is not None:
+        reports += rt.step()
+    assert drop not in {h for h, _, _ in reports}  # nothing after the abort
+    assert [c for h, c, ended in reports if ended] == [want]  # the other row is untouched
+    assert len(run.state.tokens[1]) == 1  # and the dropped one was not decoded further

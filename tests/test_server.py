@@ -81,6 +81,7 @@ def hammer(client, app, store, lm, clients=64):
 
 def test_many_concurrent_clients_get_their_own_answers(served, client, tiny_llama):
     hammer(client, served[2], served[1], tiny_llama)  # HF: a ContinuousRuntime, streams batched with the rest
+    assert served[2].state.engine.runtime.widest_batch > 1  # decoded together, not only queued together
 
 
 def test_a_runtime_answering_batch_by_batch_serves_them_too(served, tiny_llama):
@@ -93,6 +94,12 @@ def test_a_runtime_answering_batch_by_batch_serves_them_too(served, tiny_llama):
 def test_routing_picks_the_cartridge_and_says_which(client):
     got = ask(client, "auto", "Which keeper logged ten storms in the winter of 187H?")
     assert got.model_extra["cartridges"] == ["c7"]
+    follow_up = client.chat.completions.create(model="auto", max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": "Which keeper logged ten storms in the winter of 187H?"},
+        {"role": "assistant", "content": "Keeper H."}, {"role": "user", "content": "Why?"}])
+    assert follow_up.model_extra["cartridges"] == ["c7"]  # "Why?" alone names nothing: the earlier turn routes it
+    with pytest.raises(openai.BadRequestError, match="shares no word with the corpus of any cartridge"):
+        ask(client, "auto", "Why?")
 
 
 def test_bad_input_gets_a_clear_4xx_and_the_server_stays_up(served, client):

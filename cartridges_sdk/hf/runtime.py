@@ -33,6 +33,7 @@ class _Decoding:
     handles: list[str]
     params: GenerationParams
     open: set[str]
+    state: DecodeState | None = None  # after the first step
 
 
 class HFRuntime(ContinuousRuntime):
@@ -54,6 +55,7 @@ class HFRuntime(ContinuousRuntime):
         self._handles = itertools.count()
         self._waiting: OrderedDict[str, tuple[GenerationRequest, list[int]]] = OrderedDict()  # added, not started
         self._running: _Decoding | None = None
+        self.widest_batch = 0  # the most requests add/step decoded together so far
 
     def _install(self, cartridge: Cartridge) -> Layers:
         key = cartridge.fingerprint
@@ -124,15 +126,16 @@ class HFRuntime(ContinuousRuntime):
                 return []
             params = next(iter(self._waiting.values()))[0].params  # the oldest request's settings, and all that share them
             handles = [h for h, (r, _) in self._waiting.items() if r.params == params]
-            batch = [self._waiting.pop(h) for h in handles]
-            steps = decode(self.lm, [self._prefix(r) for r, _ in batch], [prompt for _, prompt in batch], params,
-                           top_logprobs=params.top_logprobs)
+            prefixes = [self._prefix(self._waiting[h][0]) for h in handles]  # may fail: they stay waiting then
+            prompts = [self._waiting.pop(h)[1] for h in handles]
+            steps = decode(self.lm, prefixes, prompts, params, top_logprobs=params.top_logprobs)
             self._running = _Decoding(steps, handles, params, set(handles))
+            self.widest_batch = max(self.widest_batch, len(handles))
         run = self._running
         try:
-            state = next(run.steps)
+            state = run.state = next(run.steps)
         except BaseException:
-            self._running = None  # a batch that failed is over; the requests added since start on the next step
+            self._running = None  # a batch that failed is over; its requests are the caller's to drop
             raise
         progress = []
         for row, handle in enumerate(run.handles):
@@ -147,10 +150,13 @@ class HFRuntime(ContinuousRuntime):
 
     def abort(self, handle: str) -> None:
         self._waiting.pop(handle, None)
-        if self._running is not None and handle in self._running.open:
-            self._running.open.discard(handle)
-            if not self._running.open:  # nobody waits for this batch any more: stop decoding it
+        run = self._running
+        if run is not None and handle in run.open:
+            run.open.discard(handle)
+            if not run.open:  # nobody waits for this batch any more: stop decoding it
                 self._finish()
+            elif run.state is not None:  # the decode skips a row that has a reason, and soon drops it
+                run.state.reasons[run.handles.index(handle)] = "aborted"
 
     def _finish(self) -> None:
         self._running.steps.close()  # type: ignore[union-attr]

@@ -115,7 +115,8 @@ class VLLMRuntime(ContinuousRuntime):
         core = self.llm.llm_engine
         if not core.has_unfinished_requests():
             if self._live:
-                raise BackendError(f"vLLM's engine holds none of the {len(self._live)} requests still awaited.")
+                lost, self._live = len(self._live), {}
+                raise BackendError(f"vLLM's engine holds none of the {lost} requests still awaited.")
             return []
         progress = []
         for out in core.step():

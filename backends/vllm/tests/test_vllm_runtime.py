@@ -153,6 +153,7 @@ def test_cartridges_serve_feeds_vllm_requests_as_they_arrive(runtime, lm, tmp_pa
         deadline = time.monotonic() + 60
         while engine.in_flight < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert engine.in_flight == 1, "the long request never reached the engine"
         assert ask("c1", testing.QUESTIONS[0], 4) and not finished  # answered while the long one still decodes
         finished.append("short")
         long.join(timeout=300)
