@@ -75,8 +75,8 @@ class _Job:
 
 
 class Engine:
-    """The one thread that drives the runtime. A `ContinuousRuntime` (vLLM) gets each request as it arrives, streamed
-    or not, and is stepped with up to `max_batch` in flight. Any other runtime answers the whole-answer requests
+    """The one thread that drives the runtime. A `ContinuousRuntime` (vLLM, HF) gets each request as it arrives,
+    streamed or not, and is stepped with up to `max_batch` in flight. Any other runtime answers the whole-answer requests
     waiting together in one batch, and a stream alone. Whatever goes wrong is handed to the requests it concerns; the
     thread itself keeps going."""
 
