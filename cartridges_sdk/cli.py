@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import CartridgeError
+from .errors import CartridgeError, ConfigError
 
 
 def _model_for(spec: str | None, cartridge_meta: Any = None, device: str = "cpu"):
@@ -325,8 +325,19 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import os
+
     from .dataset import SelfStudyDataset
+    from .distributed import is_lead, launch
     from .selfstudy import train_cartridge
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc} must be at least 1.")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # start the ranks; each runs this command without --nproc
+        argv = sys.argv[1:]
+        i = next(i for i, a in enumerate(argv) if a == "--nproc" or a.startswith("--nproc="))
+        del argv[i : i + (1 if "=" in argv[i] else 2)]
+        return launch(["cartridges_sdk.cli", *argv], args.nproc)
 
     train = _stage_settings(args, "train")
     from .selfstudy import check_settings
@@ -348,8 +359,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         prefix_ids=prefix_ids, output_dir=work, trainer=args.trainer, trainer_options=options, restart=args.restart,
         **train,
     )
-    c.save(args.output)
-    print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)}")
+    if is_lead():  # every rank holds the same cartridge; one writes it
+        c.save(args.output)
+        print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)}")
     return 0
 
 
@@ -440,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append")
     p.add_argument("--description")
     p.add_argument("--work-dir", help="where checkpoints go (default OUTPUT.work); a re-run resumes")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="train data-parallel in this many processes on this machine (torchrun; default 1)")
     study_args(p)
     backend_args(p, "trainer")
     p.set_defaults(func=cmd_train)

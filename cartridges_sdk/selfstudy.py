@@ -16,6 +16,7 @@ from .cartridge import Cartridge
 from .checks import PATH, require
 from .corpus import Corpus
 from .dataset import SelfStudyDataset
+from .distributed import is_lead
 from .errors import ConfigError
 from .identity import token_fingerprint
 from .models import LM, load_model, resolve_dtype
@@ -183,7 +184,7 @@ def train_cartridge(
     prefix_ids = prefix_ids if prefix_ids is not None else corpus_info.get("prefix_ids")
     work = work_model(lm, work_dtype)
     fitter, owned = trainers.resolve(trainer, work, trainer_options)
-    if restart and output_dir is not None:
+    if restart and output_dir is not None and is_lead():  # under torchrun, rank 0 clears before the ranks start
         clear_training(Path(output_dir))
     try:
         if init == "compact" and prefix_ids is corpus_info.get("prefix_ids"):

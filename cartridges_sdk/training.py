@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from .cartridge import Cartridge, CartridgeMeta
-from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
 from .checks import at_least_one, count, fraction, non_negative, one_of, optional_int, positive
+from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
+from .distributed import barrier, join, sum_across_ranks
 from .errors import ConfigError
 from .files import atomic_write, folder_lock
 from .identity import token_fingerprint
@@ -285,8 +286,10 @@ class TorchTrainer(Trainer):
         config: TrainConfig | None = None, *, output_dir: str | os.PathLike | None = None, progress: bool = True,
     ) -> Cartridge:
         output_dir = Path(output_dir) if output_dir is not None else None
-        with folder_lock(output_dir) if output_dir else contextlib.nullcontext():
-            return self._fit(init, dataset, model, config or TrainConfig(), output_dir, progress)
+        self.rank, self.world = join(model.device)  # under torchrun: this process's share of the data
+        lead = self.rank == 0  # the one rank that writes checkpoints and logs
+        with folder_lock(output_dir) if output_dir and lead else contextlib.nullcontext():
+            return self._fit(init, dataset, model, config or TrainConfig(), output_dir, progress and lead)
 
     def _fit(self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM, config: TrainConfig,
              output_dir: Path | None, progress: bool) -> Cartridge:
@@ -305,23 +308,28 @@ class TorchTrainer(Trainer):
         train, held_out = split_eval(conversations, cfg.eval_fraction, cfg.seed)
         epoch_batches = [pack(train, cfg.batch_tokens, random.Random(f"{cfg.seed}:{e}")) for e in range(cfg.epochs)]
         micro = [b for batches in epoch_batches for b in batches]
-        total_steps = math.ceil(len(micro) / cfg.grad_accum)
+        per_step = cfg.grad_accum * self.world  # micro-batches per optimizer step, over all ranks
+        total_steps = math.ceil(len(micro) / per_step)
 
         cart = TrainableCartridge(init).to(lm.device)
         params = list(cart.keys) + list(cart.values)
         opt = torch.optim.Adam(params, lr=cfg.lr)
         step = 0
         ckpt = output_dir / CHECKPOINT if output_dir else None
-        if output_dir:
+        lead = self.rank == 0
+        if output_dir and lead:
             output_dir.mkdir(parents=True, exist_ok=True)
-        # everything that shapes the result: a checkpoint made otherwise is refused, naming what differs
+        # everything that shapes the result: a checkpoint made otherwise is refused, naming what differs. The ranks
+        # count only through the micro-batches per step, so a run resumes on other ranks with grad_accum to match
+        shaping = {k: v for k, v in attrs.asdict(cfg).items() if k not in NOT_SHAPING and k != "grad_accum"}
         run = {
-            "config": {k: v for k, v in attrs.asdict(cfg).items() if k not in NOT_SHAPING},
+            "config": {**shaping, "micro_batches_per_step": per_step},
             "start": {"init": init.meta.init, "num_tokens": init.num_tokens, "num_frozen": init.num_frozen,
                       "content": init.fingerprint},
             "data": {"sequences": len(conversations),
                      "content": token_fingerprint([x for c in conversations for x in (c.conv_id, c.num_tokens)])},
         }
+        barrier()  # rank 0 has cleared or created the folder before any rank reads a checkpoint in it
         if ckpt and ckpt.is_file() and self.resume:
             state = torch.load(ckpt, map_location=lm.device, weights_only=True)
             if state.get("run") != run:
@@ -337,7 +345,7 @@ class TorchTrainer(Trainer):
             step = state["step"]
             self.history = state.get("history", [])
 
-        log = (output_dir / RUN_LOG).open("a") if output_dir else None
+        log = (output_dir / RUN_LOG).open("a") if output_dir and lead else None
         bar = tqdm(total=total_steps, initial=step, desc="training cartridge", unit="step", disable=not progress)
         start, tokens_seen = time.perf_counter(), 0
         saved_at = start
@@ -347,16 +355,21 @@ class TorchTrainer(Trainer):
                 lr = _lr_at(step, total_steps, cfg)
                 for group in opt.param_groups:
                     group["lr"] = lr
-                chunk = micro[step * cfg.grad_accum : (step + 1) * cfg.grad_accum]
+                chunk = micro[step * per_step : (step + 1) * per_step]
                 n_targets = sum(float(target_weights(b, cfg.conversation_weight).sum()) for b in chunk)
-                opt.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                for batch in chunk:
+                for p in params:  # zeros rather than None: a rank with no share still adds its (zero) gradient
+                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+                loss_sum = torch.zeros((), dtype=torch.float64)
+                step_tokens = torch.zeros((), dtype=torch.float64)
+                for batch in chunk[self.rank :: self.world]:  # this rank's share of the step
                     with self._autocast(lm):
                         loss, _ = student_loss(lm, cart, batch, cfg.objective, cfg.conversation_weight)
                     (loss / n_targets).backward()
                     loss_sum += float(loss.detach())
-                    tokens_seen += sum(c.num_tokens for c in batch)
+                    step_tokens += sum(c.num_tokens for c in batch)
+                if self.world > 1:  # every rank now holds the gradient of the whole step, and takes the same step
+                    sum_across_ranks([p.grad for p in params] + [loss_sum, step_tokens])
+                loss_sum, tokens_seen = float(loss_sum), tokens_seen + int(step_tokens)
                 grad_norm = None
                 if cfg.max_grad_norm:
                     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
@@ -372,7 +385,7 @@ class TorchTrainer(Trainer):
                     "elapsed_s": elapsed,
                     "peak_memory_mb": _peak_memory_mb(lm.device),
                 }
-                if held_out and (step % cfg.eval_every == 0 or step == total_steps):
+                if held_out and lead and (step % cfg.eval_every == 0 or step == total_steps):
                     record["eval_loss"] = self.evaluate(lm, cart, held_out)
                 self.history.append(record)
                 if log:
@@ -384,7 +397,7 @@ class TorchTrainer(Trainer):
                 )
                 bar.update(1)
                 due = time.perf_counter() - saved_at >= cfg.checkpoint_seconds
-                if ckpt and (step % cfg.checkpoint_every == 0 or step == total_steps or due):
+                if ckpt and lead and (step % cfg.checkpoint_every == 0 or step == total_steps or due):
                     saved_at = time.perf_counter()
                     atomic_write(ckpt, lambda tmp, state={
                         "step": step,

@@ -1,0 +1,45 @@
+"""One rank of a data-parallel training run, started by torchrun from test_distributed.py: every rank trains the
+test's cartridge on its share of the data; rank 0 saves it. ``die_at`` > 0 makes rank 1 exit at that optimizer step,
+as a killed process would. (Run as a script, its folder is on the import path, so the tests' helpers import.)
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py OUT GRAD_ACCUM WORKDIR DIE_AT
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from conftest import TEXT
+from test_training import _conversations
+
+from cartridges_sdk import Cartridge, testing
+from cartridges_sdk.training import TorchTrainer, TrainConfig
+
+
+def config(grad_accum: int) -> TrainConfig:
+    return TrainConfig(lr=0.03, epochs=2, batch_tokens=60, grad_accum=grad_accum, checkpoint_every=1, eval_every=2)
+
+
+def data():
+    lm = testing.tiny_lm("llama")
+    return lm, Cartridge.from_prefix(lm, TEXT, 12), _conversations(lm, n=8)
+
+
+if __name__ == "__main__":
+    out, accum, workdir, die_at = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    lm, init, convs = data()
+    if die_at and int(os.environ["RANK"]) == 1:
+        real, calls = torch.optim.Adam.step, {"n": 0}
+
+        def dying(self, *a, **kw):
+            calls["n"] += 1
+            if calls["n"] == die_at:
+                os._exit(1)
+            return real(self, *a, **kw)
+
+        torch.optim.Adam.step = dying
+    cartridge = TorchTrainer().fit(init, convs, lm, config(accum), output_dir=workdir, progress=False)
+    if int(os.environ["RANK"]) == 0:
+        cartridge.save(out)
