@@ -273,8 +273,12 @@ def _corpus(args: argparse.Namespace):
 
 def cmd_build(args: argparse.Namespace) -> int:
     from .cartridge import Cartridge
-
+    from .distributed import under_torchrun
     from .selfstudy import check_settings
+
+    if under_torchrun():  # every rank would synthesize into the same folder
+        raise ConfigError("cartridges build runs in one process; under torchrun, run `cartridges synthesize` once, "
+                          "then `cartridges train ... --nproc N` (or torchrun ... train) on its dataset.")
 
     settings = parse_settings(args.set)
     check_settings(settings, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
@@ -325,19 +329,18 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import os
-
     from .dataset import SelfStudyDataset
-    from .distributed import is_lead, launch
+    from .distributed import is_lead, launch, rank_device, under_torchrun
     from .selfstudy import train_cartridge
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} must be at least 1.")
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # start the ranks; each runs this command without --nproc
-        argv = sys.argv[1:]
-        i = next(i for i, a in enumerate(argv) if a == "--nproc" or a.startswith("--nproc="))
-        del argv[i : i + (1 if "=" in argv[i] else 2)]
-        return launch(["cartridges_sdk.cli", *argv], args.nproc)
+    if args.nproc > 1 and args.trainer != "torch":
+        raise ConfigError(f"--nproc runs the built-in torch trainer data-parallel; trainer {args.trainer!r} does not "
+                          "join a process group. Drop --nproc, or use --trainer torch.")
+    if args.nproc > 1 and not under_torchrun():  # start the ranks; each runs this same command, already a rank
+        return launch(["cartridges_sdk.cli", *args.argv], args.nproc)
+    args.device = rank_device(args.device)
 
     train = _stage_settings(args, "train")
     from .selfstudy import check_settings
@@ -503,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # what `train --nproc` starts again as each rank
     if getattr(args, "init", None) == "prefix" and args.command == "init" and not args.text:
         parser.error("init --init prefix needs a text file")
     try:

@@ -1,8 +1,9 @@
 """Data-parallel training across processes with PyTorch's own `torch.distributed` (gloo on CPU, nccl on GPU).
 
-`torchrun` starts one process per rank and sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``; the trainer joins that group
-when it starts (nothing happens at import). Each rank takes its share of every optimizer step's micro-batches and the
-cartridge's gradients are summed across ranks, so every rank takes the same step and holds the same cartridge.
+`torchrun` starts one process per rank and sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``; the trainer
+joins that group when it starts (nothing happens at import). Each rank takes its share of every optimizer step's
+micro-batches and the cartridge's gradients are summed across ranks, so every rank takes the same step and holds the
+same cartridge; rank 0's starting state (cartridge, optimizer, step) is sent to the others first.
 
 Why one all-reduce of the flattened gradients rather than `DistributedDataParallel`: the trained parameters are a
 few tensors (the cartridge), and DDP's reducer needs every rank to run the same number of forwards per step, which
@@ -11,23 +12,40 @@ the last, shorter step of an epoch breaks; summing once per step is what DDP wou
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
 
-def join(device: torch.device) -> tuple[int, int]:
-    """(rank, world size): of the process group already set up, of the one `torchrun` describes in the environment
-    (joined now, gloo on CPU and nccl on CUDA), or (0, 1) for a single process."""
+@contextlib.contextmanager
+def process_group(device: torch.device) -> Iterator[tuple[int, int]]:
+    """(rank, world size) while inside: of the process group already set up, of the one `torchrun` describes in the
+    environment (joined here, gloo on CPU and nccl on CUDA, and left on exit), or (0, 1) for a single process."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        yield dist.get_rank(), dist.get_world_size()
+        return
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1
+        yield 0, 1
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_device(device: str) -> str:
+    """``cuda`` means this rank's own GPU under torchrun (``cuda:LOCAL_RANK``); any other device is kept."""
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    return device
 
 
 def launch(module_args: Sequence[str], nproc: int) -> int:
@@ -38,6 +56,10 @@ def launch(module_args: Sequence[str], nproc: int) -> int:
 
     return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                             str(nproc), "-m", *module_args])
+
+
+def under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def is_lead() -> bool:
@@ -53,8 +75,17 @@ def barrier() -> None:
         dist.barrier()
 
 
+def from_lead(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a picklable object; CPU tensors inside)."""
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def sum_across_ranks(tensors: Sequence[torch.Tensor]) -> None:
-    """Replace each tensor by its sum over all ranks, in one collective call."""
+    """Replace each tensor by its sum over all ranks, in one collective call (the tensors share a dtype and device)."""
     import torch.distributed as dist
 
     flat = torch.cat([t.reshape(-1) for t in tensors])

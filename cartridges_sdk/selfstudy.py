@@ -184,12 +184,13 @@ def train_cartridge(
     prefix_ids = prefix_ids if prefix_ids is not None else corpus_info.get("prefix_ids")
     work = work_model(lm, work_dtype)
     fitter, owned = trainers.resolve(trainer, work, trainer_options)
-    if restart and output_dir is not None and is_lead():  # under torchrun, rank 0 clears before the ranks start
+    if restart and output_dir is not None and is_lead():  # under torchrun, rank 0 alone touches the folder
         clear_training(Path(output_dir))
     try:
         if init == "compact" and prefix_ids is corpus_info.get("prefix_ids"):
             prefix_ids = None  # the dataset keeps only the corpus's first tokens, not enough to compact
-        saved = Path(output_dir) / COMPACT_START if output_dir is not None else None
+        # rank 0 keeps the compacted start; under torchrun the other ranks get rank 0's start from the trainer
+        saved = Path(output_dir) / COMPACT_START if output_dir is not None and is_lead() else None
         start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen, saved=saved, progress=progress)
         trained = fitter.fit(start.bind(work), dataset, work, config, output_dir=output_dir, progress=progress)
     finally:

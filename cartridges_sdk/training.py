@@ -24,7 +24,7 @@ import torch
 from .cartridge import Cartridge, CartridgeMeta
 from .checks import at_least_one, count, fraction, non_negative, one_of, optional_int, positive
 from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
-from .distributed import barrier, join, sum_across_ranks
+from .distributed import from_lead, process_group, sum_across_ranks
 from .errors import ConfigError
 from .files import atomic_write, folder_lock
 from .identity import token_fingerprint
@@ -286,10 +286,10 @@ class TorchTrainer(Trainer):
         config: TrainConfig | None = None, *, output_dir: str | os.PathLike | None = None, progress: bool = True,
     ) -> Cartridge:
         output_dir = Path(output_dir) if output_dir is not None else None
-        self.rank, self.world = join(model.device)  # under torchrun: this process's share of the data
-        lead = self.rank == 0  # the one rank that writes checkpoints and logs
-        with folder_lock(output_dir) if output_dir and lead else contextlib.nullcontext():
-            return self._fit(init, dataset, model, config or TrainConfig(), output_dir, progress and lead)
+        with process_group(model.device) as (self.rank, self.world):  # under torchrun: this rank's share of the data
+            lead = self.rank == 0  # the one rank that writes checkpoints and logs
+            with folder_lock(output_dir) if output_dir and lead else contextlib.nullcontext():
+                return self._fit(init, dataset, model, config or TrainConfig(), output_dir, progress and lead)
 
     def _fit(self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM, config: TrainConfig,
              output_dir: Path | None, progress: bool) -> Cartridge:
@@ -329,9 +329,12 @@ class TorchTrainer(Trainer):
             "data": {"sequences": len(conversations),
                      "content": token_fingerprint([x for c in conversations for x in (c.conv_id, c.num_tokens)])},
         }
-        barrier()  # rank 0 has cleared or created the folder before any rank reads a checkpoint in it
-        if ckpt and ckpt.is_file() and self.resume:
+        if ckpt and ckpt.is_file() and self.resume and lead:
             state = torch.load(ckpt, map_location=lm.device, weights_only=True)
+            if "grad_accum" in state.get("run", {}).get("config", {}):  # recorded by one process, before ranks
+                config_then = dict(state["run"]["config"])
+                config_then["micro_batches_per_step"] = config_then.pop("grad_accum")
+                state["run"] = {**state["run"], "config": config_then}
             if state.get("run") != run:
                 changes = describe_changes(state["run"], run) if "run" in state else "made by an older version"
                 raise ConfigError(
@@ -344,6 +347,14 @@ class TorchTrainer(Trainer):
             opt.load_state_dict(state["optimizer"])
             step = state["step"]
             self.history = state.get("history", [])
+        if self.world > 1:  # every rank starts from rank 0's state, whatever files or start each one had
+            start_state = from_lead({"params": [p.detach().cpu() for p in params], "optimizer": opt.state_dict(),
+                                     "step": step})
+            with torch.no_grad():
+                for mine, given in zip(params, start_state["params"]):
+                    mine.copy_(given)
+            opt.load_state_dict(start_state["optimizer"])
+            step = start_state["step"]
 
         log = (output_dir / RUN_LOG).open("a") if output_dir and lead else None
         bar = tqdm(total=total_steps, initial=step, desc="training cartridge", unit="step", disable=not progress)
@@ -359,8 +370,7 @@ class TorchTrainer(Trainer):
                 n_targets = sum(float(target_weights(b, cfg.conversation_weight).sum()) for b in chunk)
                 for p in params:  # zeros rather than None: a rank with no share still adds its (zero) gradient
                     p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
-                loss_sum = torch.zeros((), dtype=torch.float64)
-                step_tokens = torch.zeros((), dtype=torch.float64)
+                loss_sum, step_tokens = 0.0, 0
                 for batch in chunk[self.rank :: self.world]:  # this rank's share of the step
                     with self._autocast(lm):
                         loss, _ = student_loss(lm, cart, batch, cfg.objective, cfg.conversation_weight)
@@ -368,8 +378,11 @@ class TorchTrainer(Trainer):
                     loss_sum += float(loss.detach())
                     step_tokens += sum(c.num_tokens for c in batch)
                 if self.world > 1:  # every rank now holds the gradient of the whole step, and takes the same step
-                    sum_across_ranks([p.grad for p in params] + [loss_sum, step_tokens])
-                loss_sum, tokens_seen = float(loss_sum), tokens_seen + int(step_tokens)
+                    sum_across_ranks([p.grad for p in params])
+                    totals = torch.tensor([loss_sum, step_tokens], dtype=torch.float64, device=params[0].device)
+                    sum_across_ranks([totals])
+                    loss_sum, step_tokens = float(totals[0]), int(totals[1])
+                tokens_seen += step_tokens
                 grad_norm = None
                 if cfg.max_grad_norm:
                     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))

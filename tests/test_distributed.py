@@ -4,11 +4,14 @@ on another number of ranks to the same result."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from ddp_worker import config, data
 
@@ -25,29 +28,50 @@ def torchrun(tmp_path: Path, out: Path, grad_accum: int, workdir: Path, die_at: 
                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path, check=False)
 
 
+@contextlib.contextmanager
+def one_thread():
+    """As each rank runs (OMP_NUM_THREADS=1): matmul sums split over threads round differently."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def max_diff(a: Cartridge, b: Cartridge) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a.keys + a.values, b.keys + b.values))
 
 
 def test_two_ranks_train_the_cartridge_one_process_trains_with_the_same_global_batch(tmp_path):
     lm, init, convs = data()
-    one = TorchTrainer().fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False)
+    trainer = TorchTrainer()
+    with one_thread():
+        one = trainer.fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False)
     done = torchrun(tmp_path, tmp_path / "two.safetensors", 1, tmp_path / "two")
     assert done.returncode == 0, done.stderr[-3000:]
     two = Cartridge.load(tmp_path / "two.safetensors", lm)
     assert max_diff(one, two) <= 1e-5
     assert max_diff(one, init) > 1e-2  # it did train
+    # the same loss and gradient norm at every step: each step saw the whole global batch, summed once
+    logged = [json.loads(line) for line in (tmp_path / "two" / "train_log.jsonl").read_text().splitlines()]
+    assert len(logged) == len(trainer.history) > 2
+    for mine, theirs in zip(trainer.history, logged):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
 
 
 def test_a_killed_rank_fails_the_job_cleanly_and_the_run_resumes_on_one_process(tmp_path):
     lm, init, convs = data()
-    want = TorchTrainer().fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False)
+    with one_thread():
+        want = TorchTrainer().fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False)
     failed = torchrun(tmp_path, tmp_path / "two.safetensors", 1, tmp_path / "two", die_at=4)
     assert failed.returncode != 0 and not (tmp_path / "two.safetensors").exists()
     saved = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)  # whole, not half-written
     assert 3 <= saved["step"] <= 4
     resumed_trainer = TorchTrainer()
-    resumed = resumed_trainer.fit(init, convs, lm, config(2), output_dir=tmp_path / "two", progress=False)
+    with one_thread():
+        resumed = resumed_trainer.fit(init, convs, lm, config(2), output_dir=tmp_path / "two", progress=False)
     assert resumed_trainer.history[len(saved["history"])]["step"] == saved["step"] + 1  # picked up there
     assert max_diff(want, resumed) <= 1e-5
 
@@ -62,12 +86,8 @@ def test_cartridges_train_nproc_2_on_the_default_model(tmp_path, capsys):
     data = tmp_path / "data"
     assert main(["synthesize", str(DATA / "harrow_point.txt"), "-o", str(data), "--conversations", "8", *TINY]) == 0
     common = ["train", str(data), "--tokens", "16", "--init", "prefix", "--epochs", "2", "--set", "batch_tokens=256"]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank runs: matmul sums split over threads round differently
-    try:
+    with one_thread():
         assert main([*common, "-o", str(tmp_path / "one.safetensors"), "--set", "grad_accum=2"]) == 0
-    finally:
-        torch.set_num_threads(threads)
     two = subprocess.run([sys.executable, "-m", "cartridges_sdk.cli", *common, "-o", str(tmp_path / "two.safetensors"),
                           "--set", "grad_accum=1", "--nproc", "2"], capture_output=True, text=True, timeout=900, check=False,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -186,3 +186,18 @@ def test_chunked_output_loss_matches_autograd_of_the_plain_formula(monkeypatch, 
     (3 * chunked).backward()
     assert float(chunked.detach()) == pytest.approx(float(plain.detach()), rel=1e-5)
     torch.testing.assert_close(chunked_h.grad, plain_h.grad.to(chunked_h.grad.dtype), rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_from_before_ranks_still_resumes(tiny_lm, tmp_path):
+    """Checkpoints written before data-parallel training recorded grad_accum (one process): read as the
+    micro-batches per step, they resume instead of being refused as other settings."""
+    init = Cartridge.from_prefix(tiny_lm, TEXT, 12)
+    convs = _conversations(tiny_lm, n=4)
+    cfg = TrainConfig(grad_accum=2, eval_fraction=0.0)
+    done = TorchTrainer().fit(init, convs, tiny_lm, cfg, output_dir=tmp_path, progress=False)
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    config = dict(state["run"]["config"])
+    config["grad_accum"] = config.pop("micro_batches_per_step")
+    torch.save({**state, "run": {**state["run"], "config": config}}, tmp_path / "checkpoint.pt")
+    again = TorchTrainer().fit(init, convs, tiny_lm, cfg, output_dir=tmp_path, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(done.keys + done.values, again.keys + again.values))
