@@ -338,8 +338,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc > 1 and args.trainer != "torch":
         raise ConfigError(f"--nproc runs the built-in torch trainer data-parallel; trainer {args.trainer!r} does not "
                           "join a process group. Drop --nproc, or use --trainer torch.")
-    if args.nproc > 1 and not under_torchrun():  # start the ranks; each runs this same command, already a rank
-        return launch(["cartridges_sdk.cli", *args.argv], args.nproc)
+    if args.nproc > 1 and not under_torchrun():  # start the ranks; each runs this command as a rank
+        return launch(["cartridges_sdk.cli", *_without_option(args.argv, "--nproc")], args.nproc)
     args.device = rank_device(args.device)
 
     train = _stage_settings(args, "train")
@@ -366,6 +366,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         c.save(args.output)
         print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)}")
     return 0
+
+
+def _without_option(argv: list[str], name: str) -> list[str]:
+    """`argv` without option `name` and its value (``--name V``, ``--name=V``, or an abbreviation argparse took):
+    torchrun reads its own ``--nproc-per-node`` from any ``--nproc`` it sees, even after the module's name."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if len(flag) > 2 and flag.startswith("--") and name.startswith(flag) and flag != "--":
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
