@@ -23,7 +23,8 @@ import torch
 @contextlib.contextmanager
 def process_group(device: torch.device) -> Iterator[tuple[int, int]]:
     """(rank, world size) while inside: of the process group already set up, of the one `torchrun` describes in the
-    environment (joined here, gloo on CPU and nccl on CUDA, and left on exit), or (0, 1) for a single process."""
+    environment (joined here with torch's default backend for each device type, gloo on CPU and nccl on CUDA, and
+    left on exit), or (0, 1) for a single process."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -32,19 +33,26 @@ def process_group(device: torch.device) -> Iterator[tuple[int, int]]:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         yield 0, 1
         return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if _is_accelerator(device) and device.index is not None:
+        torch.accelerator.set_device_index(device.index)  # collectives and broadcast objects go to this rank's own
+    dist.init_process_group()
     try:
         yield dist.get_rank(), dist.get_world_size()
     finally:
         dist.destroy_process_group()
 
 
+def _is_accelerator(device: torch.device) -> bool:
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator is not None and device.type == accelerator.type
+
+
 def rank_device(device: str) -> str:
-    """``cuda`` means this rank's own GPU under torchrun (``cuda:LOCAL_RANK``); any other device is kept."""
-    if device == "cuda" and "LOCAL_RANK" in os.environ:
-        return f"cuda:{int(os.environ['LOCAL_RANK'])}"
+    """An accelerator named without an index (e.g. ``cuda``) means this rank's own one under torchrun
+    (``cuda:LOCAL_RANK``); any other device is kept."""
+    given = torch.device(device)
+    if _is_accelerator(given) and given.index is None and "LOCAL_RANK" in os.environ:
+        return f"{given.type}:{int(os.environ['LOCAL_RANK'])}"
     return device
 
 
