@@ -1,5 +1,5 @@
-"""Data-parallel training speed: training tokens/s of `cartridges train` with 1 and with N processes on this machine,
-on one self-study dataset of a QASPER paper (synthesized once, kept in the work folder), default model.
+"""Data-parallel speed: self-study sequences/s of `cartridges synthesize` and training tokens/s of `cartridges train`,
+each with 1 and with N processes on this machine, on a QASPER paper with the default model.
 
 Each rank is a whole process with the frozen model; on a CPU machine the ranks share its cores (each gets
 cores/N threads), so this measures what splitting the work costs or saves here, not what N GPUs would do.
@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from cartridges_sdk.dataset import SelfStudyDataset
 from cartridges_sdk.files import atomic_write_json
 
 from . import provenance
@@ -36,11 +37,27 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     corpus = work / "paper.txt"
     corpus.write_text(load_corpora(DEFAULT_DATA, args.doc)[0].text)
-    data = work / "data"
     cli = [sys.executable, "-m", "cartridges_sdk.cli"]
-    subprocess.run([*cli, "synthesize", str(corpus), "-o", str(data), "--conversations", str(args.conversations)],
-                   check=True)
     cores = os.cpu_count() or 1
+    synthesis = []
+    for nproc in (1, args.nproc):
+        folder = work / f"data-{nproc}"
+        start = time.perf_counter()
+        subprocess.run([*cli, "synthesize", str(corpus), "-o", str(folder), "--conversations", str(args.conversations),
+                        "--restart", "--nproc", str(nproc)],
+                       check=True, env={**os.environ, "OMP_NUM_THREADS": str(max(1, cores // nproc))})
+        seconds = time.perf_counter() - start
+        sequences = len(SelfStudyDataset(folder))
+        row = {"stage": "synthesis", "processes": nproc, "threads_each": max(1, cores // nproc),
+               "sequences": sequences, "wall_s": round(seconds, 1), "sequences_per_s": round(sequences / seconds, 3)}
+        synthesis.append(row)
+        print(json.dumps(row), flush=True)
+    # the same sampled tokens whichever way the work was split (log-probabilities may differ in the last digits:
+    # matmul sums split over another number of threads round differently)
+    same = [sorted((c.conv_id, c.input_ids.tolist()) for c in SelfStudyDataset(work / f"data-{n}"))
+            for n in (1, args.nproc)]
+    print(f"same sequences from 1 and {args.nproc} processes: {same[0] == same[1]}", flush=True)
+    data = work / "data-1"
     rows = []
     for nproc in (1, args.nproc):
         run = work / f"train-{nproc}"
@@ -57,7 +74,8 @@ def main() -> None:
                "final_loss": round(log[-1]["loss"], 4)}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    atomic_write_json(args.out, {"rows": rows, "conversations": args.conversations, "tokens": args.tokens,
+    atomic_write_json(args.out, {"rows": rows, "synthesis": synthesis, "same_sequences": same[0] == same[1],
+                                 "conversations": args.conversations, "tokens": args.tokens,
                                  "commit": provenance.commit(), "dirty": provenance.dirty(),
                                  "machine": provenance.machine()})
     print(f"wrote {args.out}")

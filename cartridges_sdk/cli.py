@@ -271,15 +271,30 @@ def _corpus(args: argparse.Namespace):
     return Corpus.from_files([str(p) for p in paths], description=args.description)
 
 
+def _start_ranks(args: argparse.Namespace) -> int | None:
+    """With ``--nproc N`` (N > 1) outside torchrun: run this command as N ranks on this machine and return their exit
+    code. Otherwise (one process, or a rank) None: go on here, on this rank's own device."""
+    from .distributed import launch, rank_device, under_torchrun
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc} must be at least 1.")
+    if args.nproc > 1 and getattr(args, "trainer", "torch") != "torch":
+        raise ConfigError(f"--nproc runs the built-in torch trainer data-parallel; trainer {args.trainer!r} does not "
+                          "join a process group. Drop --nproc, or use --trainer torch.")
+    if args.nproc > 1 and not under_torchrun():
+        return launch(["cartridges_sdk.cli", *_without_option(args.argv, "--nproc")], args.nproc)
+    args.device = rank_device(args.device)
+    return None
+
+
 def cmd_build(args: argparse.Namespace) -> int:
     from .cartridge import Cartridge
-    from .distributed import under_torchrun
+    from .distributed import is_lead
     from .selfstudy import check_settings
 
-    if under_torchrun():  # every rank would synthesize into the same folder
-        raise ConfigError("cartridges build runs in one process; under torchrun, run `cartridges synthesize` once, "
-                          "then `cartridges train ... --nproc N` (or torchrun ... train) on its dataset.")
-
+    ranks_exit = _start_ranks(args)
+    if ranks_exit is not None:
+        return ranks_exit
     settings = parse_settings(args.set)
     check_settings(settings, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
                    init=args.init, seed=args.seed)
@@ -293,8 +308,9 @@ def cmd_build(args: argparse.Namespace) -> int:
         synthesizer_options=options["synthesizer"], trainer=args.trainer, trainer_options=options["trainer"],
         allow_unverified_model=args.allow_unverified_model, restart=args.restart, **settings,
     )
-    c.save(args.output)
-    print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)} (work files in {work})")
+    if is_lead():  # every rank holds the same cartridge; one writes it
+        c.save(args.output)
+        print(f"wrote {args.output}: {c.num_tokens} tokens, {_human_bytes(c.nbytes)} (work files in {work})")
     return 0
 
 
@@ -310,10 +326,18 @@ def _stage_settings(args: argparse.Namespace, stage: str) -> dict[str, Any]:
 
 
 def cmd_synthesize(args: argparse.Namespace) -> int:
-    from .dataset import SEED_KIND_DOCUMENT
+    from .dataset import Shard
+    from .distributed import is_lead, under_torchrun
     from .plugins import synthesizers
     from .synthesis import SynthesisConfig, check_capabilities, synthesize
 
+    shard = Shard.parse(args.shard) if args.shard else None
+    if shard is not None and (args.nproc > 1 or under_torchrun()):
+        raise ConfigError("--shard makes one shard in one process; with --nproc (or torchrun) the ranks already share "
+                          "the work. Use one or the other.")
+    ranks_exit = _start_ranks(args)
+    if ranks_exit is not None:
+        return ranks_exit
     synth = _stage_settings(args, "synthesize")
     config = SynthesisConfig(num_conversations=args.conversations, seed=args.seed, **synth)
     options = backend_options(args, {"synthesizer": args.synthesizer})["synthesizer"]
@@ -322,25 +346,42 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     lm = _model_for(args.model, device=args.device)
     with synthesizers.create(args.synthesizer, lm, **options) as sampler:
         ds = synthesize(_corpus(args), lm, args.output, config, synthesizer=sampler,
-                        allow_unverified_model=args.allow_unverified_model, restart=args.restart)
+                        allow_unverified_model=args.allow_unverified_model, restart=args.restart, shard=shard)
+    if is_lead():
+        what = f" (shard {shard.index} of {shard.count}; gather the shards with `cartridges merge`)" if shard else ""
+        print(f"wrote {args.output}: {_dataset_summary(ds)}{what}")
+    return 0
+
+
+def _dataset_summary(ds: Any) -> str:
+    from .dataset import SEED_KIND_DOCUMENT
+
     windows = sum(c.seed_kind == SEED_KIND_DOCUMENT for c in ds)
-    print(f"wrote {args.output}: {len(ds) - windows} conversations, {windows} document windows")
+    missing = ds.missing_groups()
+    return f"{len(ds) - windows} conversations, {windows} document windows" + (
+        f"; {len(missing)} group(s) missing: {missing[:8]}{' ...' if len(missing) > 8 else ''}" if missing else "")
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from .dataset import merge
+
+    ds = merge(args.sources, args.output)
+    missing = ds.missing_groups()
+    print(f"wrote {args.output}: {_dataset_summary(ds)}")
+    if missing:
+        print("the shards that hold the missing groups are not among the sources, or are unfinished; run the same "
+              f"`cartridges synthesize` with -o {args.output} to make what is missing", file=sys.stderr)
     return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .dataset import SelfStudyDataset
-    from .distributed import is_lead, launch, rank_device, under_torchrun
+    from .distributed import is_lead
     from .selfstudy import train_cartridge
 
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc {args.nproc} must be at least 1.")
-    if args.nproc > 1 and args.trainer != "torch":
-        raise ConfigError(f"--nproc runs the built-in torch trainer data-parallel; trainer {args.trainer!r} does not "
-                          "join a process group. Drop --nproc, or use --trainer torch.")
-    if args.nproc > 1 and not under_torchrun():  # start the ranks; each runs this command as a rank
-        return launch(["cartridges_sdk.cli", *_without_option(args.argv, "--nproc")], args.nproc)
-    args.device = rank_device(args.device)
+    ranks_exit = _start_ranks(args)
+    if ranks_exit is not None:
+        return ranks_exit
 
     train = _stage_settings(args, "train")
     from .selfstudy import check_settings
@@ -426,6 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="any synthesis or training setting, e.g. --set lr=0.01 --set max_chunk=2048 (repeatable)")
         model_args(p)
 
+    def nproc_arg(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument("--nproc", type=int, default=1,
+                       help=f"{what} this many processes on this machine (torchrun; default 1)")
+
     def backend_args(p: argparse.ArgumentParser, *roles: str) -> None:
         defaults = {"synthesizer": "hf", "trainer": "torch", "runtime": "hf"}
         for role in roles:
@@ -446,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", choices=["compact", "prefix", "random_text", "random"], default="compact",
                    help="where training starts (default compact: the corpus compacted, see docs/compaction.md)")
     p.add_argument("--work-dir", help="where data and checkpoints go (default OUTPUT.work); a re-run resumes")
+    nproc_arg(p, "synthesize and train (data-parallel) in")
     study_args(p)
     backend_args(p, "synthesizer", "trainer")
     p.set_defaults(func=cmd_build)
@@ -454,9 +500,17 @@ def build_parser() -> argparse.ArgumentParser:
     corpus_args(p)
     p.add_argument("-o", "--output", required=True, help="dataset folder (e.g. data.parquet); a re-run resumes")
     p.add_argument("--conversations", type=int, default=128)
+    nproc_arg(p, "share the synthesis among")
+    p.add_argument("--shard", metavar="I/N", help="make only shard I of N (from 0) in this process, e.g. one per "
+                   "machine; `cartridges merge` gathers them into the dataset one process makes")
     study_args(p)
     backend_args(p, "synthesizer")
     p.set_defaults(func=cmd_synthesize)
+
+    p = sub.add_parser("merge", help="gather the shards of one synthesis (`synthesize --shard I/N`) into one dataset")
+    p.add_argument("sources", nargs="+", help="dataset folders made with the same settings")
+    p.add_argument("-o", "--output", required=True, help="dataset folder to write (new, or one to add to)")
+    p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser("train", help="train a cartridge on a dataset made by `cartridges synthesize`")
     p.add_argument("data", help="dataset folder")
@@ -471,8 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exclude", action="append")
     p.add_argument("--description")
     p.add_argument("--work-dir", help="where checkpoints go (default OUTPUT.work); a re-run resumes")
-    p.add_argument("--nproc", type=int, default=1,
-                   help="train data-parallel in this many processes on this machine (torchrun; default 1)")
+    nproc_arg(p, "train data-parallel in")
     study_args(p)
     backend_args(p, "trainer")
     p.set_defaults(func=cmd_train)
@@ -522,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.argv = list(argv) if argv is not None else sys.argv[1:]  # what `train --nproc` starts again as each rank
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # what `--nproc` starts again as each rank
     if getattr(args, "init", None) == "prefix" and args.command == "init" and not args.text:
         parser.error("init --init prefix needs a text file")
     try:

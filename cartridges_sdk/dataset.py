@@ -7,6 +7,7 @@ so after a crash every part present is whole, and synthesis restarts at the firs
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ import attrs
 import numpy as np
 
 from .errors import CartridgeFormatError, ConfigError
-from .files import atomic_write, atomic_write_json
+from .files import atomic_write, atomic_write_json, folder_lock
 
 HEADER = "header.json"
 DATASET_FORMAT = "cartridges-sdk-selfstudy"
@@ -111,6 +112,46 @@ def _part_name(group: int) -> str:
     return f"group-{group:06d}.parquet"
 
 
+def _whole_number(_inst, attribute, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"shard {attribute.name}={value!r} must be a whole number.")
+
+
+@attrs.frozen
+class Shard:
+    """Shard `index` of `count`: the groups ``g`` with ``g % count == index``.
+
+    Groups are numbered across the whole dataset and each is seeded by the synthesis seed and its number alone, so
+    the shards of one synthesis are disjoint, any process makes a group the same, and their union is the dataset one
+    process makes.
+    """
+
+    index: int = attrs.field(validator=_whole_number)
+    count: int = attrs.field(validator=_whole_number)
+
+    def __attrs_post_init__(self):
+        if self.count < 1 or self.index >= self.count:
+            raise ConfigError(f"shard {self.index}/{self.count}: the index must be below the count, from 0 "
+                              f"(e.g. 0/{max(self.count, 2)} and 1/{max(self.count, 2)}).")
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """``"I/N"`` (as ``--shard`` takes it)."""
+        index, sep, count = text.partition("/")
+        if not sep or not index.strip().isdigit() or not count.strip().isdigit():
+            raise ConfigError(f"--shard {text!r} must be INDEX/COUNT, e.g. 0/4 for the first of four shards.")
+        return cls(int(index), int(count))
+
+    def owns(self, group: int) -> bool:
+        return group % self.count == self.index
+
+
+def _settings(header: dict[str, Any]) -> dict[str, Any]:
+    """What makes datasets interchangeable: not when each was made, how its model was checked (a probe's figures
+    vary a little) or which shard it holds."""
+    return {k: v for k, v in header.items() if k not in ("created", "model_check", "shard")}
+
+
 class SelfStudyDataset:
     """A folder of self-study conversations. Open an existing one with `SelfStudyDataset(path)`."""
 
@@ -141,9 +182,7 @@ class SelfStudyDataset:
             (path / HEADER).unlink()
         if (path / HEADER).is_file():
             existing = json.loads((path / HEADER).read_text())
-            # when it was made and how the model was checked (a probe's figures vary a little) are not settings
-            mine = {k: v for k, v in header.items() if k not in ("created", "model_check")}
-            theirs = {k: v for k, v in existing.items() if k not in ("created", "model_check")}
+            mine, theirs = ({**_settings(h), "shard": h.get("shard")} for h in (header, existing))
             if mine != theirs:
                 raise ConfigError(
                     f"{str(path)!r} already holds a self-study dataset made with other settings "
@@ -158,6 +197,15 @@ class SelfStudyDataset:
 
     def done_groups(self) -> set[int]:
         return {int(p.stem.split("-")[1]) for p in self.path.glob("group-*.parquet")}
+
+    def missing_groups(self) -> list[int]:
+        """Groups the header's settings call for (of its shard, if it is one) that are not here yet."""
+        config = self.header.get("config", {})
+        total = (math.ceil(config.get("num_conversations", 0) / config.get("conversations_per_chunk", 1))
+                 + math.ceil(config.get("document_windows", 0) / config.get("windows_per_chunk", 1)))
+        shard = Shard(**self.header["shard"]) if self.header.get("shard") else Shard(0, 1)
+        done = self.done_groups()
+        return [g for g in range(total) if shard.owns(g) and g not in done]
 
     def drop_damaged(self) -> list[str]:
         """Delete parts that cannot be read back whole (a disk fault, a copy cut short), so they are made again;
@@ -234,4 +282,48 @@ class SelfStudyDataset:
 
     def __repr__(self) -> str:
         return f"SelfStudyDataset({str(self.path)!r}, {len(self)} conversations)"
+
+
+def merge(sources: Sequence[str | os.PathLike], output: str | os.PathLike) -> SelfStudyDataset:
+    """Gather datasets made with the same settings (the shards of one synthesis, run on several machines) into
+    `output`: a new folder, or a dataset of those settings to add to. The sources are left as they are.
+
+    Every group present in any source is copied once (the same group is the same conversations wherever it was
+    made); groups none of them holds stay missing (`missing_groups()`), and running the same synthesis on `output`
+    makes them.
+    """
+    import pyarrow.parquet as pq
+
+    if not sources:
+        raise ConfigError("Give at least one dataset folder to merge.")
+    output = Path(output)
+    parts = [SelfStudyDataset(s) for s in sources]
+    for part in parts:
+        if part.path.resolve() == output.resolve():
+            raise ConfigError(f"{str(output)!r} is both a source and the output; merge into another folder.")
+        if _settings(part.header) != _settings(parts[0].header):
+            raise ConfigError(
+                f"{str(part.path)!r} was made with other settings than {str(parts[0].path)!r} "
+                f"({describe_changes(_settings(parts[0].header), _settings(part.header))}); only shards of one "
+                "synthesis merge."
+            )
+    header = {k: v for k, v in parts[0].header.items() if k not in ("format", "format_version", "shard")}
+    with folder_lock(output):
+        merged = SelfStudyDataset.create(output, header)
+        have = merged.done_groups()
+        for part in parts:
+            with folder_lock(part.path):  # not while a synthesis is still writing it
+                for group in sorted(part.done_groups() - have):
+                    source = part.path / _part_name(group)
+                    try:
+                        table = pq.read_table(source)
+                    except Exception as err:
+                        raise CartridgeFormatError(
+                            f"Cannot read {str(source)!r}: {err}; run that shard's synthesis again (it remakes "
+                            "damaged parts), then merge."
+                        ) from err
+                    atomic_write(merged.path / _part_name(group), lambda tmp, t=table: pq.write_table(t, tmp))
+                    have.add(group)
+        merged._cache = None
+    return merged
 

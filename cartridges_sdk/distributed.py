@@ -13,6 +13,7 @@ the last, shorter step of an epoch breaks; summing once per step is what DDP wou
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,10 +22,11 @@ import torch
 
 
 @contextlib.contextmanager
-def process_group(device: torch.device) -> Iterator[tuple[int, int]]:
+def process_group(device: torch.device, timeout: datetime.timedelta | None = None) -> Iterator[tuple[int, int]]:
     """(rank, world size) while inside: of the process group already set up, of the one `torchrun` describes in the
     environment (joined here with torch's default backend for each device type, gloo on CPU and nccl on CUDA, and
-    left on exit), or (0, 1) for a single process."""
+    left on exit), or (0, 1) for a single process. `timeout` is how long a collective waits for a late rank
+    (default torch's)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -35,7 +37,7 @@ def process_group(device: torch.device) -> Iterator[tuple[int, int]]:
         return
     if _is_accelerator(device) and device.index is not None:
         torch.accelerator.set_device_index(device.index)  # collectives and broadcast objects go to this rank's own
-    dist.init_process_group()
+    dist.init_process_group(timeout=timeout)
     try:
         yield dist.get_rank(), dist.get_world_size()
     finally:

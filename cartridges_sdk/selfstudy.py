@@ -16,12 +16,13 @@ from .cartridge import Cartridge
 from .checks import PATH, require
 from .corpus import Corpus
 from .dataset import SelfStudyDataset
-from .distributed import is_lead
+from .distributed import is_lead, process_group, under_torchrun
 from .errors import ConfigError
 from .identity import token_fingerprint
 from .models import LM, load_model, resolve_dtype
 from .plugins import Synthesizer, Trainer, synthesizers, trainers
-from .synthesis import DEFAULT_CONVERSATIONS, SynthesisConfig, check_capabilities, check_context, synthesize
+from .synthesis import (DEFAULT_CONVERSATIONS, RANKS_WAIT, SynthesisConfig, check_capabilities, check_context,
+                        synthesize)
 from .training import CHECKPOINT, RUN_LOG, TrainConfig
 
 INITS = ("compact", "prefix", "random_text", "random")
@@ -242,11 +243,17 @@ def build_cartridge(
     resumes both stages; without it they live in a temporary folder. A re-run with other settings is refused,
     naming them, unless ``restart=True``, which starts both stages over. `work_dtype` is the dtype synthesis and
     training compute in (default: the model's); the returned cartridge is bound to the original model.
+
+    Under torchrun, the ranks share both stages (docs/distributed.md): each makes its share of the conversations
+    into `output_dir` (required: a folder every rank reaches), then they train data-parallel.
     """
     synth_cfg, _ = check_settings(settings, num_tokens=num_tokens, num_conversations=num_conversations,
                                   epochs=epochs, init=init, seed=seed, num_frozen=num_frozen)
     if output_dir is not None:
         require("output_dir", output_dir, PATH, "a folder path")
+    elif under_torchrun():
+        raise ConfigError("Under torchrun, give output_dir (--work-dir): a folder every rank reaches, where the ranks "
+                          "write their shares of the dataset and rank 0 the checkpoints.")
     for role, options in (("synthesizer", synthesizer_options), ("trainer", trainer_options)):
         if options is not None:
             require(f"{role}_options", options, dict, "a dict of option names to values")
@@ -268,7 +275,8 @@ def build_cartridge(
         check_compact(prefix_ids, num_tokens)
     check_context(lm, synth_cfg, len(corpus.token_ids(lm)), num_tokens)
     sampler, owned = synthesizers.resolve(synthesizer, work, synthesizer_options)
-    with tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
+    # one process group for both stages (under torchrun), patient while ranks finish their shares of synthesis
+    with process_group(work.device, timeout=RANKS_WAIT), tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
         root = Path(output_dir) if output_dir is not None else Path(tmp)
         try:
             dataset = synthesize(corpus, work, root / "data", synth_cfg, synthesizer=sampler,

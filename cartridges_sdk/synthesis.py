@@ -20,8 +20,10 @@ import numpy as np
 
 from .checks import at_least_one, count, non_negative, optional_int
 from .corpus import ChunkSampler, Corpus
-from .dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset
-from .errors import BackendError, ConfigError, IncompatibleCartridgeError
+from .dataset import (ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset,
+                      Shard)
+from .distributed import barrier, from_lead, process_group, under_torchrun
+from .errors import BackendError, CartridgeError, ConfigError, IncompatibleCartridgeError
 from .files import folder_lock
 from .models import LM, Message
 from .plugins import Completion, SynthesisRequest, Synthesizer, SynthesizerCapabilities
@@ -309,6 +311,7 @@ def synthesize(
     allow_unverified_model: bool = False,
     restart: bool = False,
     progress: bool = True,
+    shard: Shard | None = None,
 ) -> SelfStudyDataset:
     """Sample `config.num_conversations` self-study conversations into the dataset folder `output`.
 
@@ -316,6 +319,10 @@ def synthesize(
     its capabilities and it must be shown to serve `lm`'s model (see `check_same_model`; the dataset header records
     how). Re-running with the same `output` and settings continues after the last complete group (damaged parts are
     made again); other settings are refused, naming them, unless ``restart=True``. One process at a time per folder.
+
+    Under torchrun, the ranks share the work: rank r makes the groups ``g % ranks == r`` into `output` (a folder
+    every rank reaches) and every rank returns the whole dataset. `shard` instead makes one shard into a folder of its
+    own, for machines that share no folder or no process group; `dataset.merge` gathers the shards.
     """
     corpus = Corpus.coerce(corpus)
     config = config or SynthesisConfig()
@@ -345,27 +352,64 @@ def synthesize(
         "model_check": model_check,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
+    if shard is not None and shard.count > 1:
+        header["shard"] = attrs.asdict(shard)
+    elif under_torchrun():
+        return _synthesize_across_ranks(lm, synthesizer, config, ids, output, header, restart, progress)
     with folder_lock(output):
-        return _synthesize(lm, synthesizer, config, corpus, ids, SelfStudyDataset.create(output, header, restart=restart),
-                           progress)
+        dataset = SelfStudyDataset.create(output, header, restart=restart)
+        _drop_damaged(dataset)
+        return _synthesize(lm, synthesizer, config, ids, dataset, shard or Shard(0, 1), progress)
 
 
-def _synthesize(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, corpus: Corpus, ids: list[int],
-                dataset: SelfStudyDataset, progress: bool) -> SelfStudyDataset:
-    from tqdm.auto import tqdm
+# how long ranks that made their share of a synthesis wait for the slowest one (torch's default is 30 minutes)
+RANKS_WAIT = _dt.timedelta(hours=24)
 
+
+def _synthesize_across_ranks(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, ids: list[int],
+                             output: str | os.PathLike, header: dict[str, Any], restart: bool,
+                             progress: bool) -> SelfStudyDataset:
+    """Every rank makes its share of the groups into one folder; rank 0 alone prepares it (and holds its lock)."""
+    import contextlib
+
+    with process_group(lm.device, timeout=RANKS_WAIT) as (rank, ranks):
+        with folder_lock(output) if rank == 0 else contextlib.nullcontext():
+            failure = None
+            if rank == 0:
+                try:
+                    _drop_damaged(SelfStudyDataset.create(output, header, restart=restart))
+                except CartridgeError as err:
+                    failure = err
+            failure = from_lead(failure)  # the other ranks stop with rank 0's reason instead of waiting for it
+            if failure is not None:
+                raise failure
+            _synthesize(lm, synthesizer, config, ids, SelfStudyDataset(output), Shard(rank, ranks),
+                        progress and rank == 0)
+            barrier()
+    return SelfStudyDataset(output)
+
+
+def _drop_damaged(dataset: SelfStudyDataset) -> None:
     damaged = dataset.drop_damaged()
     if damaged:
         warnings.warn(f"Making {len(damaged)} damaged part(s) of {str(dataset.path)!r} again: {', '.join(damaged)}",
-                      stacklevel=3)
+                      stacklevel=4)
+
+
+def _synthesize(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, ids: list[int],
+                dataset: SelfStudyDataset, shard: Shard, progress: bool) -> SelfStudyDataset:
+    from tqdm.auto import tqdm
+
     sampler = ChunkSampler(config.min_chunk, config.max_chunk)
     group_size = config.conversations_per_chunk
     num_groups = math.ceil(config.num_conversations / group_size)
     window_groups = math.ceil(config.document_windows / config.windows_per_chunk)
-    done = dataset.done_groups()
-    total = config.num_conversations + config.document_windows
-    already = sum(_group_size(config, g, num_groups) for g in done if g < num_groups + window_groups)
-    bar = tqdm(total=total, initial=already, desc="self-study synthesis", unit="seq", disable=not progress)
+    mine = [g for g in range(num_groups + window_groups) if shard.owns(g)]
+    done = dataset.done_groups() | {g for g in range(num_groups + window_groups) if not shard.owns(g)}
+    total = sum(_group_size(config, g, num_groups) for g in mine)
+    already = sum(_group_size(config, g, num_groups) for g in mine if g in done)
+    desc = "self-study synthesis" + (f" (shard {shard.index} of {shard.count})" if shard.count > 1 else "")
+    bar = tqdm(total=total, initial=already, desc=desc, unit="seq", disable=not progress)
     skipped: list[str] = []
     vocab = lm.identity.architecture["vocab_size"]
     try:
@@ -398,8 +442,9 @@ def _synthesize(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, corpu
             dataset.write_group(g, _document_windows(lm, synthesizer, config, g, ids, w * config.windows_per_chunk, size))
             bar.update(size)
     except BackendError as err:  # the engine failed; say what is kept and how to go on
-        err.add_note(f"{len(dataset.done_groups())} of {num_groups + window_groups} groups are saved in "
-                     f"{str(dataset.path)!r}; run the same synthesis again to continue from there.")
+        saved = len(dataset.done_groups() & set(mine))
+        err.add_note(f"{saved} of {len(mine)} groups are saved in {str(dataset.path)!r}; run the same synthesis "
+                     "again to continue from there.")
         raise
     finally:
         bar.close()

@@ -95,3 +95,27 @@ def test_cartridges_train_nproc_2_on_the_default_model(tmp_path, capsys):
     assert two.stdout.count("wrote ") == 1  # rank 0 alone writes the file
     one, two = (Cartridge.load(tmp_path / f"{n}.safetensors") for n in ("one", "two"))
     assert max_diff(one, two) <= 1e-5 and one.meta.training["steps"] == two.meta.training["steps"] > 1
+
+
+def test_cartridges_build_nproc_2_shares_synthesis_and_training(tmp_path):
+    """`cartridges build --nproc 2`: the two ranks make one dataset between them, equal to the one a single process
+    makes, and train on it the cartridge one process trains with the same global batch."""
+    from test_cli import DATA, TINY
+    from test_synthesis import contents
+
+    from cartridges_sdk.cli import main
+    from cartridges_sdk.dataset import SelfStudyDataset
+
+    common = ["build", str(DATA / "harrow_point.txt"), "--tokens", "16", "--init", "prefix", "--epochs", "2",
+              "--conversations", "8", *TINY, "--set", "batch_tokens=256"]
+    with one_thread():
+        assert main([*common, "-o", str(tmp_path / "one.safetensors"), "--set", "grad_accum=2"]) == 0
+    two = subprocess.run([sys.executable, "-m", "cartridges_sdk.cli", *common, "-o", str(tmp_path / "two.safetensors"),
+                          "--set", "grad_accum=1", "--nproc", "2"], capture_output=True, text=True, timeout=900,
+                         check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "shard 0 of 2" in two.stderr and "shard 1 of 2" not in two.stderr  # rank 0 alone shows progress
+    data = [SelfStudyDataset(tmp_path / f"{n}.safetensors.work" / "data") for n in ("one", "two")]
+    assert len(data[1]) == 10 and contents(data[0]) == contents(data[1])
+    one, two = (Cartridge.load(tmp_path / f"{n}.safetensors") for n in ("one", "two"))
+    assert max_diff(one, two) <= 1e-5 and one.meta.training["steps"] == two.meta.training["steps"] > 1

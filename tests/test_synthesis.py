@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cartridges_sdk import Completion, ConfigError, Synthesizer, SynthesizerCapabilities
-from cartridges_sdk.dataset import ROLE_ASSISTANT, SelfStudyDataset
+from cartridges_sdk.dataset import ROLE_ASSISTANT, SelfStudyDataset, Shard, merge
 from cartridges_sdk.hf import HFSynthesizer
 from cartridges_sdk.plugins import SynthesisRequest
 from cartridges_sdk.synthesis import SynthesisConfig, synthesize, teacher_prompt
@@ -193,6 +193,68 @@ def test_killed_window_synthesis_resumes(tiny_lm, tmp_path):
     assert [c.conv_id for c in b] == list(range(10))
     for x, y in zip(a, b):
         assert np.array_equal(x.input_ids, y.input_ids) and np.array_equal(x.topk_ids, y.topk_ids)
+
+
+def contents(ds: SelfStudyDataset) -> list[tuple]:
+    """Every field of every conversation, in a fixed order (a dataset's order is its parts' and holds no meaning)."""
+    rows = [(c.conv_id, c.group, c.chunk, c.seed_kind, c.messages, c.input_ids.tolist(), c.role_mask.tolist(),
+             c.target_positions.tolist(), c.topk_ids.tolist(), c.topk_logprobs.tolist()) for c in ds]
+    return sorted(rows, key=lambda r: r[0])
+
+
+SHARDED = dict(num_conversations=10, conversations_per_chunk=2, document_windows=6, windows_per_chunk=2,
+               window_tokens=20)
+
+
+def test_two_shards_merged_equal_the_one_process_dataset(tiny_lm, tmp_path):
+    cfg = _config(**SHARDED)  # 5 conversation groups, then 3 window groups
+    one = synthesize(TEXT, tiny_lm, tmp_path / "one", cfg, synthesizer=HFSynthesizer(tiny_lm), progress=False)
+    shards = [synthesize(TEXT, tiny_lm, tmp_path / f"shard{i}", cfg, synthesizer=HFSynthesizer(tiny_lm),
+                         progress=False, shard=Shard(i, 2)) for i in (0, 1)]
+    assert [s.done_groups() for s in shards] == [{0, 2, 4, 6}, {1, 3, 5, 7}]  # disjoint, and together all 8
+    assert [s.missing_groups() for s in shards] == [[], []]
+    merged = merge([s.path for s in reversed(shards)], tmp_path / "merged")
+    assert len(merged) == len(one) == 16 and merged.missing_groups() == []
+    assert contents(merged) == contents(one)
+    assert "shard" not in merged.header
+    # the merged folder is the one-process dataset to a re-run too: nothing left to make, nothing refused
+    watched, groups = HFSynthesizer(tiny_lm), []
+    real_complete = watched.complete
+    watched.complete = lambda requests: groups.extend(r.group for r in requests) or real_complete(requests)
+    watched.score = None  # a window group made again would call it
+    again = synthesize(TEXT, tiny_lm, tmp_path / "merged", cfg, synthesizer=watched, progress=False)
+    assert contents(again) == contents(one) and groups == [None]  # the same-model probe alone
+
+
+def test_a_partial_merge_names_what_is_missing_and_resumes_to_the_whole(tiny_lm, tmp_path):
+    cfg = _config(**SHARDED)
+    synthesize(TEXT, tiny_lm, tmp_path / "shard1", cfg, synthesizer=HFSynthesizer(tiny_lm), progress=False,
+               shard=Shard(1, 2))
+    merged = merge([tmp_path / "shard1"], tmp_path / "merged")
+    assert merged.missing_groups() == [0, 2, 4, 6]
+    whole = synthesize(TEXT, tiny_lm, tmp_path / "merged", cfg, synthesizer=HFSynthesizer(tiny_lm), progress=False)
+    one = synthesize(TEXT, tiny_lm, tmp_path / "one", cfg, synthesizer=HFSynthesizer(tiny_lm), progress=False)
+    assert contents(whole) == contents(one)
+
+
+def test_shards_of_other_settings_do_not_mix(tiny_lm, tmp_path):
+    cfg = _config(conversations_per_chunk=2)
+    fake = lambda: FakeSynthesizer(tiny_lm)  # noqa: E731
+    kw = dict(allow_unverified_model=True, progress=False)
+    synthesize(TEXT, tiny_lm, tmp_path / "a", cfg, synthesizer=fake(), shard=Shard(0, 2), **kw)
+    synthesize(TEXT, tiny_lm, tmp_path / "b", _config(conversations_per_chunk=2, top_k=3), synthesizer=fake(),
+               shard=Shard(1, 2), **kw)
+    with pytest.raises(ConfigError, match=r"other settings.*top_k: 5 -> 3.*only shards of one synthesis merge"):
+        merge([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
+    assert not (tmp_path / "m" / "header.json").exists()
+    with pytest.raises(ConfigError, match="other settings.*shard"):  # a shard folder holds one shard
+        synthesize(TEXT, tiny_lm, tmp_path / "a", cfg, synthesizer=fake(), shard=Shard(1, 2), **kw)
+    with pytest.raises(ConfigError, match="both a source and the output"):
+        merge([tmp_path / "a"], tmp_path / "a")
+    for bad, why in (("2/2", "index must be below the count"), ("1/0", "index must be below"),
+                     ("a/2", "must be INDEX/COUNT"), ("3", "must be INDEX/COUNT")):
+        with pytest.raises(ConfigError, match=why):
+            Shard.parse(bad)
 
 
 def test_windows_need_a_synthesizer_that_scores(tiny_lm, tmp_path):
