@@ -1,8 +1,9 @@
 """Data-parallel speed: self-study sequences/s of `cartridges synthesize` and training tokens/s of `cartridges train`,
 each with 1 and with N processes on this machine, on a QASPER paper with the default model.
 
-Each rank is a whole process with the frozen model; on a CPU machine the ranks share its cores (each gets
-cores/N threads), so this measures what splitting the work costs or saves here, not what N GPUs would do.
+Each rank is a whole process with the frozen model (replicated, or sharded across the ranks with FSDP2 in a third
+training run); on a CPU machine the ranks share its cores (each gets cores/N threads), so this measures what
+splitting the work costs or saves here, not what N GPUs would do.
 
     python -m benchmarks.distributed [--nproc 2] [--conversations 64] [--tokens 256]
 """
@@ -59,16 +60,19 @@ def main() -> None:
     print(f"same sequences from 1 and {args.nproc} processes: {same[0] == same[1]}", flush=True)
     data = work / "data-1"
     rows = []
-    for nproc in (1, args.nproc):
-        run = work / f"train-{nproc}"
+    for nproc, sharded in ((1, False), (args.nproc, False), (args.nproc, True)):
+        run = work / f"train-{nproc}{'-sharded' if sharded else ''}"
         start = time.perf_counter()
         subprocess.run([*cli, "train", str(data), "-o", str(run / "c.safetensors"), "--tokens", str(args.tokens),
                         "--init", "prefix", "--work-dir", str(run), "--restart", "--nproc", str(nproc),
-                        "--set", f"grad_accum={args.nproc // nproc}"],
+                        "--set", f"grad_accum={args.nproc // nproc}",
+                        *(["--backend-option", "shard_model=true"] if sharded else [])],
                        check=True, env={**os.environ, "OMP_NUM_THREADS": str(max(1, cores // nproc))})
         log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
         tokens = log[-1]["tokens_per_s"] * log[-1]["elapsed_s"]
-        row = {"processes": nproc, "threads_each": max(1, cores // nproc), "steps": log[-1]["step"],
+        row = {"processes": nproc, "model": "sharded (FSDP2)" if sharded else "replicated",
+               "peak_memory_mb_rank0": round(max(r["peak_memory_mb"] for r in log)),
+               "threads_each": max(1, cores // nproc), "steps": log[-1]["step"],
                "training_tokens": round(tokens), "train_s": round(log[-1]["elapsed_s"], 1),
                "tokens_per_s": round(log[-1]["tokens_per_s"], 1), "wall_s": round(time.perf_counter() - start, 1),
                "final_loss": round(log[-1]["loss"], 4)}

@@ -21,8 +21,7 @@ from .errors import ConfigError
 from .identity import token_fingerprint
 from .models import LM, load_model, resolve_dtype
 from .plugins import Synthesizer, Trainer, synthesizers, trainers
-from .synthesis import (DEFAULT_CONVERSATIONS, RANKS_WAIT, SynthesisConfig, check_capabilities, check_context,
-                        synthesize)
+from .synthesis import DEFAULT_CONVERSATIONS, RANKS_WAIT, SynthesisConfig, check_capabilities, check_context, synthesize
 from .training import CHECKPOINT, RUN_LOG, TrainConfig
 
 INITS = ("compact", "prefix", "random_text", "random")

@@ -7,6 +7,7 @@ become the distillation targets for a student that sees the cartridge instead of
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
 import os
@@ -20,15 +21,13 @@ import numpy as np
 
 from .checks import at_least_one, count, non_negative, optional_int
 from .corpus import ChunkSampler, Corpus
-from .dataset import (ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset,
-                      Shard)
+from .dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, Shard
 from .distributed import barrier, from_lead, process_group, under_torchrun
 from .errors import BackendError, CartridgeError, ConfigError, IncompatibleCartridgeError
 from .files import folder_lock
 from .models import LM, Message
 from .plugins import Completion, SynthesisRequest, Synthesizer, SynthesizerCapabilities
 from .seeds import DEFAULT_WEIGHTS, check_weights, sample_seed
-
 
 PREFIX_IDS_KEPT = 4096
 
@@ -370,22 +369,19 @@ def _synthesize_across_ranks(lm: LM, synthesizer: Synthesizer, config: Synthesis
                              output: str | os.PathLike, header: dict[str, Any], restart: bool,
                              progress: bool) -> SelfStudyDataset:
     """Every rank makes its share of the groups into one folder; rank 0 alone prepares it (and holds its lock)."""
-    import contextlib
-
-    with process_group(lm.device, timeout=RANKS_WAIT) as (rank, ranks):
-        with folder_lock(output) if rank == 0 else contextlib.nullcontext():
-            failure = None
-            if rank == 0:
-                try:
-                    _drop_damaged(SelfStudyDataset.create(output, header, restart=restart))
-                except CartridgeError as err:
-                    failure = err
-            failure = from_lead(failure)  # the other ranks stop with rank 0's reason instead of waiting for it
-            if failure is not None:
-                raise failure
-            _synthesize(lm, synthesizer, config, ids, SelfStudyDataset(output), Shard(rank, ranks),
-                        progress and rank == 0)
-            barrier()
+    with process_group(lm.device, timeout=RANKS_WAIT) as (rank, ranks), contextlib.ExitStack() as held:
+        failure = None
+        if rank == 0:
+            try:
+                held.enter_context(folder_lock(output))
+                _drop_damaged(SelfStudyDataset.create(output, header, restart=restart))
+            except CartridgeError as err:
+                failure = err
+        failure = from_lead(failure)  # the other ranks stop with rank 0's reason instead of waiting for it
+        if failure is not None:
+            raise failure
+        _synthesize(lm, synthesizer, config, ids, SelfStudyDataset(output), Shard(rank, ranks), progress and rank == 0)
+        barrier()
     return SelfStudyDataset(output)
 
 

@@ -2,7 +2,8 @@
 
 The student is the model with the trainable cartridge in front of each conversation (no chunk); its loss is the
 cross-entropy against the teacher's stored top-k distribution, ``-sum_k p_teacher(k) log p_student(k)``, averaged
-over target tokens (which is KL(teacher || student) up to the teacher's constant entropy). One process, CPU or GPU.
+over target tokens (which is KL(teacher || student) up to the teacher's constant entropy). One process or many
+under torchrun (`distributed.py`), CPU or GPU.
 """
 
 from __future__ import annotations
@@ -126,13 +127,50 @@ def target_weights(batch: Sequence[Conversation], conversation_weight: float = 1
     ])
 
 
+class Student(torch.nn.Module):
+    """The frozen model's body and output layer as one module whose forward is the loss.
+
+    One module, so FSDP2 can shard the whole model (`shard_model`): its root unit gathers the embeddings, final norm
+    and output layer for the forward, while each decoder layer is a unit of its own."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, attention_mask, position_ids, cache, rows, positions, top_ids, top_p, weights):
+        hidden = self.model.base_model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       past_key_values=cache, use_cache=True).last_hidden_state
+        head = self.model.get_output_embeddings()
+        return OutputLoss.apply(hidden[rows, positions], head.weight, head.bias, top_ids, top_p, weights)
+
+
+def sharded_student(lm: LM) -> Student:
+    """Shard `lm`'s frozen weights across the ranks with FSDP2 (each decoder layer a unit, the rest the root unit),
+    in place: afterwards `lm` serves only this training. The cartridge is not part of it and stays whole on every
+    rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(lm.model.base_model, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(f"shard_model=True needs a model whose decoder layers are `model.layers` (Llama, Qwen2, "
+                          f"Mistral, ...); {type(lm.model).__name__} has none. Train without shard_model.")
+    import torch.distributed as dist
+
+    mesh = init_device_mesh(lm.device.type, (dist.get_world_size(),))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(Student(lm.model), mesh=mesh)
+
+
 def student_loss(
     lm: LM, cartridge: TrainableCartridge, batch: Sequence[Conversation], objective: str = "distill",
-    conversation_weight: float = 1.0,
+    conversation_weight: float = 1.0, student: Student | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Weighted sum of the loss over the batch's target tokens, and the sum of weights (divide for the mean).
 
-    With the default weights each target token counts once, so the second value is the number of target tokens."""
+    With the default weights each target token counts once, so the second value is the number of target tokens.
+    `student` is the model as `sharded_student` made it, when it is sharded."""
     from transformers import DynamicCache
 
     device = lm.device
@@ -149,13 +187,6 @@ def student_loss(
     dtype = lm.dtype
     data = [(k.to(dtype)[None].expand(rows, -1, -1, -1), v.to(dtype)[None].expand(rows, -1, -1, -1)) for k, v in layers]
     cache = DynamicCache(ddp_cache_data=data, config=lm.model.config)
-    hidden = lm.model.base_model(
-        input_ids=ids,
-        attention_mask=torch.cat([torch.ones(rows, p, dtype=torch.long, device=device), mask], dim=1),
-        position_ids=(p + torch.arange(width, device=device))[None].expand(rows, -1),
-        past_key_values=cache,
-        use_cache=True,
-    ).last_hidden_state
     # only the positions that predict a target token go through the (large) output layer
     row_idx = torch.cat([torch.full((len(c.target_positions),), r, dtype=torch.long) for r, c in enumerate(batch)])
     pos = torch.cat([torch.from_numpy(c.target_positions.astype(np.int64)) for c in batch])
@@ -166,9 +197,11 @@ def student_loss(
         top_ids = torch.from_numpy(np.concatenate([c.topk_ids for c in batch]).astype(np.int64)).to(device)
         top_p = torch.from_numpy(np.concatenate([c.topk_logprobs for c in batch])).to(device).exp()
     weights = target_weights(batch, conversation_weight)
-    head = lm.model.get_output_embeddings()
-    loss = OutputLoss.apply(hidden[row_idx.to(device), (pos - 1).to(device)], head.weight, head.bias, top_ids, top_p,
-                            torch.from_numpy(weights).to(device))
+    loss = (student or Student(lm.model))(
+        ids, torch.cat([torch.ones(rows, p, dtype=torch.long, device=device), mask], dim=1),
+        (p + torch.arange(width, device=device))[None].expand(rows, -1), cache, row_idx.to(device),
+        (pos - 1).to(device), top_ids, top_p, torch.from_numpy(weights).to(device),
+    )
     return loss, float(weights.sum())
 
 
@@ -255,27 +288,51 @@ def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 class TorchTrainerOptions:
     # continue from the checkpoint in the output folder when there is one (its settings must match)
     resume: bool = True
+    # under torchrun: shard the frozen model's weights across the ranks with FSDP2 (for models too large for one
+    # device); the cartridge stays whole on every rank. The model object is sharded for good (docs/distributed.md)
+    shard_model: bool = False
 
 
 class TorchTrainer(Trainer):
-    """The built-in trainer (registered as ``torch``): Adam on the cartridge's KV, the model frozen, one process."""
+    """The built-in trainer (registered as ``torch``): Adam on the cartridge's KV, the model frozen; data-parallel
+    under torchrun, the model replicated or (``shard_model=True``) sharded with FSDP2."""
 
     Options = TorchTrainerOptions
 
-    def __init__(self, model: LM | None = None, *, resume: bool = True):
+    def __init__(self, model: LM | None = None, *, resume: bool = True, shard_model: bool = False):
         self.resume = resume
+        self.shard_model = shard_model
         self.config = TrainConfig()
         self.history: list[dict[str, Any]] = []
+        self.rank, self.world = 0, 1
+        self.student: Student | None = None
+
+    def _share(self, batches: Sequence[list[Conversation]]) -> list[tuple[list[Conversation], float]]:
+        """This rank's batches of `batches` (every world-th), each with the weight its loss counts with. A sharded
+        model needs every rank to run as many forward and backward passes as the others (each one gathers weights
+        from all ranks), so a rank short of batches repeats the first with weight 0."""
+        mine = [(b, 1.0) for b in batches[self.rank :: self.world]]
+        if self.student is not None:
+            mine += [(batches[0], 0.0)] * (math.ceil(len(batches) / self.world) - len(mine))
+        return mine
 
     @torch.no_grad()
     def evaluate(self, lm: LM, cartridge: TrainableCartridge, conversations: Sequence[Conversation]) -> float | None:
+        """The mean held-out loss; under torchrun every rank evaluates its share of the batches (call it on all)."""
         if not conversations:
             return None
-        total, count = 0.0, 0
-        for batch in pack(conversations, self.config.batch_tokens, random.Random(0)):
+        total, count = 0.0, 0.0
+        for batch, weight in self._share(pack(conversations, self.config.batch_tokens, random.Random(0))):
             with self._autocast(lm):
-                loss, n = student_loss(lm, cartridge, batch, self.config.objective, self.config.conversation_weight)
-            total, count = total + float(loss), count + n
+                loss, n = student_loss(lm, cartridge, batch, self.config.objective, self.config.conversation_weight,
+                                       self.student)
+            total, count = total + weight * float(loss), count + weight * n
+        if self.student is not None:  # a forward without backward leaves the root unit's weights gathered
+            self.student.reshard()
+        if self.world > 1:
+            totals = torch.tensor([total, count], dtype=torch.float64, device=lm.device)
+            sum_across_ranks([totals])
+            total, count = float(totals[0]), float(totals[1])
         return total / max(count, 1)
 
     def _autocast(self, lm: LM):
@@ -297,6 +354,11 @@ class TorchTrainer(Trainer):
 
         self.config = cfg = config
         lm = model
+        if self.shard_model:
+            if self.world < 2:
+                raise ConfigError("shard_model=True splits the model across ranks; run under torchrun with 2 or more "
+                                  "(--nproc N), or train without it.")
+            self.student = sharded_student(lm)
         conversations = list(dataset)
         if not conversations:
             raise ConfigError("The self-study dataset has no conversations to train on.")
@@ -371,12 +433,12 @@ class TorchTrainer(Trainer):
                 for p in params:  # zeros rather than None: a rank with no share still adds its (zero) gradient
                     p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
                 loss_sum, step_tokens = 0.0, 0
-                for batch in chunk[self.rank :: self.world]:  # this rank's share of the step
+                for batch, weight in self._share(chunk):  # this rank's share of the step
                     with self._autocast(lm):
-                        loss, _ = student_loss(lm, cart, batch, cfg.objective, cfg.conversation_weight)
-                    (loss / n_targets).backward()
-                    loss_sum += float(loss.detach())
-                    step_tokens += sum(c.num_tokens for c in batch)
+                        loss, _ = student_loss(lm, cart, batch, cfg.objective, cfg.conversation_weight, self.student)
+                    (loss * (weight / n_targets)).backward()
+                    loss_sum += weight * float(loss.detach())
+                    step_tokens += round(weight) * sum(c.num_tokens for c in batch)
                 if self.world > 1:  # every rank now holds the gradient of the whole step, and takes the same step
                     sum_across_ranks([p.grad for p in params])
                     totals = torch.tensor([loss_sum, step_tokens], dtype=torch.float64, device=params[0].device)
@@ -398,7 +460,7 @@ class TorchTrainer(Trainer):
                     "elapsed_s": elapsed,
                     "peak_memory_mb": _peak_memory_mb(lm.device),
                 }
-                if held_out and lead and (step % cfg.eval_every == 0 or step == total_steps):
+                if held_out and (step % cfg.eval_every == 0 or step == total_steps):
                     record["eval_loss"] = self.evaluate(lm, cart, held_out)
                 self.history.append(record)
                 if log:

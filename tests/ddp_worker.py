@@ -1,8 +1,9 @@
 """One rank of a data-parallel training run, started by torchrun from test_distributed.py: every rank trains the
 test's cartridge on its share of the data; rank 0 saves it. ``die_at`` > 0 makes rank 1 exit at that optimizer step,
-as a killed process would. (Run as a script, its folder is on the import path, so the tests' helpers import.)
+as a killed process would. SHARD 1 shards the frozen model across the ranks (FSDP2); rank 0 then prints the share
+of the model's weights it holds. (Run as a script, its folder is on the import path, so the tests' helpers import.)
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py OUT GRAD_ACCUM WORKDIR DIE_AT
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py OUT GRAD_ACCUM WORKDIR DIE_AT SHARD
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def data():
 
 
 if __name__ == "__main__":
-    out, accum, workdir, die_at = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    out, accum, workdir, die_at, shard = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
     lm, init, convs = data()
     if die_at and int(os.environ["RANK"]) == 1:
         real, calls = torch.optim.Adam.step, {"n": 0}
@@ -40,6 +41,9 @@ if __name__ == "__main__":
             return real(self, *a, **kw)
 
         torch.optim.Adam.step = dying
-    cartridge = TorchTrainer().fit(init, convs, lm, config(accum), output_dir=workdir, progress=False)
+    whole = sum(p.numel() for p in lm.model.parameters())
+    cartridge = TorchTrainer(shard_model=shard).fit(init, convs, lm, config(accum), output_dir=workdir, progress=False)
     if int(os.environ["RANK"]) == 0:
         cartridge.save(out)
+        held = sum(getattr(p, "_local_tensor", p).numel() for p in lm.model.parameters())
+        print(f"rank 0 holds {held} of {whole} model weights")

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +17,17 @@ import pytest
 import torch
 from ddp_worker import config, data
 
-from cartridges_sdk import Cartridge
+from cartridges_sdk import Cartridge, ConfigError
 from cartridges_sdk.training import TorchTrainer
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
 
 
-def torchrun(tmp_path: Path, out: Path, grad_accum: int, workdir: Path, die_at: int = 0) -> subprocess.CompletedProcess:
+def torchrun(tmp_path: Path, out: Path, grad_accum: int, workdir: Path, die_at: int = 0,
+             shard: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(WORKER), str(out), str(grad_accum), str(workdir), str(die_at)],
+                           str(WORKER), str(out), str(grad_accum), str(workdir), str(die_at), str(int(shard))],
                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path, check=False)
 
 
@@ -59,6 +62,34 @@ def test_two_ranks_train_the_cartridge_one_process_trains_with_the_same_global_b
     for mine, theirs in zip(trainer.history, logged):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+
+
+def test_a_model_sharded_across_two_ranks_trains_the_same_cartridge(tmp_path):
+    """FSDP2: each rank holds about half of the frozen model's weights, gathered layer by layer for each pass; the
+    cartridge, replicated, trains as with the whole model in one process."""
+    lm, init, convs = data()
+    trainer = TorchTrainer()
+    with one_thread():
+        one = trainer.fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False)
+    done = torchrun(tmp_path, tmp_path / "two.safetensors", 1, tmp_path / "two", shard=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    held, whole = map(int, re.search(r"rank 0 holds (\d+) of (\d+) model weights", done.stdout).groups())
+    # the first half of each weight's rows (rounded up), not the whole model
+    assert held == sum(math.ceil(p.shape[0] / 2) * p[0].numel() for p in lm.model.parameters()) < 0.6 * whole
+    two = Cartridge.load(tmp_path / "two.safetensors", lm)
+    assert max_diff(one, two) <= 1e-5
+    logged = [json.loads(line) for line in (tmp_path / "two" / "train_log.jsonl").read_text().splitlines()]
+    for mine, theirs in zip(trainer.history, logged, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine.keys() == theirs.keys()
+        if "eval_loss" in mine:  # the ranks evaluate a share each
+            assert mine["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
+
+
+def test_shard_model_needs_ranks(tmp_path):
+    lm, init, convs = data()
+    with pytest.raises(ConfigError, match="shard_model=True splits the model across ranks.*--nproc"):
+        TorchTrainer(shard_model=True).fit(init, convs, lm, config(1), progress=False)
 
 
 def test_a_killed_rank_fails_the_job_cleanly_and_the_run_resumes_on_one_process(tmp_path):
