@@ -292,14 +292,14 @@ def cmd_build(args: argparse.Namespace) -> int:
     from .distributed import is_lead
     from .selfstudy import check_settings
 
-    ranks_exit = _start_ranks(args)
-    if ranks_exit is not None:
-        return ranks_exit
     settings = parse_settings(args.set)
     check_settings(settings, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
                    init=args.init, seed=args.seed)
     options = backend_options(args, {"synthesizer": args.synthesizer, "trainer": args.trainer})
     _output_file(args.output)
+    ranks_exit = _start_ranks(args)  # after the checks, so a mistake is said once, not by every rank
+    if ranks_exit is not None:
+        return ranks_exit
     lm = _model_for(args.model, device=args.device)
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     c = Cartridge.from_corpus(
@@ -335,20 +335,21 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     if shard is not None and (args.nproc > 1 or under_torchrun()):
         raise ConfigError("--shard makes one shard in one process; with --nproc (or torchrun) the ranks already share "
                           "the work. Use one or the other.")
-    ranks_exit = _start_ranks(args)
-    if ranks_exit is not None:
-        return ranks_exit
     synth = _stage_settings(args, "synthesize")
     config = SynthesisConfig(num_conversations=args.conversations, seed=args.seed, **synth)
     options = backend_options(args, {"synthesizer": args.synthesizer})["synthesizer"]
     check_capabilities(config, synthesizers.get(args.synthesizer).capabilities_for(options),
                        f"synthesizer {args.synthesizer!r}")
+    ranks_exit = _start_ranks(args)
+    if ranks_exit is not None:
+        return ranks_exit
     lm = _model_for(args.model, device=args.device)
     with synthesizers.create(args.synthesizer, lm, **options) as sampler:
         ds = synthesize(_corpus(args), lm, args.output, config, synthesizer=sampler,
                         allow_unverified_model=args.allow_unverified_model, restart=args.restart, shard=shard)
     if is_lead():
-        what = f" (shard {shard.index} of {shard.count}; gather the shards with `cartridges merge`)" if shard else ""
+        what = (f" (shard {shard.index} of {shard.count}; gather the shards with `cartridges merge`)"
+                if shard and shard.count > 1 else "")
         print(f"wrote {args.output}: {_dataset_summary(ds)}{what}")
     return 0
 
@@ -379,10 +380,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .distributed import is_lead
     from .selfstudy import train_cartridge
 
-    ranks_exit = _start_ranks(args)
-    if ranks_exit is not None:
-        return ranks_exit
-
     train = _stage_settings(args, "train")
     from .selfstudy import check_settings
 
@@ -393,8 +390,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     from .selfstudy import COMPACT_START, check_compact
 
-    if args.init == "compact" and not args.corpus and not (work / COMPACT_START).is_file():
-        check_compact(None, args.tokens)  # before the model loads: the dataset alone cannot be compacted
+    # before the model loads: the dataset alone cannot be compacted (rank 0 makes the start under torchrun)
+    if args.init == "compact" and not args.corpus and not (work / COMPACT_START).is_file() and is_lead():
+        check_compact(None, args.tokens)
+    ranks_exit = _start_ranks(args)
+    if ranks_exit is not None:
+        return ranks_exit
     source = dataset.header.get("model", {}).get("source")
     lm = _model_for(args.model or source, device=args.device)
     prefix_ids = lm.encode(_corpus(args).text) if args.corpus else None

@@ -138,7 +138,7 @@ class Shard:
     def parse(cls, text: str) -> Shard:
         """``"I/N"`` (as ``--shard`` takes it)."""
         index, sep, count = text.partition("/")
-        if not sep or not index.strip().isdigit() or not count.strip().isdigit():
+        if not sep or not index.strip().isdecimal() or not count.strip().isdecimal():
             raise ConfigError(f"--shard {text!r} must be INDEX/COUNT, e.g. 0/4 for the first of four shards.")
         return cls(int(index), int(count))
 
@@ -146,7 +146,12 @@ class Shard:
         return group % self.count == self.index
 
 
-def _settings(header: dict[str, Any]) -> dict[str, Any]:
+def _holds(header: dict[str, Any]) -> str:
+    shard = header.get("shard")
+    return f"shard {shard['index']} of {shard['count']}" if shard else "the whole dataset"
+
+
+def dataset_settings(header: dict[str, Any]) -> dict[str, Any]:
     """What makes datasets interchangeable: not when each was made, how its model was checked (a probe's figures
     vary a little) or which shard it holds."""
     return {k: v for k, v in header.items() if k not in ("created", "model_check", "shard")}
@@ -182,7 +187,12 @@ class SelfStudyDataset:
             (path / HEADER).unlink()
         if (path / HEADER).is_file():
             existing = json.loads((path / HEADER).read_text())
-            mine, theirs = ({**_settings(h), "shard": h.get("shard")} for h in (header, existing))
+            mine, theirs = ({**dataset_settings(h), "shard": h.get("shard")} for h in (header, existing))
+            if mine != theirs and dataset_settings(header) == dataset_settings(existing):  # --restart would lose work
+                raise ConfigError(
+                    f"{str(path)!r} holds {_holds(existing)}, not {_holds(header)}; use a folder for each shard and "
+                    "gather them with `cartridges merge` (dataset.merge)."
+                )
             if mine != theirs:
                 raise ConfigError(
                     f"{str(path)!r} already holds a self-study dataset made with other settings "
@@ -197,6 +207,10 @@ class SelfStudyDataset:
 
     def done_groups(self) -> set[int]:
         return {int(p.stem.split("-")[1]) for p in self.path.glob("group-*.parquet")}
+
+    def holds(self) -> str:
+        """What part of a synthesis this is, in words: "the whole dataset" or "shard I of N"."""
+        return _holds(self.header)
 
     def missing_groups(self) -> list[int]:
         """Groups the header's settings call for (of its shard, if it is one) that are not here yet."""
@@ -290,7 +304,7 @@ def merge(sources: Sequence[str | os.PathLike], output: str | os.PathLike) -> Se
 
     Every group present in any source is copied once (the same group is the same conversations wherever it was
     made); groups none of them holds stay missing (`missing_groups()`), and running the same synthesis on `output`
-    makes them.
+    makes them. A source still being written is fine: its parts are whole or absent, and what it lacks is missing.
     """
     import pyarrow.parquet as pq
 
@@ -301,29 +315,28 @@ def merge(sources: Sequence[str | os.PathLike], output: str | os.PathLike) -> Se
     for part in parts:
         if part.path.resolve() == output.resolve():
             raise ConfigError(f"{str(output)!r} is both a source and the output; merge into another folder.")
-        if _settings(part.header) != _settings(parts[0].header):
+        first, this = dataset_settings(parts[0].header), dataset_settings(part.header)
+        if this != first:
             raise ConfigError(
                 f"{str(part.path)!r} was made with other settings than {str(parts[0].path)!r} "
-                f"({describe_changes(_settings(parts[0].header), _settings(part.header))}); only shards of one "
-                "synthesis merge."
+                f"({describe_changes(first, this)}); only shards of one synthesis merge."
             )
     header = {k: v for k, v in parts[0].header.items() if k not in ("format", "format_version", "shard")}
     with folder_lock(output):
         merged = SelfStudyDataset.create(output, header)
         have = merged.done_groups()
         for part in parts:
-            with folder_lock(part.path):  # not while a synthesis is still writing it
-                for group in sorted(part.done_groups() - have):
-                    source = part.path / _part_name(group)
-                    try:
-                        table = pq.read_table(source)
-                    except Exception as err:
-                        raise CartridgeFormatError(
-                            f"Cannot read {str(source)!r}: {err}; run that shard's synthesis again (it remakes "
-                            "damaged parts), then merge."
-                        ) from err
-                    atomic_write(merged.path / _part_name(group), lambda tmp, t=table: pq.write_table(t, tmp))
-                    have.add(group)
+            for group in sorted(part.done_groups() - have):
+                source = part.path / _part_name(group)
+                try:
+                    table = pq.read_table(source)
+                except Exception as err:
+                    raise CartridgeFormatError(
+                        f"Cannot read {str(source)!r}: {err}; run that shard's synthesis again (it remakes damaged "
+                        "parts), then merge."
+                    ) from err
+                atomic_write(merged.path / _part_name(group), lambda tmp, t=table: pq.write_table(t, tmp))
+                have.add(group)
         merged._cache = None
     return merged
 

@@ -22,11 +22,10 @@ import torch
 
 
 @contextlib.contextmanager
-def process_group(device: torch.device, timeout: datetime.timedelta | None = None) -> Iterator[tuple[int, int]]:
+def process_group(device: torch.device) -> Iterator[tuple[int, int]]:
     """(rank, world size) while inside: of the process group already set up, of the one `torchrun` describes in the
     environment (joined here with torch's default backend for each device type, gloo on CPU and nccl on CUDA, and
-    left on exit), or (0, 1) for a single process. `timeout` is how long a collective waits for a late rank
-    (default torch's)."""
+    left on exit), or (0, 1) for a single process."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -37,7 +36,7 @@ def process_group(device: torch.device, timeout: datetime.timedelta | None = Non
         return
     if _is_accelerator(device) and device.index is not None:
         torch.accelerator.set_device_index(device.index)  # collectives and broadcast objects go to this rank's own
-    dist.init_process_group(timeout=timeout)
+    dist.init_process_group()
     try:
         yield dist.get_rank(), dist.get_world_size()
     finally:
@@ -68,6 +67,13 @@ def launch(module_args: Sequence[str], nproc: int) -> int:
                             str(nproc), "-m", *module_args])
 
 
+def torch_dist() -> Any:
+    """`torch.distributed`, imported when first needed."""
+    import torch.distributed as dist
+
+    return dist
+
+
 def under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
@@ -92,6 +98,24 @@ def from_lead(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def patient_group(timeout: datetime.timedelta) -> Any:
+    """A gloo group of all ranks whose collectives wait up to `timeout` (call it on every rank): for waits known to
+    be long, such as ranks finishing their shares of a synthesis hours apart, while the main group keeps torch's
+    default timeout for training."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def gather_from_ranks(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's `value` (picklable), in rank order, on every rank."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
 
 
 def sum_across_ranks(tensors: Sequence[torch.Tensor]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ from .errors import ConfigError
 from .identity import token_fingerprint
 from .models import LM, load_model, resolve_dtype
 from .plugins import Synthesizer, Trainer, synthesizers, trainers
-from .synthesis import DEFAULT_CONVERSATIONS, RANKS_WAIT, SynthesisConfig, check_capabilities, check_context, synthesize
-from .training import CHECKPOINT, RUN_LOG, TrainConfig
+from .synthesis import DEFAULT_CONVERSATIONS, SynthesisConfig, check_capabilities, check_context, synthesize
+from .training import CHECKPOINT, RUN_LOG, TorchTrainer, TrainConfig, check_shardable
 
 INITS = ("compact", "prefix", "random_text", "random")
 # where training starts: the corpus compacted (measured best, docs/self-study.md)
@@ -180,6 +181,14 @@ def train_cartridge(
             f"The dataset was synthesized with model {header_model.get('name')!r}, not {lm.name!r}; "
             "train with the model that made it."
         )
+    if dataset.header.get("shard"):
+        raise ConfigError(f"{str(dataset.path)!r} holds {dataset.holds()} of a synthesis, not the whole "
+                          "dataset; gather the shards with `cartridges merge` (dataset.merge) and train on that.")
+    missing = dataset.missing_groups()
+    if missing:
+        warnings.warn(f"{str(dataset.path)!r} lacks {len(missing)} of its settings' groups ({missing[:8]}"
+                      f"{' ...' if len(missing) > 8 else ''}): its synthesis stopped early, or a shard was left out of a "
+                      "merge. Training on what is there; run the same synthesis on it to complete it.", stacklevel=2)
     corpus_info = dataset.header.get("corpus", {})
     prefix_ids = prefix_ids if prefix_ids is not None else corpus_info.get("prefix_ids")
     work = work_model(lm, work_dtype)
@@ -189,9 +198,14 @@ def train_cartridge(
     try:
         if init == "compact" and prefix_ids is corpus_info.get("prefix_ids"):
             prefix_ids = None  # the dataset keeps only the corpus's first tokens, not enough to compact
-        # rank 0 keeps the compacted start; under torchrun the other ranks get rank 0's start from the trainer
+        # rank 0 keeps the compacted start. The built-in trainer starts every rank from rank 0's cartridge, so the
+        # other ranks need one of the right shape only (not minutes of compaction, nor rank 0's files)
         saved = Path(output_dir) / COMPACT_START if output_dir is not None and is_lead() else None
-        start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen, saved=saved, progress=progress)
+        if is_lead() or not isinstance(fitter, TorchTrainer):
+            start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen, saved=saved,
+                                      progress=progress)
+        else:
+            start = Cartridge.random(lm, num_tokens, seed=seed, num_frozen=num_frozen)
         trained = fitter.fit(start.bind(work), dataset, work, config, output_dir=output_dir, progress=progress)
     finally:
         if owned:
@@ -262,7 +276,9 @@ def build_cartridge(
         cls.parse_options(synthesizer_options or {}, f"synthesizer {synthesizer!r}")
         check_capabilities(synth_cfg, cls.capabilities_for(synthesizer_options or {}), f"synthesizer {synthesizer!r}")
     if isinstance(trainer, str):
-        trainers.get(trainer).parse_options(trainer_options or {}, f"trainer {trainer!r}")
+        trainer_opts = trainers.get(trainer).parse_options(trainer_options or {}, f"trainer {trainer!r}")
+        if getattr(trainer_opts, "shard_model", False):  # before synthesis, not after it
+            check_shardable(int(os.environ.get("WORLD_SIZE", "1")))
     lm = model if isinstance(model, LM) else load_model(model)
     corpus = Corpus.coerce(corpus)
     work = work_model(lm, work_dtype)
@@ -274,8 +290,8 @@ def build_cartridge(
         check_compact(prefix_ids, num_tokens)
     check_context(lm, synth_cfg, len(corpus.token_ids(lm)), num_tokens)
     sampler, owned = synthesizers.resolve(synthesizer, work, synthesizer_options)
-    # one process group for both stages (under torchrun), patient while ranks finish their shares of synthesis
-    with process_group(work.device, timeout=RANKS_WAIT), tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
+    # one process group for both stages (under torchrun)
+    with process_group(work.device), tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
         root = Path(output_dir) if output_dir is not None else Path(tmp)
         try:
             dataset = synthesize(corpus, work, root / "data", synth_cfg, synthesizer=sampler,

@@ -14,6 +14,7 @@ import os
 import random
 import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -21,9 +22,10 @@ import numpy as np
 
 from .checks import at_least_one, count, non_negative, optional_int
 from .corpus import ChunkSampler, Corpus
-from .dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, Shard
-from .distributed import barrier, from_lead, process_group, under_torchrun
-from .errors import BackendError, CartridgeError, ConfigError, IncompatibleCartridgeError
+from .dataset import (HEADER, ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation,
+                      SelfStudyDataset, Shard, dataset_settings, describe_changes)
+from .distributed import gather_from_ranks, patient_group, process_group, torch_dist, under_torchrun
+from .errors import BackendError, ConfigError, IncompatibleCartridgeError
 from .files import folder_lock
 from .models import LM, Message
 from .plugins import Completion, SynthesisRequest, Synthesizer, SynthesizerCapabilities
@@ -361,27 +363,51 @@ def synthesize(
         return _synthesize(lm, synthesizer, config, ids, dataset, shard or Shard(0, 1), progress)
 
 
-# how long ranks that made their share of a synthesis wait for the slowest one (torch's default is 30 minutes)
+# how long ranks that made their share of a synthesis wait for the slowest one (the process group's own timeout,
+# torch's default, is tens of minutes: ranks of a long run may finish further apart than that)
 RANKS_WAIT = _dt.timedelta(hours=24)
+SHARED_FOLDER = ("Under torchrun the dataset folder must be one every rank reaches (on several machines, a shared "
+                 "filesystem); otherwise make shards (--shard I/N) and `cartridges merge` them.")
 
 
 def _synthesize_across_ranks(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, ids: list[int],
                              output: str | os.PathLike, header: dict[str, Any], restart: bool,
                              progress: bool) -> SelfStudyDataset:
-    """Every rank makes its share of the groups into one folder; rank 0 alone prepares it (and holds its lock)."""
-    with process_group(lm.device, timeout=RANKS_WAIT) as (rank, ranks), contextlib.ExitStack() as held:
-        failure = None
+    """Every rank makes its share of the groups into one folder; rank 0 alone prepares it (and holds its lock).
+
+    Whatever stops one rank before or after its share stops them all, with the reason, rather than leaving the
+    others waiting: a problem preparing the folder, a rank given other settings (another corpus, model or
+    config), or a rank that cannot see the others' groups (a folder not shared between machines)."""
+    with process_group(lm.device) as (rank, ranks), contextlib.ExitStack() as held:
+        waits = patient_group(RANKS_WAIT)
+        problem = None
         if rank == 0:
             try:
                 held.enter_context(folder_lock(output))
                 _drop_damaged(SelfStudyDataset.create(output, header, restart=restart))
-            except CartridgeError as err:
-                failure = err
-        failure = from_lead(failure)  # the other ranks stop with rank 0's reason instead of waiting for it
-        if failure is not None:
-            raise failure
+            except Exception as err:  # noqa: BLE001 - sent to every rank, then raised here as it is
+                problem = err
+        lead_problem = gather_from_ranks(None if problem is None else str(problem), waits)[0]
+        if problem is not None:
+            raise problem
+        if lead_problem is not None:
+            raise ConfigError(f"The ranks cannot share this synthesis: rank 0: {lead_problem}.")
+        told = gather_from_ranks((dataset_settings(header), (Path(output) / HEADER).is_file()), waits)
+        lead_settings = told[0][0]
+        problems = [f"rank {r} was given other settings than rank 0 ({describe_changes(lead_settings, theirs)})"
+                    for r, (theirs, _) in enumerate(told) if theirs != lead_settings]
+        problems += [f"rank {r} does not see the dataset folder rank 0 prepared" for r, (_, sees) in enumerate(told)
+                     if not sees]
+        if problems:
+            raise ConfigError(f"The ranks cannot share this synthesis: {'; '.join(problems)} in {str(output)!r}. "
+                              f"{SHARED_FOLDER}")
         _synthesize(lm, synthesizer, config, ids, SelfStudyDataset(output), Shard(rank, ranks), progress and rank == 0)
-        barrier()
+        torch_dist().barrier(group=waits)  # every rank's share is written
+        missing = gather_from_ranks(SelfStudyDataset(output).missing_groups(), waits)
+        torch_dist().destroy_process_group(waits)
+        unseen = [f"rank {r} does not see group(s) {m[:8]}" for r, m in enumerate(missing) if m]
+        if unseen:
+            raise ConfigError(f"{'; '.join(unseen)} in {str(output)!r}. {SHARED_FOLDER}")
     return SelfStudyDataset(output)
 
 

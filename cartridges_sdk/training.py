@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .cartridge import Cartridge, CartridgeMeta
-from .checks import at_least_one, count, fraction, non_negative, one_of, optional_int, positive
+from .checks import at_least_one, boolean, count, fraction, non_negative, one_of, optional_int, positive
 from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
 from .distributed import from_lead, process_group, sum_across_ranks
 from .errors import ConfigError
@@ -142,6 +142,13 @@ class Student(torch.nn.Module):
                                        past_key_values=cache, use_cache=True).last_hidden_state
         head = self.model.get_output_embeddings()
         return OutputLoss.apply(hidden[rows, positions], head.weight, head.bias, top_ids, top_p, weights)
+
+
+def check_shardable(ranks: int) -> None:
+    """Refuse `shard_model` where there is nothing to shard across, before any work."""
+    if ranks < 2:
+        raise ConfigError("shard_model=True splits the model across ranks; run under torchrun with 2 or more "
+                          "(--nproc N), or train without it.")
 
 
 def sharded_student(lm: LM) -> Student:
@@ -287,10 +294,10 @@ def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 @attrs.frozen
 class TorchTrainerOptions:
     # continue from the checkpoint in the output folder when there is one (its settings must match)
-    resume: bool = True
+    resume: bool = attrs.field(default=True, validator=boolean)
     # under torchrun: shard the frozen model's weights across the ranks with FSDP2 (for models too large for one
     # device); the cartridge stays whole on every rank. The model object is sharded for good (docs/distributed.md)
-    shard_model: bool = False
+    shard_model: bool = attrs.field(default=False, validator=boolean)
 
 
 class TorchTrainer(Trainer):
@@ -300,6 +307,8 @@ class TorchTrainer(Trainer):
     Options = TorchTrainerOptions
 
     def __init__(self, model: LM | None = None, *, resume: bool = True, shard_model: bool = False):
+        if shard_model:
+            check_shardable(int(os.environ.get("WORLD_SIZE", "1")))
         self.resume = resume
         self.shard_model = shard_model
         self.config = TrainConfig()
@@ -343,10 +352,34 @@ class TorchTrainer(Trainer):
         config: TrainConfig | None = None, *, output_dir: str | os.PathLike | None = None, progress: bool = True,
     ) -> Cartridge:
         output_dir = Path(output_dir) if output_dir is not None else None
-        with process_group(model.device) as (self.rank, self.world):  # under torchrun: this rank's share of the data
-            lead = self.rank == 0  # the one rank that writes checkpoints and logs
-            with folder_lock(output_dir) if output_dir and lead else contextlib.nullcontext():
-                return self._fit(init, dataset, model, config or TrainConfig(), output_dir, progress and lead)
+        try:
+            with process_group(model.device) as (self.rank, self.world):  # under torchrun: this rank's share
+                lead = self.rank == 0  # the one rank that writes checkpoints and logs
+                with folder_lock(output_dir) if output_dir and lead else contextlib.nullcontext():
+                    return self._fit(init, dataset, model, config or TrainConfig(), output_dir, progress and lead)
+        finally:  # the group is gone: later calls (evaluate) run as one process again
+            self.rank, self.world, self.student = 0, 1, None
+
+    def _resume(self, ckpt: Path, run: dict[str, Any], params: list[torch.nn.Parameter],
+                opt: torch.optim.Optimizer) -> int:
+        """Load the checkpoint into `params` and `opt` (refusing one of another run); the step it reached."""
+        state = torch.load(ckpt, map_location=params[0].device, weights_only=True)
+        if "grad_accum" in state.get("run", {}).get("config", {}):  # recorded by one process, before ranks
+            config_then = dict(state["run"]["config"])
+            config_then["micro_batches_per_step"] = config_then.pop("grad_accum")
+            state["run"] = {**state["run"], "config": config_then}
+        if state.get("run") != run:
+            changes = describe_changes(state["run"], run) if "run" in state else "made by an older version"
+            raise ConfigError(
+                f"The checkpoint in {str(ckpt.parent)!r} was made with other settings or data ({changes}); start "
+                "over with restart=True (--restart), or use another folder."
+            )
+        with torch.no_grad():
+            for mine, saved in zip(params, state["params"]):
+                mine.copy_(saved)
+        opt.load_state_dict(state["optimizer"])
+        self.history = state.get("history", [])
+        return state["step"]
 
     def _fit(self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM, config: TrainConfig,
              output_dir: Path | None, progress: bool) -> Cartridge:
@@ -355,9 +388,7 @@ class TorchTrainer(Trainer):
         self.config = cfg = config
         lm = model
         if self.shard_model:
-            if self.world < 2:
-                raise ConfigError("shard_model=True splits the model across ranks; run under torchrun with 2 or more "
-                                  "(--nproc N), or train without it.")
+            check_shardable(self.world)
             self.student = sharded_student(lm)
         conversations = list(dataset)
         if not conversations:
@@ -391,29 +422,24 @@ class TorchTrainer(Trainer):
             "data": {"sequences": len(conversations),
                      "content": token_fingerprint([x for c in conversations for x in (c.conv_id, c.num_tokens)])},
         }
-        if ckpt and ckpt.is_file() and self.resume and lead:
-            state = torch.load(ckpt, map_location=lm.device, weights_only=True)
-            if "grad_accum" in state.get("run", {}).get("config", {}):  # recorded by one process, before ranks
-                config_then = dict(state["run"]["config"])
-                config_then["micro_batches_per_step"] = config_then.pop("grad_accum")
-                state["run"] = {**state["run"], "config": config_then}
-            if state.get("run") != run:
-                changes = describe_changes(state["run"], run) if "run" in state else "made by an older version"
-                raise ConfigError(
-                    f"The checkpoint in {str(output_dir)!r} was made with other settings or data ({changes}); start "
-                    "over with restart=True (--restart), or use another folder."
-                )
-            with torch.no_grad():
-                for mine, saved in zip(params, state["params"]):
-                    mine.copy_(saved)
-            opt.load_state_dict(state["optimizer"])
-            step = state["step"]
-            self.history = state.get("history", [])
+        problem = None
+        try:
+            if ckpt and ckpt.is_file() and self.resume and lead:
+                step = self._resume(ckpt, run, params, opt)
+        except Exception as err:  # noqa: BLE001 - the other ranks are told below, then it is raised here as it is
+            problem = err
         if self.world > 1:  # every rank starts from rank 0's state, whatever files or start each one had
-            start_state = from_lead({"params": [p.detach().cpu() for p in params], "optimizer": opt.state_dict(),
-                                     "step": step})
+            start_state = from_lead(None if problem is not None else {
+                "params": [p.detach().cpu() for p in params], "optimizer": opt.state_dict(), "step": step,
+                "frozen": [t.detach().cpu() for t in (*cart.frozen_keys, *cart.frozen_values)]})
+            if problem is None and start_state is None:
+                raise ConfigError("Rank 0 could not resume the run (its own error says why); so this rank stops too.")
+        if problem is not None:
+            raise problem
+        if self.world > 1:
             with torch.no_grad():
-                for mine, given in zip(params, start_state["params"]):
+                for mine, given in zip([*params, *cart.frozen_keys, *cart.frozen_values],
+                                       [*start_state["params"], *start_state["frozen"]], strict=True):
                     mine.copy_(given)
             opt.load_state_dict(start_state["optimizer"])
             step = start_state["step"]

@@ -101,6 +101,26 @@ def test_synthesize_then_train(tmp_path, capsys):
     assert "cartridges synthesize" in capsys.readouterr().err
 
 
+def test_shards_made_apart_then_merged(tmp_path, capsys):
+    corpus = str(DATA / "harrow_point.txt")
+    common = ["synthesize", corpus, "--conversations", "8", *TINY]  # groups: 2 of conversations, 1 of windows
+    assert main([*common, "-o", str(tmp_path / "s1"), "--shard", "1/2"]) == 0
+    assert "4 conversations, 0 document windows (shard 1 of 2" in capsys.readouterr().out
+    assert main(["merge", str(tmp_path / "s1"), "-o", str(tmp_path / "data")]) == 0
+    out = capsys.readouterr()
+    assert "2 group(s) missing: [0, 2]" in out.out and "run the same `cartridges synthesize`" in out.err
+    assert main(["train", str(tmp_path / "s1"), "-o", str(tmp_path / "c.safetensors"), "--tokens", "8",
+                 "--init", "random"]) == 2
+    assert "holds shard 1 of 2 of a synthesis, not the whole dataset" in capsys.readouterr().err
+    assert main([*common, "-o", str(tmp_path / "s0"), "--shard", "0/2"]) == 0
+    assert main(["merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "-o", str(tmp_path / "data")]) == 0
+    assert capsys.readouterr().out.strip().endswith("8 conversations, 2 document windows")
+    assert main([*common, "-o", str(tmp_path / "s0"), "--shard", "0/2", "--nproc", "2"]) == 2
+    assert "Use one or the other" in capsys.readouterr().err
+    assert main([*common, "-o", str(tmp_path / "s0"), "--shard", "0/3"]) == 2  # not the shard that folder holds
+    assert "holds shard 0 of 2, not shard 0 of 3" in capsys.readouterr().err
+
+
 def test_build(tmp_path):
     out = tmp_path / "b.safetensors"
     args = ["build", str(DATA / "harrow_point.txt"), "-o", str(out), "--tokens", "16", "--conversations", "4", *TINY]

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TEXT
 from ddp_worker import config, data
 
 from cartridges_sdk import Cartridge, ConfigError
+from cartridges_sdk.dataset import SelfStudyDataset
 from cartridges_sdk.training import TorchTrainer
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
@@ -107,6 +109,14 @@ def test_a_killed_rank_fails_the_job_cleanly_and_the_run_resumes_on_one_process(
     assert max_diff(want, resumed) <= 1e-5
 
 
+def test_a_checkpoint_rank_0_refuses_stops_every_rank(tmp_path):
+    assert torchrun(tmp_path, tmp_path / "a.safetensors", 1, tmp_path / "work").returncode == 0
+    again = torchrun(tmp_path, tmp_path / "b.safetensors", 2, tmp_path / "work")  # another global batch
+    assert again.returncode != 0
+    assert "micro_batches_per_step: 2 -> 4" in again.stderr  # rank 0's reason
+    assert "Rank 0 could not resume the run" in again.stderr  # rank 1 stops too, rather than waiting
+
+
 def test_cartridges_train_nproc_2_on_the_default_model(tmp_path, capsys):
     """`cartridges train --nproc 2` starts two ranks on this machine; the file it writes equals a one-process run's
     with the same global batch (grad_accum doubled)."""
@@ -126,6 +136,38 @@ def test_cartridges_train_nproc_2_on_the_default_model(tmp_path, capsys):
     assert two.stdout.count("wrote ") == 1  # rank 0 alone writes the file
     one, two = (Cartridge.load(tmp_path / f"{n}.safetensors") for n in ("one", "two"))
     assert max_diff(one, two) <= 1e-5 and one.meta.training["steps"] == two.meta.training["steps"] > 1
+
+
+def share_synthesis(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(WORKER.with_name("shard_worker.py")), str(tmp_path / "data"), mode],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
+                          cwd=tmp_path, check=False)
+
+
+def test_two_ranks_synthesize_the_one_process_dataset_into_one_folder(tiny_llama, tmp_path):
+    from test_synthesis import SHARDED, _config, contents
+
+    from cartridges_sdk.hf import HFSynthesizer
+    from cartridges_sdk.synthesis import synthesize
+
+    done = share_synthesis(tmp_path, "same")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0: 16 sequences" in done.stdout and "rank 1: 16 sequences" in done.stdout  # each has the whole
+    with one_thread():
+        one = synthesize(TEXT, tiny_llama, tmp_path / "one", _config(**SHARDED), synthesizer=HFSynthesizer(tiny_llama),
+                         progress=False)
+    assert contents(SelfStudyDataset(tmp_path / "data")) == contents(one)
+
+
+@pytest.mark.parametrize("mode, reason", [
+    ("differ", r"rank 1 was given other settings than rank 0 \(config.top_k: 5 -> 3\)"),
+    ("apart", r"rank 1 does not see the dataset folder rank 0 prepared.*a shared filesystem"),
+])
+def test_ranks_that_cannot_share_a_synthesis_all_stop_with_the_reason(tmp_path, mode, reason):
+    done = share_synthesis(tmp_path, mode)
+    assert done.returncode != 0
+    assert len(re.findall(reason, done.stderr)) == 2  # said by both ranks: neither waits for the other
 
 
 def test_cartridges_build_nproc_2_shares_synthesis_and_training(tmp_path):

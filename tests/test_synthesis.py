@@ -12,6 +12,7 @@ from cartridges_sdk import Completion, ConfigError, Synthesizer, SynthesizerCapa
 from cartridges_sdk.dataset import ROLE_ASSISTANT, SelfStudyDataset, Shard, merge
 from cartridges_sdk.hf import HFSynthesizer
 from cartridges_sdk.plugins import SynthesisRequest
+from cartridges_sdk.selfstudy import train_cartridge
 from cartridges_sdk.synthesis import SynthesisConfig, synthesize, teacher_prompt
 
 from conftest import TEXT
@@ -232,6 +233,8 @@ def test_a_partial_merge_names_what_is_missing_and_resumes_to_the_whole(tiny_lm,
                shard=Shard(1, 2))
     merged = merge([tmp_path / "shard1"], tmp_path / "merged")
     assert merged.missing_groups() == [0, 2, 4, 6]
+    with pytest.warns(UserWarning, match=r"lacks 4 of its settings' groups \(\[0, 2, 4, 6\]\).*left out of a merge"):
+        train_cartridge(merged, tiny_lm, num_tokens=4, init="random", progress=False)
     whole = synthesize(TEXT, tiny_lm, tmp_path / "merged", cfg, synthesizer=HFSynthesizer(tiny_lm), progress=False)
     one = synthesize(TEXT, tiny_lm, tmp_path / "one", cfg, synthesizer=HFSynthesizer(tiny_lm), progress=False)
     assert contents(whole) == contents(one)
@@ -247,7 +250,7 @@ def test_shards_of_other_settings_do_not_mix(tiny_lm, tmp_path):
     with pytest.raises(ConfigError, match=r"other settings.*top_k: 5 -> 3.*only shards of one synthesis merge"):
         merge([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
     assert not (tmp_path / "m" / "header.json").exists()
-    with pytest.raises(ConfigError, match="other settings.*shard"):  # a shard folder holds one shard
+    with pytest.raises(ConfigError, match="holds shard 0 of 2, not shard 1 of 2; use a folder for each shard"):
         synthesize(TEXT, tiny_lm, tmp_path / "a", cfg, synthesizer=fake(), shard=Shard(1, 2), **kw)
     with pytest.raises(ConfigError, match="both a source and the output"):
         merge([tmp_path / "a"], tmp_path / "a")
