@@ -271,13 +271,16 @@ def _corpus(args: argparse.Namespace):
     return Corpus.from_files([str(p) for p in paths], description=args.description)
 
 
-def _start_ranks(args: argparse.Namespace) -> int | None:
+def _start_ranks(args: argparse.Namespace, trainer_options: dict[str, Any] | None = None) -> int | None:
     """With ``--nproc N`` (N > 1) outside torchrun: run this command as N ranks on this machine and return their exit
     code. Otherwise (one process, or a rank) None: go on here, on this rank's own device."""
     from .distributed import launch, rank_device, under_torchrun
+    from .training import check_shardable
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} must be at least 1.")
+    if (trainer_options or {}).get("shard_model") and not under_torchrun():  # before the model loads
+        check_shardable(args.nproc)
     if args.nproc > 1 and getattr(args, "trainer", "torch") != "torch":
         raise ConfigError(f"--nproc runs the built-in torch trainer data-parallel; trainer {args.trainer!r} does not "
                           "join a process group. Drop --nproc, or use --trainer torch.")
@@ -297,7 +300,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                    init=args.init, seed=args.seed)
     options = backend_options(args, {"synthesizer": args.synthesizer, "trainer": args.trainer})
     _output_file(args.output)
-    ranks_exit = _start_ranks(args)  # after the checks, so a mistake is said once, not by every rank
+    ranks_exit = _start_ranks(args, options["trainer"])  # after the checks: a mistake is said once, not by every rank
     if ranks_exit is not None:
         return ranks_exit
     lm = _model_for(args.model, device=args.device)
@@ -388,17 +391,21 @@ def cmd_train(args: argparse.Namespace) -> int:
     _output_file(args.output)
     dataset = SelfStudyDataset(args.data)
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
-    from .selfstudy import COMPACT_START, check_compact
+    from .selfstudy import COMPACT_START, check_compact, check_whole
 
+    check_whole(dataset)
     # before the model loads: the dataset alone cannot be compacted (rank 0 makes the start under torchrun)
-    if args.init == "compact" and not args.corpus and not (work / COMPACT_START).is_file() and is_lead():
+    if (args.init == "compact" and not args.corpus and (args.restart or not (work / COMPACT_START).is_file())
+            and is_lead()):
         check_compact(None, args.tokens)
-    ranks_exit = _start_ranks(args)
+    ranks_exit = _start_ranks(args, options)
     if ranks_exit is not None:
         return ranks_exit
     source = dataset.header.get("model", {}).get("source")
     lm = _model_for(args.model or source, device=args.device)
-    prefix_ids = lm.encode(_corpus(args).text) if args.corpus else None
+    # the start is rank 0's to make (the built-in trainer sends it to the others): they need not read the corpus
+    needs_corpus = args.corpus and (is_lead() or args.trainer != "torch")
+    prefix_ids = lm.encode(_corpus(args).text) if needs_corpus else None
     c = train_cartridge(
         dataset, lm, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed,
         prefix_ids=prefix_ids, output_dir=work, trainer=args.trainer, trainer_options=options, restart=args.restart,

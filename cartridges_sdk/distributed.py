@@ -15,10 +15,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
+
+from .errors import ConfigError
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -83,21 +87,46 @@ def is_lead() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def barrier() -> None:
-    """Wait for every rank (nothing to wait for in a single process)."""
+def on_cpu(value: Any) -> Any:
+    """`value` with every tensor inside (in dicts, lists and tuples) moved to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_cpu(v) for v in value)
+    return value
+
+
+# how long ranks wait for rank 0's lone work (compacting a corpus) or for the slowest rank's share of a synthesis:
+# torch's default group timeout (minutes) is shorter than either may take
+RANKS_WAIT = datetime.timedelta(hours=24)
+
+
+def lead_does(work: Callable[[], T]) -> T | None:
+    """Run `work` on rank 0 alone while the other ranks wait for it (up to `RANKS_WAIT`, on a gloo group of their
+    own). If it raises, every rank raises: rank 0 its own error, the others a `ConfigError` quoting it. Rank 0 gets
+    the result and the others None; without a process group of several ranks, just ``work()``."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def from_lead(value: Any) -> Any:
-    """Rank 0's `value` on every rank (a picklable object; CPU tensors inside)."""
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return work()
+    waits = patient_group(RANKS_WAIT)
+    result, problem = None, None
+    try:
+        if dist.get_rank() == 0:
+            try:
+                result = work()
+            except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised here as it is
+                problem = err
+        told = gather_from_ranks(None if problem is None else f"{type(problem).__name__}: {problem}", waits)[0]
+    finally:
+        dist.destroy_process_group(waits)
+    if problem is not None:
+        raise problem
+    if told is not None:
+        raise ConfigError(f"Rank 0 failed, so this rank stops too: {told}")
+    return result
 
 
 def patient_group(timeout: datetime.timedelta) -> Any:

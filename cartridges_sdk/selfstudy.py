@@ -17,7 +17,7 @@ from .cartridge import Cartridge
 from .checks import PATH, require
 from .corpus import Corpus
 from .dataset import SelfStudyDataset
-from .distributed import is_lead, process_group, under_torchrun
+from .distributed import is_lead, lead_does, process_group, under_torchrun
 from .errors import ConfigError
 from .identity import token_fingerprint
 from .models import LM, load_model, resolve_dtype
@@ -92,6 +92,13 @@ def check_prefix(prefix_ids: Sequence[int] | None, num_tokens: int) -> None:
             f"init='prefix' needs num_tokens <= the corpus's {len(prefix_ids)} tokens (got {num_tokens}); "
             "use a smaller num_tokens or init='random_text'."
         )
+
+
+def check_whole(dataset: SelfStudyDataset) -> None:
+    """Refuse to train on one shard of a synthesis (it holds 1/N of the data)."""
+    if dataset.header.get("shard"):
+        raise ConfigError(f"{str(dataset.path)!r} holds {dataset.holds()} of a synthesis, not the whole "
+                          "dataset; gather the shards with `cartridges merge` (dataset.merge) and train on that.")
 
 
 def clear_training(folder: Path) -> None:
@@ -181,9 +188,7 @@ def train_cartridge(
             f"The dataset was synthesized with model {header_model.get('name')!r}, not {lm.name!r}; "
             "train with the model that made it."
         )
-    if dataset.header.get("shard"):
-        raise ConfigError(f"{str(dataset.path)!r} holds {dataset.holds()} of a synthesis, not the whole "
-                          "dataset; gather the shards with `cartridges merge` (dataset.merge) and train on that.")
+    check_whole(dataset)
     missing = dataset.missing_groups()
     if missing:
         warnings.warn(f"{str(dataset.path)!r} lacks {len(missing)} of its settings' groups ({missing[:8]}"
@@ -198,15 +203,22 @@ def train_cartridge(
     try:
         if init == "compact" and prefix_ids is corpus_info.get("prefix_ids"):
             prefix_ids = None  # the dataset keeps only the corpus's first tokens, not enough to compact
-        # rank 0 keeps the compacted start. The built-in trainer starts every rank from rank 0's cartridge, so the
-        # other ranks need one of the right shape only (not minutes of compaction, nor rank 0's files)
-        saved = Path(output_dir) / COMPACT_START if output_dir is not None and is_lead() else None
-        if is_lead() or not isinstance(fitter, TorchTrainer):
-            start = initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen, saved=saved,
-                                      progress=progress)
-        else:
-            start = Cartridge.random(lm, num_tokens, seed=seed, num_frozen=num_frozen)
-        trained = fitter.fit(start.bind(work), dataset, work, config, output_dir=output_dir, progress=progress)
+        saved = Path(output_dir) / COMPACT_START if output_dir is not None and is_lead() else None  # rank 0 keeps it
+
+        def make_start() -> Cartridge:
+            return initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen, saved=saved,
+                                     progress=progress)
+
+        with process_group(work.device):  # under torchrun: one group for the start and the training
+            if isinstance(fitter, TorchTrainer):
+                # it starts every rank from rank 0's cartridge: rank 0 alone makes the start (minutes of compaction
+                # on a large corpus), the others take one of the right shape
+                start = lead_does(make_start)
+                if start is None:
+                    start = Cartridge.random(lm, num_tokens, seed=seed, num_frozen=num_frozen)
+            else:
+                start = make_start()
+            trained = fitter.fit(start.bind(work), dataset, work, config, output_dir=output_dir, progress=progress)
     finally:
         if owned:
             fitter.close()

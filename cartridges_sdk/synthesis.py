@@ -22,9 +22,27 @@ import numpy as np
 
 from .checks import at_least_one, count, non_negative, optional_int
 from .corpus import ChunkSampler, Corpus
-from .dataset import (HEADER, ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation,
-                      SelfStudyDataset, Shard, dataset_settings, describe_changes)
-from .distributed import gather_from_ranks, patient_group, process_group, torch_dist, under_torchrun
+from .dataset import (
+    HEADER,
+    ROLE_ASSISTANT,
+    ROLE_DOCUMENT,
+    ROLE_USER,
+    SEED_KIND_DOCUMENT,
+    Conversation,
+    SelfStudyDataset,
+    Shard,
+    dataset_settings,
+    describe_changes,
+)
+from .distributed import (
+    RANKS_WAIT,
+    gather_from_ranks,
+    lead_does,
+    patient_group,
+    process_group,
+    torch_dist,
+    under_torchrun,
+)
 from .errors import BackendError, ConfigError, IncompatibleCartridgeError
 from .files import folder_lock
 from .models import LM, Message
@@ -363,9 +381,6 @@ def synthesize(
         return _synthesize(lm, synthesizer, config, ids, dataset, shard or Shard(0, 1), progress)
 
 
-# how long ranks that made their share of a synthesis wait for the slowest one (the process group's own timeout,
-# torch's default, is tens of minutes: ranks of a long run may finish further apart than that)
-RANKS_WAIT = _dt.timedelta(hours=24)
 SHARED_FOLDER = ("Under torchrun the dataset folder must be one every rank reaches (on several machines, a shared "
                  "filesystem); otherwise make shards (--shard I/N) and `cartridges merge` them.")
 
@@ -377,34 +392,31 @@ def _synthesize_across_ranks(lm: LM, synthesizer: Synthesizer, config: Synthesis
 
     Whatever stops one rank before or after its share stops them all, with the reason, rather than leaving the
     others waiting: a problem preparing the folder, a rank given other settings (another corpus, model or
-    config), or a rank that cannot see the others' groups (a folder not shared between machines)."""
+    config), or a rank that cannot see the folder or the others' groups (a folder not shared between machines)."""
     with process_group(lm.device) as (rank, ranks), contextlib.ExitStack() as held:
-        waits = patient_group(RANKS_WAIT)
-        problem = None
-        if rank == 0:
-            try:
-                held.enter_context(folder_lock(output))
-                _drop_damaged(SelfStudyDataset.create(output, header, restart=restart))
-            except Exception as err:  # noqa: BLE001 - sent to every rank, then raised here as it is
-                problem = err
-        lead_problem = gather_from_ranks(None if problem is None else str(problem), waits)[0]
-        if problem is not None:
-            raise problem
-        if lead_problem is not None:
-            raise ConfigError(f"The ranks cannot share this synthesis: rank 0: {lead_problem}.")
-        told = gather_from_ranks((dataset_settings(header), (Path(output) / HEADER).is_file()), waits)
-        lead_settings = told[0][0]
-        problems = [f"rank {r} was given other settings than rank 0 ({describe_changes(lead_settings, theirs)})"
-                    for r, (theirs, _) in enumerate(told) if theirs != lead_settings]
-        problems += [f"rank {r} does not see the dataset folder rank 0 prepared" for r, (_, sees) in enumerate(told)
-                     if not sees]
-        if problems:
-            raise ConfigError(f"The ranks cannot share this synthesis: {'; '.join(problems)} in {str(output)!r}. "
-                              f"{SHARED_FOLDER}")
-        _synthesize(lm, synthesizer, config, ids, SelfStudyDataset(output), Shard(rank, ranks), progress and rank == 0)
-        torch_dist().barrier(group=waits)  # every rank's share is written
-        missing = gather_from_ranks(SelfStudyDataset(output).missing_groups(), waits)
-        torch_dist().destroy_process_group(waits)
+
+        def prepare() -> None:
+            held.enter_context(folder_lock(output))
+            _drop_damaged(SelfStudyDataset.create(output, header, restart=restart))
+
+        lead_does(prepare)
+        waits = patient_group(RANKS_WAIT)  # the slowest rank's share may end hours after the fastest's
+        try:
+            told = gather_from_ranks((dataset_settings(header), (Path(output) / HEADER).is_file()), waits)
+            lead_settings = told[0][0]
+            problems = [f"rank {r} was given other settings than rank 0 ({describe_changes(lead_settings, theirs)})"
+                        for r, (theirs, _) in enumerate(told) if theirs != lead_settings]
+            problems += [f"rank {r} does not see the dataset folder rank 0 prepared"
+                         for r, (_, sees) in enumerate(told) if not sees]
+            if problems:
+                raise ConfigError(f"The ranks cannot share this synthesis: {'; '.join(problems)} in {str(output)!r}. "
+                                  f"{SHARED_FOLDER}")
+            _synthesize(lm, synthesizer, config, ids, SelfStudyDataset(output), Shard(rank, ranks),
+                        progress and rank == 0)
+            torch_dist().barrier(group=waits)  # every rank's share is written
+            missing = gather_from_ranks(SelfStudyDataset(output).missing_groups(), waits)
+        finally:
+            torch_dist().destroy_process_group(waits)
         unseen = [f"rank {r} does not see group(s) {m[:8]}" for r, m in enumerate(missing) if m]
         if unseen:
             raise ConfigError(f"{'; '.join(unseen)} in {str(output)!r}. {SHARED_FOLDER}")

@@ -25,7 +25,7 @@ import torch
 from .cartridge import Cartridge, CartridgeMeta
 from .checks import at_least_one, boolean, count, fraction, non_negative, one_of, optional_int, positive
 from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
-from .distributed import from_lead, process_group, sum_across_ranks
+from .distributed import gather_from_ranks, on_cpu, process_group, sum_across_ranks
 from .errors import ConfigError
 from .files import atomic_write, folder_lock
 from .identity import token_fingerprint
@@ -429,14 +429,26 @@ class TorchTrainer(Trainer):
         except Exception as err:  # noqa: BLE001 - the other ranks are told below, then it is raised here as it is
             problem = err
         if self.world > 1:  # every rank starts from rank 0's state, whatever files or start each one had
-            start_state = from_lead(None if problem is not None else {
-                "params": [p.detach().cpu() for p in params], "optimizer": opt.state_dict(), "step": step,
-                "frozen": [t.detach().cpu() for t in (*cart.frozen_keys, *cart.frozen_values)]})
-            if problem is None and start_state is None:
-                raise ConfigError("Rank 0 could not resume the run (its own error says why); so this rank stops too.")
+            told = gather_from_ranks((
+                None if problem is None else f"{type(problem).__name__}: {problem}",
+                {k: run[k] for k in ("config", "data")},  # the start differs: only rank 0's is real
+                None if problem is not None or not lead else on_cpu({
+                    "params": list(params), "optimizer": opt.state_dict(), "step": step, "history": self.history,
+                    "frozen": [*cart.frozen_keys, *cart.frozen_values]}),
+            ))
+            if problem is None and told[0][0] is not None:
+                raise ConfigError(f"Rank 0 could not resume the run, so this rank stops too: {told[0][0]}")
+            if problem is None:
+                differ = [f"rank {r}: {describe_changes(told[0][1], theirs)}" for r, (_, theirs, _) in enumerate(told)
+                          if theirs != told[0][1]]
+                if differ:
+                    raise ConfigError(f"The ranks were given other training data or settings than rank 0 "
+                                      f"({'; '.join(differ)}); give every rank the same dataset and settings.")
+            start_state = told[0][2]
         if problem is not None:
             raise problem
         if self.world > 1:
+            self.history = start_state["history"]
             with torch.no_grad():
                 for mine, given in zip([*params, *cart.frozen_keys, *cart.frozen_values],
                                        [*start_state["params"], *start_state["frozen"]], strict=True):

@@ -1,9 +1,10 @@
 """One rank of a data-parallel training run, started by torchrun from test_distributed.py: every rank trains the
 test's cartridge on its share of the data; rank 0 saves it. ``die_at`` > 0 makes rank 1 exit at that optimizer step,
-as a killed process would. SHARD 1 shards the frozen model across the ranks (FSDP2); rank 0 then prints the share
-of the model's weights it holds. (Run as a script, its folder is on the import path, so the tests' helpers import.)
+as a killed process would. MODE ``shard`` shards the frozen model across the ranks (FSDP2), and rank 0 then prints
+the share of the model's weights it holds; ``otherdata`` gives rank 1 fewer conversations than rank 0. (Run as a
+script, its folder is on the import path, so the tests' helpers import.)
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py OUT GRAD_ACCUM WORKDIR DIE_AT SHARD
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py OUT GRAD_ACCUM WORKDIR DIE_AT MODE
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def data():
 
 
 if __name__ == "__main__":
-    out, accum, workdir, die_at, shard = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
+    out, accum, workdir, die_at, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
     lm, init, convs = data()
+    if mode == "otherdata" and int(os.environ["RANK"]) == 1:
+        convs = convs[:6]
     if die_at and int(os.environ["RANK"]) == 1:
         real, calls = torch.optim.Adam.step, {"n": 0}
 
@@ -42,7 +45,7 @@ if __name__ == "__main__":
 
         torch.optim.Adam.step = dying
     whole = sum(p.numel() for p in lm.model.parameters())
-    cartridge = TorchTrainer(shard_model=shard).fit(init, convs, lm, config(accum), output_dir=workdir, progress=False)
+    cartridge = TorchTrainer(shard_model=mode == "shard").fit(init, convs, lm, config(accum), output_dir=workdir, progress=False)
     if int(os.environ["RANK"]) == 0:
         cartridge.save(out)
         held = sum(getattr(p, "_local_tensor", p).numel() for p in lm.model.parameters())

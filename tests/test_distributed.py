@@ -26,10 +26,10 @@ WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
 
 
 def torchrun(tmp_path: Path, out: Path, grad_accum: int, workdir: Path, die_at: int = 0,
-             shard: bool = False) -> subprocess.CompletedProcess:
+             mode: str = "plain") -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(WORKER), str(out), str(grad_accum), str(workdir), str(die_at), str(int(shard))],
+                           str(WORKER), str(out), str(grad_accum), str(workdir), str(die_at), mode],
                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path, check=False)
 
 
@@ -73,7 +73,7 @@ def test_a_model_sharded_across_two_ranks_trains_the_same_cartridge(tmp_path):
     trainer = TorchTrainer()
     with one_thread():
         one = trainer.fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False)
-    done = torchrun(tmp_path, tmp_path / "two.safetensors", 1, tmp_path / "two", shard=True)
+    done = torchrun(tmp_path, tmp_path / "two.safetensors", 1, tmp_path / "two", mode="shard")
     assert done.returncode == 0, done.stderr[-3000:]
     held, whole = map(int, re.search(r"rank 0 holds (\d+) of (\d+) model weights", done.stdout).groups())
     # the first half of each weight's rows (rounded up), not the whole model
@@ -117,6 +117,13 @@ def test_a_checkpoint_rank_0_refuses_stops_every_rank(tmp_path):
     assert "Rank 0 could not resume the run" in again.stderr  # rank 1 stops too, rather than waiting
 
 
+def test_ranks_given_other_data_stop_with_the_reason(tmp_path):
+    done = torchrun(tmp_path, tmp_path / "a.safetensors", 1, tmp_path / "work", mode="otherdata")
+    assert done.returncode != 0
+    # both ranks say it (rank 1 found fewer sequences than rank 0), neither waits in a collective
+    assert done.stderr.count("The ranks were given other training data or settings than rank 0 (rank 1: ") == 2
+
+
 def test_cartridges_train_nproc_2_on_the_default_model(tmp_path, capsys):
     """`cartridges train --nproc 2` starts two ranks on this machine; the file it writes equals a one-process run's
     with the same global batch (grad_accum doubled)."""
@@ -136,6 +143,12 @@ def test_cartridges_train_nproc_2_on_the_default_model(tmp_path, capsys):
     assert two.stdout.count("wrote ") == 1  # rank 0 alone writes the file
     one, two = (Cartridge.load(tmp_path / f"{n}.safetensors") for n in ("one", "two"))
     assert max_diff(one, two) <= 1e-5 and one.meta.training["steps"] == two.meta.training["steps"] > 1
+    # rank 0 alone makes the start; when it cannot, the other rank stops with its reason instead of waiting
+    failed = subprocess.run([sys.executable, "-m", "cartridges_sdk.cli", *common, "-o", str(tmp_path / "x.safetensors"),
+                             "--tokens", "4000", "--nproc", "2"], capture_output=True, text=True, timeout=300,
+                            check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert failed.returncode != 0
+    assert "Rank 0 failed, so this rank stops too: ConfigError: init='prefix' needs num_tokens <=" in failed.stderr
 
 
 def share_synthesis(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
