@@ -146,6 +146,12 @@ class Shard:
         return group % self.count == self.index
 
 
+def group_counts(config: dict[str, Any]) -> tuple[int, int]:
+    """How many groups of conversations, then of document windows, a synthesis with `config` (as a dict) makes."""
+    return (math.ceil(config["num_conversations"] / config["conversations_per_chunk"]),
+            math.ceil(config["document_windows"] / config["windows_per_chunk"]))
+
+
 def _holds(header: dict[str, Any]) -> str:
     shard = header.get("shard")
     return f"shard {shard['index']} of {shard['count']}" if shard else "the whole dataset"
@@ -212,14 +218,13 @@ class SelfStudyDataset:
         """What part of a synthesis this is, in words: "the whole dataset" or "shard I of N"."""
         return _holds(self.header)
 
-    def missing_groups(self) -> list[int]:
-        """Groups the header's settings call for (of its shard, if it is one) that are not here yet."""
-        config = self.header.get("config", {})
-        total = (math.ceil(config.get("num_conversations", 0) / config.get("conversations_per_chunk", 1))
-                 + math.ceil(config.get("document_windows", 0) / config.get("windows_per_chunk", 1)))
-        shard = Shard(**self.header["shard"]) if self.header.get("shard") else Shard(0, 1)
+    def missing_groups(self, shard: Shard | None = None) -> list[int]:
+        """Groups the header's settings call for that are not here yet: of `shard`, else of the shard this folder
+        holds, else all."""
+        if shard is None:
+            shard = Shard(**self.header["shard"]) if self.header.get("shard") else Shard(0, 1)
         done = self.done_groups()
-        return [g for g in range(total) if shard.owns(g) and g not in done]
+        return [g for g in range(sum(group_counts(self.header["config"]))) if shard.owns(g) and g not in done]
 
     def drop_damaged(self) -> list[str]:
         """Delete parts that cannot be read back whole (a disk fault, a copy cut short), so they are made again;

@@ -1,9 +1,11 @@
-"""Data-parallel training across processes with PyTorch's own `torch.distributed` (gloo on CPU, nccl on GPU).
+"""Self-study across processes with PyTorch's own `torch.distributed` (gloo on CPU, nccl on GPU).
 
-`torchrun` starts one process per rank and sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``; the trainer
-joins that group when it starts (nothing happens at import). Each rank takes its share of every optimizer step's
-micro-batches and the cartridge's gradients are summed across ranks, so every rank takes the same step and holds the
-same cartridge; rank 0's starting state (cartridge, optimizer, step) is sent to the others first.
+`torchrun` starts one process per rank and sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``; synthesis and
+the trainer join that group when they start (nothing happens at import). In synthesis each rank makes its share of
+the groups. In training each rank takes its share of every optimizer step's micro-batches and the cartridge's
+gradients are summed across ranks, so every rank takes the same step and holds the same cartridge; rank 0's starting
+state (cartridge, optimizer, step) is sent to the others first. What rank 0 does alone (`lead_does`), the others
+wait for, and its failure stops them all with its reason.
 
 Why one all-reduce of the flattened gradients rather than `DistributedDataParallel`: the trained parameters are a
 few tensors (the cartridge), and DDP's reducer needs every rank to run the same number of forwards per step, which
@@ -71,13 +73,6 @@ def launch(module_args: Sequence[str], nproc: int) -> int:
                             str(nproc), "-m", *module_args])
 
 
-def torch_dist() -> Any:
-    """`torch.distributed`, imported when first needed."""
-    import torch.distributed as dist
-
-    return dist
-
-
 def under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
@@ -111,17 +106,14 @@ def lead_does(work: Callable[[], T]) -> T | None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return work()
-    waits = patient_group(RANKS_WAIT)
     result, problem = None, None
-    try:
+    with patient_group() as waits:
         if dist.get_rank() == 0:
             try:
                 result = work()
             except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised here as it is
                 problem = err
         told = gather_from_ranks(None if problem is None else f"{type(problem).__name__}: {problem}", waits)[0]
-    finally:
-        dist.destroy_process_group(waits)
     if problem is not None:
         raise problem
     if told is not None:
@@ -129,13 +121,24 @@ def lead_does(work: Callable[[], T]) -> T | None:
     return result
 
 
-def patient_group(timeout: datetime.timedelta) -> Any:
-    """A gloo group of all ranks whose collectives wait up to `timeout` (call it on every rank): for waits known to
-    be long, such as ranks finishing their shares of a synthesis hours apart, while the main group keeps torch's
-    default timeout for training."""
+@contextlib.contextmanager
+def patient_group(timeout: datetime.timedelta = RANKS_WAIT) -> Iterator[Any]:
+    """A gloo group of all ranks whose collectives wait up to `timeout` (enter it on every rank), for waits known to
+    be long, while the main group keeps torch's default timeout for training; left on exit."""
     import torch.distributed as dist
 
-    return dist.new_group(backend="gloo", timeout=timeout)
+    waits = dist.new_group(backend="gloo", timeout=timeout)
+    try:
+        yield waits
+    finally:
+        dist.destroy_process_group(waits)
+
+
+def barrier(group: Any = None) -> None:
+    """Wait until every rank of `group` (default: all) gets here."""
+    import torch.distributed as dist
+
+    dist.barrier(group=group)
 
 
 def gather_from_ranks(value: Any, group: Any = None) -> list[Any]:

@@ -22,27 +22,9 @@ import numpy as np
 
 from .checks import at_least_one, count, non_negative, optional_int
 from .corpus import ChunkSampler, Corpus
-from .dataset import (
-    HEADER,
-    ROLE_ASSISTANT,
-    ROLE_DOCUMENT,
-    ROLE_USER,
-    SEED_KIND_DOCUMENT,
-    Conversation,
-    SelfStudyDataset,
-    Shard,
-    dataset_settings,
-    describe_changes,
-)
-from .distributed import (
-    RANKS_WAIT,
-    gather_from_ranks,
-    lead_does,
-    patient_group,
-    process_group,
-    torch_dist,
-    under_torchrun,
-)
+from .dataset import (HEADER, ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation,
+                      SelfStudyDataset, Shard, dataset_settings, describe_changes, group_counts)
+from .distributed import barrier, gather_from_ranks, lead_does, patient_group, process_group, under_torchrun
 from .errors import BackendError, ConfigError, IncompatibleCartridgeError
 from .files import folder_lock
 from .models import LM, Message
@@ -400,8 +382,7 @@ def _synthesize_across_ranks(lm: LM, synthesizer: Synthesizer, config: Synthesis
             _drop_damaged(SelfStudyDataset.create(output, header, restart=restart))
 
         lead_does(prepare)
-        waits = patient_group(RANKS_WAIT)  # the slowest rank's share may end hours after the fastest's
-        try:
+        with patient_group() as waits:  # the slowest rank's share may end hours after the fastest's
             told = gather_from_ranks((dataset_settings(header), (Path(output) / HEADER).is_file()), waits)
             lead_settings = told[0][0]
             problems = [f"rank {r} was given other settings than rank 0 ({describe_changes(lead_settings, theirs)})"
@@ -413,10 +394,8 @@ def _synthesize_across_ranks(lm: LM, synthesizer: Synthesizer, config: Synthesis
                                   f"{SHARED_FOLDER}")
             _synthesize(lm, synthesizer, config, ids, SelfStudyDataset(output), Shard(rank, ranks),
                         progress and rank == 0)
-            torch_dist().barrier(group=waits)  # every rank's share is written
+            barrier(waits)  # every rank's share is written
             missing = gather_from_ranks(SelfStudyDataset(output).missing_groups(), waits)
-        finally:
-            torch_dist().destroy_process_group(waits)
         unseen = [f"rank {r} does not see group(s) {m[:8]}" for r, m in enumerate(missing) if m]
         if unseen:
             raise ConfigError(f"{'; '.join(unseen)} in {str(output)!r}. {SHARED_FOLDER}")
@@ -436,19 +415,18 @@ def _synthesize(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, ids: 
 
     sampler = ChunkSampler(config.min_chunk, config.max_chunk)
     group_size = config.conversations_per_chunk
-    num_groups = math.ceil(config.num_conversations / group_size)
-    window_groups = math.ceil(config.document_windows / config.windows_per_chunk)
+    num_groups, window_groups = group_counts(attrs.asdict(config))
     mine = [g for g in range(num_groups + window_groups) if shard.owns(g)]
-    done = dataset.done_groups() | {g for g in range(num_groups + window_groups) if not shard.owns(g)}
+    todo = set(dataset.missing_groups(shard))
     total = sum(_group_size(config, g, num_groups) for g in mine)
-    already = sum(_group_size(config, g, num_groups) for g in mine if g in done)
+    already = sum(_group_size(config, g, num_groups) for g in mine if g not in todo)
     desc = "self-study synthesis" + (f" (shard {shard.index} of {shard.count})" if shard.count > 1 else "")
     bar = tqdm(total=total, initial=already, desc=desc, unit="seq", disable=not progress)
     skipped: list[str] = []
     vocab = lm.identity.architecture["vocab_size"]
     try:
         for g in range(num_groups):
-            if g in done:
+            if g not in todo:
                 continue
             size = min(group_size, config.num_conversations - g * group_size)
             rng = random.Random(f"{config.seed}:{g}")
@@ -470,7 +448,7 @@ def _synthesize(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, ids: 
             bar.update(size)
         for w in range(window_groups):
             g = num_groups + w
-            if g in done:
+            if g not in todo:
                 continue
             size = _group_size(config, g, num_groups)
             dataset.write_group(g, _document_windows(lm, synthesizer, config, g, ids, w * config.windows_per_chunk, size))

@@ -25,7 +25,7 @@ import torch
 from .cartridge import Cartridge, CartridgeMeta
 from .checks import at_least_one, boolean, count, fraction, non_negative, one_of, optional_int, positive
 from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
-from .distributed import gather_from_ranks, on_cpu, process_group, sum_across_ranks
+from .distributed import gather_from_ranks, lead_does, on_cpu, process_group, sum_across_ranks
 from .errors import ConfigError
 from .files import atomic_write, folder_lock
 from .identity import token_fingerprint
@@ -155,6 +155,7 @@ def sharded_student(lm: LM) -> Student:
     """Shard `lm`'s frozen weights across the ranks with FSDP2 (each decoder layer a unit, the rest the root unit),
     in place: afterwards `lm` serves only this training. The cartridge is not part of it and stays whole on every
     rank."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -162,8 +163,6 @@ def sharded_student(lm: LM) -> Student:
     if not isinstance(layers, torch.nn.ModuleList):
         raise ConfigError(f"shard_model=True needs a model whose decoder layers are `model.layers` (Llama, Qwen2, "
                           f"Mistral, ...); {type(lm.model).__name__} has none. Train without shard_model.")
-    import torch.distributed as dist
-
     mesh = init_device_mesh(lm.device.type, (dist.get_world_size(),))
     for layer in layers:
         fully_shard(layer, mesh=mesh)
@@ -407,7 +406,6 @@ class TorchTrainer(Trainer):
         cart = TrainableCartridge(init).to(lm.device)
         params = list(cart.keys) + list(cart.values)
         opt = torch.optim.Adam(params, lr=cfg.lr)
-        step = 0
         ckpt = output_dir / CHECKPOINT if output_dir else None
         lead = self.rank == 0
         if output_dir and lead:
@@ -422,32 +420,23 @@ class TorchTrainer(Trainer):
             "data": {"sequences": len(conversations),
                      "content": token_fingerprint([x for c in conversations for x in (c.conv_id, c.num_tokens)])},
         }
-        problem = None
-        try:
-            if ckpt and ckpt.is_file() and self.resume and lead:
-                step = self._resume(ckpt, run, params, opt)
-        except Exception as err:  # noqa: BLE001 - the other ranks are told below, then it is raised here as it is
-            problem = err
+
+        def resume() -> int:  # the step reached, or 0; rank 0 alone reads the folder, and its failure stops all
+            return self._resume(ckpt, run, params, opt) if ckpt and ckpt.is_file() and self.resume else 0
+
+        step = lead_does(resume) or 0
         if self.world > 1:  # every rank starts from rank 0's state, whatever files or start each one had
             told = gather_from_ranks((
-                None if problem is None else f"{type(problem).__name__}: {problem}",
-                {k: run[k] for k in ("config", "data")},  # the start differs: only rank 0's is real
-                None if problem is not None or not lead else on_cpu({
-                    "params": list(params), "optimizer": opt.state_dict(), "step": step, "history": self.history,
-                    "frozen": [*cart.frozen_keys, *cart.frozen_values]}),
+                {k: run[k] for k in ("config", "data")},  # not the start: only rank 0's is real
+                on_cpu({"params": list(params), "optimizer": opt.state_dict(), "step": step, "history": self.history,
+                        "frozen": [*cart.frozen_keys, *cart.frozen_values]}) if lead else None,
             ))
-            if problem is None and told[0][0] is not None:
-                raise ConfigError(f"Rank 0 could not resume the run, so this rank stops too: {told[0][0]}")
-            if problem is None:
-                differ = [f"rank {r}: {describe_changes(told[0][1], theirs)}" for r, (_, theirs, _) in enumerate(told)
-                          if theirs != told[0][1]]
-                if differ:
-                    raise ConfigError(f"The ranks were given other training data or settings than rank 0 "
-                                      f"({'; '.join(differ)}); give every rank the same dataset and settings.")
-            start_state = told[0][2]
-        if problem is not None:
-            raise problem
-        if self.world > 1:
+            differ = [f"rank {r}: {describe_changes(told[0][0], theirs)}" for r, (theirs, _) in enumerate(told)
+                      if theirs != told[0][0]]
+            if differ:
+                raise ConfigError(f"The ranks were given other training data or settings than rank 0 "
+                                  f"({'; '.join(differ)}); give every rank the same dataset and settings.")
+            start_state = told[0][1]
             self.history = start_state["history"]
             with torch.no_grad():
                 for mine, given in zip([*params, *cart.frozen_keys, *cart.frozen_values],

@@ -114,7 +114,7 @@ def test_a_checkpoint_rank_0_refuses_stops_every_rank(tmp_path):
     again = torchrun(tmp_path, tmp_path / "b.safetensors", 2, tmp_path / "work")  # another global batch
     assert again.returncode != 0
     assert "micro_batches_per_step: 2 -> 4" in again.stderr  # rank 0's reason
-    assert "Rank 0 could not resume the run" in again.stderr  # rank 1 stops too, rather than waiting
+    assert "Rank 0 failed, so this rank stops too: ConfigError: The checkpoint in" in again.stderr  # rank 1 too
 
 
 def test_ranks_given_other_data_stop_with_the_reason(tmp_path):
