@@ -37,7 +37,7 @@ def process_group(device: torch.device) -> Iterator[tuple[int, int]]:
     if dist.is_available() and dist.is_initialized():
         yield dist.get_rank(), dist.get_world_size()
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if not under_torchrun():
         yield 0, 1
         return
     if _is_accelerator(device) and device.index is not None:
@@ -73,8 +73,13 @@ def launch(module_args: Sequence[str], nproc: int) -> int:
                             str(nproc), "-m", *module_args])
 
 
+def ranks_in_env() -> int:
+    """How many ranks torchrun says the job has (1 outside torchrun), before any process group is joined."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def under_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return ranks_in_env() > 1
 
 
 def is_lead() -> bool:
@@ -148,6 +153,13 @@ def gather_from_ranks(value: Any, group: Any = None) -> list[Any]:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
+
+
+def sum_numbers_across_ranks(numbers: Sequence[float], device: torch.device) -> list[float]:
+    """Each of `numbers` summed over all ranks (in float64, on `device`, where the group's backend can send it)."""
+    totals = torch.tensor(list(numbers), dtype=torch.float64, device=device)
+    sum_across_ranks([totals])
+    return totals.tolist()
 
 
 def sum_across_ranks(tensors: Sequence[torch.Tensor]) -> None:

@@ -17,7 +17,7 @@ from .cartridge import Cartridge
 from .checks import PATH, require
 from .corpus import Corpus
 from .dataset import SelfStudyDataset
-from .distributed import is_lead, lead_does, process_group, under_torchrun
+from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_torchrun
 from .errors import ConfigError
 from .identity import token_fingerprint
 from .models import LM, load_model, resolve_dtype
@@ -290,7 +290,7 @@ def build_cartridge(
     if isinstance(trainer, str):
         trainer_opts = trainers.get(trainer).parse_options(trainer_options or {}, f"trainer {trainer!r}")
         if getattr(trainer_opts, "shard_model", False):  # before synthesis, not after it
-            check_shardable(int(os.environ.get("WORLD_SIZE", "1")))
+            check_shardable(ranks_in_env())
     lm = model if isinstance(model, LM) else load_model(model)
     corpus = Corpus.coerce(corpus)
     work = work_model(lm, work_dtype)

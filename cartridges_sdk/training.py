@@ -25,7 +25,8 @@ import torch
 from .cartridge import Cartridge, CartridgeMeta
 from .checks import at_least_one, boolean, count, fraction, non_negative, one_of, optional_int, positive
 from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
-from .distributed import gather_from_ranks, lead_does, on_cpu, process_group, sum_across_ranks
+from .distributed import (gather_from_ranks, lead_does, on_cpu, process_group, ranks_in_env, sum_across_ranks,
+                          sum_numbers_across_ranks)
 from .errors import ConfigError
 from .files import atomic_write, folder_lock
 from .identity import token_fingerprint
@@ -307,7 +308,7 @@ class TorchTrainer(Trainer):
 
     def __init__(self, model: LM | None = None, *, resume: bool = True, shard_model: bool = False):
         if shard_model:
-            check_shardable(int(os.environ.get("WORLD_SIZE", "1")))
+            check_shardable(ranks_in_env())
         self.resume = resume
         self.shard_model = shard_model
         self.config = TrainConfig()
@@ -338,9 +339,7 @@ class TorchTrainer(Trainer):
         if self.student is not None:  # a forward without backward leaves the root unit's weights gathered
             self.student.reshard()
         if self.world > 1:
-            totals = torch.tensor([total, count], dtype=torch.float64, device=lm.device)
-            sum_across_ranks([totals])
-            total, count = float(totals[0]), float(totals[1])
+            total, count = sum_numbers_across_ranks([total, count], lm.device)
         return total / max(count, 1)
 
     def _autocast(self, lm: LM):
@@ -468,9 +467,8 @@ class TorchTrainer(Trainer):
                     step_tokens += round(weight) * sum(c.num_tokens for c in batch)
                 if self.world > 1:  # every rank now holds the gradient of the whole step, and takes the same step
                     sum_across_ranks([p.grad for p in params])
-                    totals = torch.tensor([loss_sum, step_tokens], dtype=torch.float64, device=params[0].device)
-                    sum_across_ranks([totals])
-                    loss_sum, step_tokens = float(totals[0]), int(totals[1])
+                    loss_sum, step_tokens = sum_numbers_across_ranks([loss_sum, step_tokens], params[0].device)
+                    step_tokens = int(step_tokens)
                 tokens_seen += step_tokens
                 grad_norm = None
                 if cfg.max_grad_norm:
