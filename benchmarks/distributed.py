@@ -65,7 +65,7 @@ def main() -> None:
         start = time.perf_counter()
         subprocess.run([*cli, "train", str(data), "-o", str(run / "c.safetensors"), "--tokens", str(args.tokens),
                         "--init", "prefix", "--work-dir", str(run), "--restart", "--nproc", str(nproc),
-                        "--set", f"grad_accum={args.nproc // nproc}",
+                        "--set", f"grad_accum={args.nproc}",  # micro-batches per step over all ranks: one global batch
                         *(["--backend-option", "shard_model=true"] if sharded else [])],
                        check=True, env={**os.environ, "OMP_NUM_THREADS": str(max(1, cores // nproc))})
         log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]

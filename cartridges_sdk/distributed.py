@@ -9,7 +9,8 @@ wait for, and its failure stops them all with its reason.
 
 Why one all-reduce of the flattened gradients rather than `DistributedDataParallel`: the trained parameters are a
 few tensors (the cartridge), and DDP's reducer needs every rank to run the same number of forwards per step, which
-the last, shorter step of an epoch breaks; summing once per step is what DDP would do, without that constraint.
+a step with fewer micro-batches than ranks breaks; summing once per step is what DDP would do, without that
+constraint.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,23 @@ def pack(conversations: Sequence[Conversation], batch_tokens: int, rng: random.R
     if current:
         batches.append(current)
     return batches
+
+
+def optimizer_steps(train: Sequence[Conversation], cfg: TrainConfig) -> list[list[list[Conversation]]]:
+    """Every optimizer step's micro-batches, in order: each epoch packed with a seed of its own, then `grad_accum`
+    micro-batches a step (the last may have fewer). It depends on the data and settings alone, never on the number
+    of ranks, which only share each step's micro-batches (`TorchTrainer._share`): any number trains the same."""
+    micro = [b for e in range(cfg.epochs) for b in pack(train, cfg.batch_tokens, random.Random(f"{cfg.seed}:{e}"))]
+    return [micro[i : i + cfg.grad_accum] for i in range(0, len(micro), cfg.grad_accum)]
+
+
+def warn_idle_ranks(grad_accum: int, ranks: int) -> None:
+    """Say when a step has fewer micro-batches than there are ranks: the ranks left without one wait every step,
+    adding no speed (the cartridge is the same either way)."""
+    if ranks > grad_accum:
+        warnings.warn(f"grad_accum={grad_accum} (micro-batches per optimizer step, over all ranks) leaves "
+                      f"{ranks - grad_accum} of the {ranks} ranks idle in every step; set it to a multiple of {ranks} "
+                      "to use them all.", stacklevel=4)
 
 
 class TrainableCartridge(torch.nn.Module):
@@ -397,10 +415,10 @@ class TorchTrainer(Trainer):
                 raise ConfigError("conversation_weight=0 but the dataset has no document windows to train on; "
                                   "give conversations a weight > 0 or synthesize with document_windows > 0.")
         train, held_out = split_eval(conversations, cfg.eval_fraction, cfg.seed)
-        epoch_batches = [pack(train, cfg.batch_tokens, random.Random(f"{cfg.seed}:{e}")) for e in range(cfg.epochs)]
-        micro = [b for batches in epoch_batches for b in batches]
-        per_step = cfg.grad_accum * self.world  # micro-batches per optimizer step, over all ranks
-        total_steps = math.ceil(len(micro) / per_step)
+        steps = optimizer_steps(train, cfg)
+        total_steps = len(steps)
+        if self.rank == 0:
+            warn_idle_ranks(cfg.grad_accum, self.world)
 
         cart = TrainableCartridge(init).to(lm.device)
         params = list(cart.keys) + list(cart.values)
@@ -409,11 +427,12 @@ class TorchTrainer(Trainer):
         lead = self.rank == 0
         if output_dir and lead:
             output_dir.mkdir(parents=True, exist_ok=True)
-        # everything that shapes the result: a checkpoint made otherwise is refused, naming what differs. The ranks
-        # count only through the micro-batches per step, so a run resumes on other ranks with grad_accum to match
+        # everything that shapes the result: a checkpoint made otherwise is refused, naming what differs. The ranks do
+        # not shape it, so a run resumes on any number of them. grad_accum keeps the name checkpoints gave the
+        # micro-batches per step when N ranks took N x grad_accum: those resume with grad_accum set to what they say
         shaping = {k: v for k, v in attrs.asdict(cfg).items() if k not in NOT_SHAPING and k != "grad_accum"}
         run = {
-            "config": {**shaping, "micro_batches_per_step": per_step},
+            "config": {**shaping, "micro_batches_per_step": cfg.grad_accum},
             "start": {"init": init.meta.init, "num_tokens": init.num_tokens, "num_frozen": init.num_frozen,
                       "content": init.fingerprint},
             "data": {"sequences": len(conversations),
@@ -454,7 +473,7 @@ class TorchTrainer(Trainer):
                 lr = _lr_at(step, total_steps, cfg)
                 for group in opt.param_groups:
                     group["lr"] = lr
-                chunk = micro[step * per_step : (step + 1) * per_step]
+                chunk = steps[step]
                 n_targets = sum(float(target_weights(b, cfg.conversation_weight).sum()) for b in chunk)
                 for p in params:  # zeros rather than None: a rank with no share still adds its (zero) gradient
                     p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()

@@ -4,7 +4,10 @@ as a killed process would. MODE ``shard`` shards the frozen model across the ran
 the share of the model's weights it holds; ``otherdata`` gives rank 1 fewer conversations than rank 0. (Run as a
 script, its folder is on the import path, so the tests' helpers import.)
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py OUT GRAD_ACCUM WORKDIR DIE_AT MODE
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py \
+        OUT GRAD_ACCUM WORKDIR DIE_AT MODE [SETTING=INT ...]
+
+(each SETTING=INT replaces that `TrainConfig` setting of `config`)
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
+import attrs
 import torch
 from conftest import TEXT
 from test_training import _conversations
@@ -20,8 +24,9 @@ from cartridges_sdk import Cartridge, testing
 from cartridges_sdk.training import TorchTrainer, TrainConfig
 
 
-def config(grad_accum: int) -> TrainConfig:
-    return TrainConfig(lr=0.03, epochs=2, batch_tokens=60, grad_accum=grad_accum, checkpoint_every=1, eval_every=2)
+def config(grad_accum: int, **changes: int) -> TrainConfig:
+    return attrs.evolve(TrainConfig(lr=0.03, epochs=2, batch_tokens=60, grad_accum=grad_accum, checkpoint_every=1,
+                                    eval_every=2), **changes)
 
 
 def data():
@@ -31,6 +36,7 @@ def data():
 
 if __name__ == "__main__":
     out, accum, workdir, die_at, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    changes = {name: int(value) for name, value in (arg.split("=", 1) for arg in sys.argv[6:])}
     lm, init, convs = data()
     if mode == "otherdata" and int(os.environ["RANK"]) == 1:
         convs = convs[:6]
@@ -45,7 +51,8 @@ if __name__ == "__main__":
 
         torch.optim.Adam.step = dying
     whole = sum(p.numel() for p in lm.model.parameters())
-    cartridge = TorchTrainer(shard_model=mode == "shard").fit(init, convs, lm, config(accum), output_dir=workdir, progress=False)
+    cartridge = TorchTrainer(shard_model=mode == "shard").fit(init, convs, lm, config(accum, **changes),
+                                                                output_dir=workdir, progress=False)
     if int(os.environ["RANK"]) == 0:
         cartridge.save(out)
         held = sum(getattr(p, "_local_tensor", p).numel() for p in lm.model.parameters())

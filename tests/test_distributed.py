@@ -1,5 +1,5 @@
 """Data-parallel training under torchrun (gloo, CPU processes): two ranks train the same cartridge as one process
-with the same global batch; a rank killed mid-run fails the job without damaging the checkpoint, and the run resumes
+with the same settings; a rank killed mid-run fails the job without damaging the checkpoint, and the run resumes
 on another number of ranks to the same result."""
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
 
 
 def torchrun(tmp_path: Path, out: Path, grad_accum: int, workdir: Path, die_at: int = 0,
-             mode: str = "plain") -> subprocess.CompletedProcess:
+             mode: str = "plain", **changes: int) -> subprocess.CompletedProcess:
+    """Two ranks of `ddp_worker.py` training with `config(grad_accum, **changes)`."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(WORKER), str(out), str(grad_accum), str(workdir), str(die_at), mode],
+                           str(WORKER), str(out), str(grad_accum), str(workdir), str(die_at), mode,
+                           *(f"{name}={value}" for name, value in changes.items())],
                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path, check=False)
 
 
@@ -53,7 +55,7 @@ def test_two_ranks_train_the_cartridge_one_process_trains_with_the_same_global_b
     trainer = TorchTrainer()
     with one_thread():
         one = trainer.fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False)
-    done = torchrun(tmp_path, tmp_path / "two.safetensors", 1, tmp_path / "two")
+    done = torchrun(tmp_path, tmp_path / "two.safetensors", 2, tmp_path / "two")
     assert done.returncode == 0, done.stderr[-3000:]
     two = Cartridge.load(tmp_path / "two.safetensors", lm)
     assert max_diff(one, two) <= 1e-5
@@ -73,7 +75,7 @@ def test_a_model_sharded_across_two_ranks_trains_the_same_cartridge(tmp_path):
     trainer = TorchTrainer()
     with one_thread():
         one = trainer.fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False)
-    done = torchrun(tmp_path, tmp_path / "two.safetensors", 1, tmp_path / "two", mode="shard")
+    done = torchrun(tmp_path, tmp_path / "two.safetensors", 2, tmp_path / "two", mode="shard")
     assert done.returncode == 0, done.stderr[-3000:]
     held, whole = map(int, re.search(r"rank 0 holds (\d+) of (\d+) model weights", done.stdout).groups())
     # the first half of each weight's rows (rounded up), not the whole model
@@ -88,6 +90,27 @@ def test_a_model_sharded_across_two_ranks_trains_the_same_cartridge(tmp_path):
             assert mine["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-5)
 
 
+# 3 micro-batches in the one epoch (two 45-token sequences each), which 2 ranks cannot share evenly
+UNEVEN = {"batch_tokens": 100, "epochs": 1}
+
+
+@pytest.mark.parametrize("grad_accum, mode, steps", [(1, "plain", 3), (2, "shard", 2)])
+def test_the_number_of_ranks_never_changes_the_optimizer_steps(tmp_path, grad_accum, mode, steps):
+    """Two ranks given one process's settings take its optimizer steps, also where they cannot share a step evenly:
+    3 micro-batches make 3 steps of 1 (rank 1 adds nothing) or, with grad_accum=2, steps of 2 and 1 (two ranks once
+    made 2 steps and 1 of them, each rank taking grad_accum micro-batches a step)."""
+    lm, init, convs = data()
+    trainer = TorchTrainer()
+    with one_thread():
+        one = trainer.fit(init, convs, lm, config(grad_accum, **UNEVEN), progress=False)
+    done = torchrun(tmp_path, tmp_path / "two.safetensors", grad_accum, tmp_path / "two", mode=mode, **UNEVEN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = Cartridge.load(tmp_path / "two.safetensors", lm)
+    assert one.meta.training["steps"] == two.meta.training["steps"] == steps
+    assert max_diff(one, two) <= 1e-5
+    assert max_diff(one, init) > 1e-2  # it did train
+
+
 def test_shard_model_needs_ranks(tmp_path):
     lm, init, convs = data()
     with pytest.raises(ConfigError, match="shard_model=True splits the model across ranks.*--nproc"):
@@ -98,7 +121,7 @@ def test_a_killed_rank_fails_the_job_cleanly_and_the_run_resumes_on_one_process(
     lm, init, convs = data()
     with one_thread():
         want = TorchTrainer().fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False)
-    failed = torchrun(tmp_path, tmp_path / "two.safetensors", 1, tmp_path / "two", die_at=4)
+    failed = torchrun(tmp_path, tmp_path / "two.safetensors", 2, tmp_path / "two", die_at=4)
     assert failed.returncode != 0 and not (tmp_path / "two.safetensors").exists()
     saved = torch.load(tmp_path / "two" / "checkpoint.pt", weights_only=True)  # whole, not half-written
     assert 3 <= saved["step"] <= 4
@@ -113,7 +136,7 @@ def test_a_checkpoint_rank_0_refuses_stops_every_rank(tmp_path):
     assert torchrun(tmp_path, tmp_path / "a.safetensors", 1, tmp_path / "work").returncode == 0
     again = torchrun(tmp_path, tmp_path / "b.safetensors", 2, tmp_path / "work")  # another global batch
     assert again.returncode != 0
-    assert "micro_batches_per_step: 2 -> 4" in again.stderr  # rank 0's reason
+    assert "micro_batches_per_step: 1 -> 2" in again.stderr  # rank 0's reason
     assert "Rank 0 failed, so this rank stops too: ConfigError: The checkpoint in" in again.stderr  # rank 1 too
 
 
@@ -126,7 +149,7 @@ def test_ranks_given_other_data_stop_with_the_reason(tmp_path):
 
 def test_cartridges_train_nproc_2_on_the_default_model(tmp_path, capsys):
     """`cartridges train --nproc 2` starts two ranks on this machine; the file it writes equals a one-process run's
-    with the same global batch (grad_accum doubled)."""
+    with the same settings."""
     from test_cli import DATA, TINY
 
     from cartridges_sdk.cli import main
@@ -137,7 +160,7 @@ def test_cartridges_train_nproc_2_on_the_default_model(tmp_path, capsys):
     with one_thread():
         assert main([*common, "-o", str(tmp_path / "one.safetensors"), "--set", "grad_accum=2"]) == 0
     two = subprocess.run([sys.executable, "-m", "cartridges_sdk.cli", *common, "-o", str(tmp_path / "two.safetensors"),
-                          "--set", "grad_accum=1", "--nproc", "2"], capture_output=True, text=True, timeout=900, check=False,
+                          "--set", "grad_accum=2", "--nproc", "2"], capture_output=True, text=True, timeout=900, check=False,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("wrote ") == 1  # rank 0 alone writes the file
@@ -185,7 +208,7 @@ def test_ranks_that_cannot_share_a_synthesis_all_stop_with_the_reason(tmp_path, 
 
 def test_cartridges_build_nproc_2_shares_synthesis_and_training(tmp_path):
     """`cartridges build --nproc 2`: the two ranks make one dataset between them, equal to the one a single process
-    makes, and train on it the cartridge one process trains with the same global batch."""
+    makes, and train on it the cartridge one process trains with the same settings."""
     from test_cli import DATA, TINY
     from test_synthesis import contents
 
@@ -197,7 +220,7 @@ def test_cartridges_build_nproc_2_shares_synthesis_and_training(tmp_path):
     with one_thread():
         assert main([*common, "-o", str(tmp_path / "one.safetensors"), "--set", "grad_accum=2"]) == 0
     two = subprocess.run([sys.executable, "-m", "cartridges_sdk.cli", *common, "-o", str(tmp_path / "two.safetensors"),
-                          "--set", "grad_accum=1", "--nproc", "2"], capture_output=True, text=True, timeout=900,
+                          "--set", "grad_accum=2", "--nproc", "2"], capture_output=True, text=True, timeout=900,
                          check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert two.returncode == 0, two.stderr[-3000:]
     assert "shard 0 of 2" in two.stderr and "shard 1 of 2" not in two.stderr  # rank 0 alone shows progress
