@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 FORMAT_NAME = "cartridges-sdk"
 FORMAT_VERSION = 1
+# the identity fields that decide a KV cache's shape: a cartridge whose metadata lacks them is refused by every model
+SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim")
 INITS = ("prefix", "compact", "random_text", "random", "composed", "imported", "trained")
 
 
@@ -44,6 +46,8 @@ def sdk_version() -> str:
 
 
 def _check_num_frozen(inst: CartridgeMeta, _attr, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"num_frozen={value!r:.80} must be an int.")
     if value < 0:
         raise ConfigError(f"num_frozen={value} must be >= 0.")
     if value > inst.num_tokens:
@@ -55,19 +59,37 @@ def _check_init(_inst, _attr, value: str) -> None:
         raise ConfigError(f"init={value!r} is not one of {INITS}.")
 
 
+def _optional_dict(_inst, attribute, value) -> None:
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{attribute.name}={value!r:.80} must be an object (a dict) or null.")
+
+
+def _check_parts(_inst, _attr, value: tuple) -> None:
+    for i, part in enumerate(value):
+        spans = isinstance(part, dict) and [part.get("offset"), part.get("num_tokens")]
+        if not spans or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in spans):
+            raise ConfigError(f"parts[{i}]={part!r:.80} must be an object with int 'offset' and 'num_tokens' >= 0.")
+
+
+def _check_token_count(_inst, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{attribute.name}={value!r:.80} must be an int >= 1.")
+
+
 @attrs.frozen
 class CartridgeMeta:
-    """Everything a cartridge file says about itself besides its tensors."""
+    """Everything a cartridge file says about itself besides its tensors. Every field is type-checked, so a file
+    with crafted metadata is refused on load rather than failing later inside whatever reads it."""
 
-    model: ModelIdentity
-    num_tokens: int
+    model: ModelIdentity = attrs.field(validator=attrs.validators.instance_of(ModelIdentity))
+    num_tokens: int = attrs.field(validator=_check_token_count)
     num_frozen: int = attrs.field(default=1, validator=_check_num_frozen)
-    dtype: str = "float32"
+    dtype: str = attrs.field(default="float32", validator=attrs.validators.instance_of(str))
     init: str = attrs.field(default="prefix", validator=_check_init)
-    corpus: dict[str, Any] | None = None
-    training: dict[str, Any] | None = None
-    parts: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=tuple)
-    extra: dict[str, Any] = attrs.field(factory=dict)
+    corpus: dict[str, Any] | None = attrs.field(default=None, validator=_optional_dict)
+    training: dict[str, Any] | None = attrs.field(default=None, validator=_optional_dict)
+    parts: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=tuple, validator=_check_parts)
+    extra: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
     # how keys are stored (RoPE applied for positions 0..p-1, and which dimensions pair up); files written before
     # this field existed were all in the Hugging Face rotate-half layout, which is the default
     key_layout: dict[str, Any] = attrs.field(factory=lambda: dict(DEFAULT_KEY_LAYOUT), converter=check_key_layout)
@@ -173,12 +195,30 @@ class Cartridge:
         )
 
     # -- binding ---------------------------------------------------------------------------------------
-    def _check_model(self, lm: LM) -> None:
+    def misfit(self, lm: LM) -> str | None:
+        """Why this cartridge cannot run on `lm`, or None if it can: the model its metadata names must report the
+        fields that shape a KV cache and agree with `lm` on every field both report, and the tensors themselves must
+        have `lm`'s layers, kv heads and head dim (metadata alone is only the file's word)."""
+        arch = self.meta.model.architecture
+        unreported = [f for f in SHAPE_FIELDS if f not in arch]
+        if unreported:
+            return (f"its metadata does not say which model it was made for ({', '.join(unreported)} not reported), "
+                    "so nothing shows it fits")
         problem = self.meta.model.mismatch(lm.identity)
+        if problem:
+            return problem
+        kv_heads, _, head_dim = self.keys[0].shape
+        have = {"num_layers": len(self.keys), "num_kv_heads": kv_heads, "head_dim": head_dim}
+        want = {"num_layers": lm.num_layers, "num_kv_heads": lm.num_kv_heads, "head_dim": lm.head_dim}
+        wrong = [f"{f}: tensors have {have[f]}, the model {want[f]}" for f in SHAPE_FIELDS if have[f] != want[f]]
+        return "; ".join(wrong) or None
+
+    def _check_model(self, lm: LM) -> None:
+        problem = self.misfit(lm)
         if problem:
             raise IncompatibleCartridgeError(
                 f"This cartridge was made for model {self.meta.model.name!r} and does not fit model {lm.name!r}: "
-                f"{problem}. Load the model it was made for (load_model({self.meta.model.source or self.meta.model.name!r}))."
+                f"{problem}. Use it with the model it was made for, or make it again for this one."
             )
 
     def bind(self, lm: LM) -> Cartridge:

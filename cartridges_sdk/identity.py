@@ -24,11 +24,13 @@ ARCHITECTURE_FIELDS = (
 class ModelIdentity:
     """Who a cartridge belongs to. Compatibility is decided by `architecture` and `tokenizer`, never by name."""
 
-    name: str
-    source: str | None = None
-    revision: str | None = None
-    architecture: dict[str, Any] = attrs.field(factory=dict)
-    tokenizer: str | None = None
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    source: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
+    revision: str | None = attrs.field(default=None,
+                                       validator=attrs.validators.optional(attrs.validators.instance_of(str)))
+    architecture: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
+    tokenizer: str | None = attrs.field(default=None,
+                                        validator=attrs.validators.optional(attrs.validators.instance_of(str)))
 
     @property
     def fingerprint(self) -> str:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def refuse_foreign(lm: LM, cartridges: Sequence[Cartridge]) -> None:
     """Raise `IncompatibleCartridgeError`, naming both models, for the first cartridge made for another model."""
     for c in cartridges:
-        problem = c.meta.model.mismatch(lm.identity)
+        problem = c.misfit(lm)
         if problem:
             raise IncompatibleCartridgeError(
                 f"Cartridge for model {c.meta.model.name!r} cannot run on model {lm.name!r} ({problem}). "

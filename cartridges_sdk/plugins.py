@@ -52,19 +52,35 @@ def _messages(value: Any) -> tuple[Message, ...]:
     return messages
 
 
+# temperatures below this decode greedily, as vLLM does: dividing logits by a tinier one overflows to inf and NaN
+GREEDY_BELOW = 1e-5
+MAX_SEED = 2**63 - 1  # every engine seeds a 64-bit generator from it; a larger one overflowed inside the engine
+
+
+def _temperature(value: Any) -> Any:
+    return 0.0 if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < GREEDY_BELOW \
+        else value
+
+
+def _seed(_inst, attribute, value) -> None:
+    optional_int(_inst, attribute, value)
+    if value is not None and not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"seed={value!r:.40} must be from 0 to 2**63-1 ({MAX_SEED}).")
+
+
 @attrs.frozen
 class GenerationParams:
-    """How to sample an answer. ``temperature=0`` is greedy decoding.
+    """How to sample an answer. ``temperature=0`` is greedy decoding, and so is any temperature below `GREEDY_BELOW`.
 
     With ``top_logprobs=k`` the completion also carries, per generated token, the model's top-k candidates and
     their log-probabilities before temperature (what the contract suite compares across engines).
     """
 
     max_new_tokens: int = attrs.field(default=256, validator=at_least_one)
-    temperature: float = attrs.field(default=0.0, validator=non_negative)
+    temperature: float = attrs.field(default=0.0, converter=_temperature, validator=non_negative)
     top_p: float = attrs.field(default=1.0, validator=unit_interval)
     top_k: int = attrs.field(default=0, validator=count)
-    seed: int | None = attrs.field(default=None, validator=optional_int)
+    seed: int | None = attrs.field(default=None, validator=_seed)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stops)
     top_logprobs: int = attrs.field(default=0, validator=count)
 

@@ -19,15 +19,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
 from fastapi import FastAPI, Request  # this module is imported only to serve; the core never imports it
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .checks import at_least_one
+from .checks import at_least_one, is_loopback
 from .errors import BackendError, CartridgeError, ConfigError, IncompatibleCartridgeError
 from .plugins import Completion, ContinuousRuntime, GenerationParams, GenerationRequest, Runtime, settled_delta
 from .store import SUFFIX, CartridgeStore, NotInStoreError
@@ -40,10 +42,42 @@ FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperatu
           "stream_options", "n", "user", "cartridges", "presence_penalty", "frequency_penalty"}
 
 
+def _check_key(_inst, _attr, value: str | None) -> None:
+    if value is not None and (not isinstance(value, str) or not value or not value.isascii()
+                              or not value.isprintable() or " " in value):
+        raise ConfigError("The API key must be a non-empty string of printable ASCII characters with no spaces (HTTP "
+                          "headers carry ASCII only, so another key could never be sent as typed).")
+
+
+def _check_hosts(_inst, _attr, value: tuple[str, ...] | None) -> None:
+    if value is not None and not all(isinstance(h, str) and h and h == h.strip() for h in value):
+        raise ConfigError(f"allowed_hosts={value!r} must be host names or addresses (without a port), or None.")
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def allowed_hosts(bind: str, named: Sequence[str] | None) -> tuple[str, ...] | None:
+    """The Host names a server bound to `bind` answers: the `named` ones ('*' for any) and, on a loopback address,
+    the loopback names. A server bound elsewhere is reachable by whatever names the network gives it, so it checks
+    only when names are given (as Jupyter does)."""
+    named = [n.strip().lower() for n in named or ()]
+    if "*" in named:
+        return None
+    if is_loopback(bind):
+        return tuple(dict.fromkeys([*LOOPBACK_HOSTS, _host_name(bind), *named]))
+    return tuple(dict.fromkeys(named)) or None
+
+
 @attrs.frozen
 class ServeConfig:
     # a bearer token clients must send (compared in constant time); None: no authentication (bind to 127.0.0.1 then)
-    api_key: str | None = attrs.field(default=None, repr=False)
+    api_key: str | None = attrs.field(default=None, repr=False, validator=_check_key)
+    # the names a request's Host header may carry (any port): a loopback-only server answers only requests addressed
+    # to it, so a web page that rebinds its own name to 127.0.0.1 (DNS rebinding) gets 403; None: any Host
+    allowed_hosts: tuple[str, ...] | None = attrs.field(
+        default=LOOPBACK_HOSTS, converter=lambda v: v if v is None else tuple(h.lower() for h in v),
+        validator=_check_hosts)
     # requests waiting for the engine; more are answered 429 with retry-after
     max_queue: int = attrs.field(default=256, validator=at_least_one)
     # requests answered together in one batch
@@ -86,7 +120,9 @@ class Engine:
         self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
         self._stopping = threading.Event()
         self.largest_batch = 0  # the most requests answered together so far
+        self.retried_alone = 0  # requests answered again alone because their batch failed
         self._active: dict[str, _Running] = {}  # the requests a continuous runtime holds, by handle
+        self._suspects: deque[_Running] = deque()  # caught in a failed step with others: each is run again alone
         run = self._run_continuous if isinstance(runtime, ContinuousRuntime) else self._run
         self.thread = threading.Thread(target=run, name="cartridges-engine", daemon=True)
         self.thread.start()
@@ -156,7 +192,7 @@ class Engine:
         try:
             work(batch)
         except Exception as err:
-            log.exception("The engine failed %d request(s)", len(batch))
+            _log_failure(err, len(batch))
             for j in batch:
                 _deliver(j, None, err)
 
@@ -164,10 +200,13 @@ class Engine:
         self.largest_batch = max(self.largest_batch, len(batch))
         try:
             outs = self.runtime.generate([j.request for j in batch])
-        except CartridgeError:
+        except Exception as err:
             if len(batch) == 1:
                 raise
-            for j in batch:  # one bad request must not fail the others: each alone says whose it was
+            # one request must never fail the others: each is answered again alone, so a failure is its own
+            _log_failure(err, len(batch), again=True)
+            self.retried_alone += len(batch)
+            for j in batch:
                 self._guarded([j], self._answer)
             return
         if len(outs) != len(batch):
@@ -198,22 +237,48 @@ class Engine:
     def _run_continuous(self) -> None:
         active = self._active
         while not self._stopping.is_set():
-            self._take_arrivals()
+            if not self._suspects:
+                self._take_arrivals()
+            elif not active:  # suspects run one at a time, before anything new
+                self._start(self._suspects.popleft())
             if not active:
                 continue
             try:
                 self._advance()
-            except Exception as err:  # a failed step, or a runtime that broke its contract: its requests are told
-                log.exception("The engine failed %d request(s)", len(active))
-                for handle in list(active):
-                    self._drop(handle, err)
+            except Exception as err:  # a failed step, or a runtime that broke its contract
+                self._isolate(err)
         for handle in list(active):
             self._drop(handle, BackendError("The server is shutting down."))
+        while self._suspects:
+            _deliver(self._suspects.popleft().job, None, BackendError("The server is shutting down."))
         self._turn_away()
+
+    def _isolate(self, err: Exception) -> None:
+        """After a failed step: a request that was alone is told; several are each run again alone from the start,
+        so the one that fails is told and the others get their answers. A greedy (or seeded, on engines that seed
+        per request) answer comes out the same, and a stream goes on from the text it has already sent."""
+        if len(self._active) == 1:
+            _log_failure(err, 1)
+            self._drop(next(iter(self._active)), err)
+            return
+        _log_failure(err, len(self._active), again=True)
+        self.retried_alone += len(self._active)
+        for handle in list(self._active):
+            running = self._active[handle]
+            self._drop(handle)
+            self._suspects.append(running)
+
+    def _start(self, running: _Running) -> None:
+        """Hand a request to the runtime; one it refuses is told alone."""
+        if running.job.cancelled.is_set():
+            return
+        try:
+            self._active[self.runtime.add(running.job.request)] = running  # type: ignore[attr-defined]
+        except Exception as err:  # noqa: BLE001 - refused (another model, too long): this request only
+            _deliver(running.job, None, err)
 
     def _take_arrivals(self) -> None:
         """Add what has arrived to the runtime (waiting only when nothing is under way), up to `max_batch`."""
-        runtime: ContinuousRuntime = self.runtime  # type: ignore[assignment]
         while len(self._active) < self.max_batch:
             try:
                 job = self.jobs.get_nowait() if self._active else self.jobs.get()
@@ -221,12 +286,7 @@ class Engine:
                 break
             if job is None:  # woken to stop
                 break
-            if job.cancelled.is_set():
-                continue
-            try:
-                self._active[runtime.add(job.request)] = _Running(job)
-            except Exception as err:  # noqa: BLE001 - refused (another model, too long): this request only
-                _deliver(job, None, err)
+            self._start(_Running(job))
         self.largest_batch = max(self.largest_batch, len(self._active))
 
     def _advance(self) -> None:
@@ -269,6 +329,16 @@ class _Running:
     shown: str = ""
 
 
+def _log_failure(err: BaseException, count: int, again: bool = False) -> None:
+    if again:
+        log.warning("The runtime failed a batch of %d requests (%s: %s); answering each alone", count,
+                    type(err).__name__, err)
+    elif isinstance(err, CartridgeError):  # refused by the runtime's own checks: the request's fault, said to it
+        log.info("A request was refused: %s", err)
+    else:
+        log.error("The runtime failed %d request(s)", count, exc_info=err)
+
+
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
     try:
         loop.call_soon_threadsafe(fn, *args)
@@ -309,17 +379,39 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
         finally:
             await asyncio.to_thread(state["engine"].close)
 
+    # with a key, the API's own pages (/docs, /redoc, /openapi.json) are behind it too: the guard below covers them
     app = FastAPI(title="cartridges-sdk", lifespan=lifespan)
+    scrub = _scrubber(store.root)
 
     def error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
-        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
-            status, "invalid_request_error" if status < 500 else "server_error")
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+        return JSONResponse({"error": {"message": scrub(message), "type": kind, "param": param, "code": status}},
                             status_code=status, headers=headers)
 
     @app.exception_handler(BadRequest)
     async def _bad(_request, exc: BadRequest):
         return error(exc.status, exc.message, exc.param, exc.headers)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """Every path: the Host check first (DNS rebinding), then the key (all but /health)."""
+        try:
+            check_host(request.headers.get("host"))
+            if request.url.path != "/health":
+                authorize(request)
+        except BadRequest as refused:
+            return error(refused.status, refused.message, refused.param, refused.headers)
+        return await call_next(request)
+
+    def check_host(host: str | None) -> None:
+        if config.allowed_hosts is None or host is None:  # no Host header: not a browser, so not a rebinding
+            return
+        name = _host_name(host)
+        if name not in config.allowed_hosts:
+            raise BadRequest(403, f"This server does not answer requests addressed to {name[:100]!r} (Host header); "
+                             f"it answers {', '.join(config.allowed_hosts)}. If clients reach it by that name, start it "
+                             "with --allowed-host NAME.", "host")
 
     def refresh(force: bool = False) -> None:
         if force or time.monotonic() - state["refreshed"] > 1.0:  # a folder re-read at most once a second
@@ -383,7 +475,6 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
 
     @app.get("/v1/models")
     async def models(request: Request):
-        authorize(request)
         await asyncio.to_thread(refresh, True)
         names = store.names()
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "cartridges"} for n in names]
@@ -393,7 +484,6 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        authorize(request)
         body = await _read_json(request, config.max_body_bytes)
         names, messages, params, stream, include_usage = _parse(body, config)
         names, cartridges, prompt_tokens, used = await asyncio.to_thread(resolve, body, names, messages, params)
@@ -407,7 +497,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
         model = body["model"]
         usage = {"prompt_tokens": prompt_tokens, "cartridge_tokens": used}
         if stream:
-            return StreamingResponse(_events(job, rid, model, names, usage, include_usage),
+            return StreamingResponse(_events(job, rid, model, names, usage, include_usage, scrub),
                                      media_type="text/event-stream")
         try:
             out: Completion = await _wait(job, request)
@@ -441,7 +531,7 @@ async def _wait(job: _Job, request: Any) -> Completion:
 
 
 async def _events(job: _Job, rid: str, model: str, names: list[str], usage: dict[str, int],
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, scrub) -> AsyncIterator[str]:
     """Server-sent events in the OpenAI chunk format, then usage (if asked for, as OpenAI does: a last chunk with no
     choices); a client that goes away cancels its decoding."""
     def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
@@ -455,7 +545,10 @@ async def _events(job: _Job, rid: str, model: str, names: list[str], usage: dict
         while isinstance(piece := await job.out.get(), str):
             yield chunk({"content": piece})
         if isinstance(piece, BaseException):
-            yield f"data: {json.dumps({'error': {'message': str(piece), 'type': 'server_error'}})}\n\n"
+            kind = "invalid_request_error" if isinstance(piece, (ConfigError, IncompatibleCartridgeError)) else \
+                "server_error"
+            yield f"data: {json.dumps({'error': {'message': scrub(str(piece)), 'type': kind}})}\n\n"
+            yield "data: [DONE]\n\n"  # the stream is over: clients waiting for the end marker stop here
             return
         if piece is None:  # cut short (the server is stopping)
             return
@@ -465,6 +558,27 @@ async def _events(job: _Job, rid: str, model: str, names: list[str], usage: dict
         yield "data: [DONE]\n\n"
     finally:
         job.cancelled.set()  # finished, or the client disconnected: either way, no more work for it
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port: ``[::1]:8000`` -> ``::1``, ``Example.com:80`` -> ``example.com``."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _scrubber(root: Path):
+    """A function that replaces the store's absolute path in a message with its folder name: clients are told names,
+    never where the server keeps its files."""
+    paths = sorted({str(root), str(root.absolute()), str(root.resolve())}, key=len, reverse=True)
+
+    def scrub(message: str) -> str:
+        for path in paths:
+            message = message.replace(path, root.name or "store")
+        return message
+
+    return scrub
 
 
 def _usage(usage: dict[str, int], completion_tokens: int) -> dict[str, int]:
@@ -483,8 +597,10 @@ async def _read_json(request: Any, limit: int) -> dict[str, Any]:
             raise BadRequest(413, f"The request body is over the limit of {limit} bytes.")
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BadRequest(400, f"The request body is not valid JSON: {err}.") from None
+    except (ValueError, RecursionError) as err:  # bad UTF-8 or syntax, a number too long to read, nesting too deep
+        why = ("it is nested too deeply" if isinstance(err, RecursionError) else
+               "a number in it has too many digits" if "integer string conversion" in str(err) else str(err))
+        raise BadRequest(400, f"The request body is not valid JSON: {why}.") from None
     if not isinstance(body, dict):
         raise BadRequest(400, "The request body must be a JSON object.")
     return body

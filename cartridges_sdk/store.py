@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 
 from .cartridge import Cartridge
-from .errors import CartridgeError, ConfigError
+from .errors import CartridgeError, ConfigError, IncompatibleCartridgeError
 from .files import atomic_write
 from .models import LM
 
@@ -88,6 +88,7 @@ class CartridgeStore:
         self.memory_budget = memory_budget
         self._entries: dict[str, _Entry] = {}
         self._refused: dict[Path, tuple[tuple[int, int], str]] = {}  # said once per version of a bad file
+        self._linked_out: set[Path] = set()  # refused because they (or their corpus) link out of the folder
         self._memory: OrderedDict[str, Cartridge] = OrderedDict()
         self._index: Any = None  # (bm25 retriever, name of each corpus), built when first routed after a change
         self._lock = threading.RLock()
@@ -158,9 +159,9 @@ class CartridgeStore:
                               "or digit (it becomes a file name and the API's model name).")
         if name == "auto":
             raise ConfigError("name='auto' is taken by routing (model='auto' picks cartridges per question).")
-        problem = cartridge.meta.model.mismatch(self.model.identity)
+        problem = cartridge.misfit(self.model)
         if problem:
-            raise ConfigError(f"The cartridge is for model {cartridge.meta.model.name!r}, not the store's "
+            raise IncompatibleCartridgeError(f"The cartridge is for model {cartridge.meta.model.name!r}, not the store's "
                               f"{self.model.name!r} ({problem}).")
         with self._lock:
             path = self.root / f"{name}{SUFFIX}"
@@ -198,6 +199,17 @@ class CartridgeStore:
                 corpus = self.root / f"{name}{CORPUS_SUFFIX}"
                 corpus = corpus if corpus.is_file() else None
                 corpus_stamp = _stamp(corpus) if corpus is not None else None
+                outside = [p.name for p in (path, corpus) if p is not None and not self._inside(p)]
+                if outside:  # a link to elsewhere would serve or index a file the store's owner never put there
+                    if self._refused.get(path, (None,))[0] != stamp or path not in self._linked_out:
+                        self._linked_out.add(path)
+                        self._refuse(path, f"{outside[0]} is a link to a file outside the store's folder; copy the "
+                                     "file in instead")
+                        changes["refused"].append(name)
+                    continue
+                if path in self._linked_out:  # the link is gone: the file is judged afresh
+                    self._linked_out.discard(path)
+                    self._refused.pop(path, None)
                 old = self._entries.get(name)
                 if old is not None and old.stamp == stamp and old.path == path:
                     seen[name] = attrs.evolve(old, corpus=corpus, corpus_stamp=corpus_stamp)
@@ -228,6 +240,10 @@ class CartridgeStore:
                 self._index = None
             self._entries = seen
             return changes
+
+    def _inside(self, path: Path) -> bool:
+        """Whether `path`, links followed, is in the store's folder."""
+        return path.resolve().parent == self.root.resolve()
 
     # ---- routing
 

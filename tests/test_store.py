@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from benchmarks.data import DEFAULT_DATA, EVALDATA, load_corpora, only_own_words
-from cartridges_sdk import Cartridge, ConfigError
+from cartridges_sdk import Cartridge, ConfigError, IncompatibleCartridgeError
 from cartridges_sdk.store import CartridgeStore, NotInStoreError
 
 CORPORA = {
@@ -50,7 +50,7 @@ def test_cartridges_by_name(store, tiny_llama):
 
 def test_a_cartridge_of_another_model_is_refused(store, tiny_qwen):
     alien = Cartridge.from_prefix(tiny_qwen, CORPORA["orchard"], 12)
-    with pytest.raises(ConfigError, match="not the store's 'tiny-llama-seed0'"):
+    with pytest.raises(IncompatibleCartridgeError, match="not the store's 'tiny-llama-seed0'"):
         store.add("alien", alien)
 
 
