@@ -7,7 +7,6 @@ import json
 import random
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,14 +21,13 @@ from cartridges_sdk import Cartridge, CartridgeStore, ConfigError, IncompatibleC
 from cartridges_sdk.cartridge import CartridgeMeta
 from cartridges_sdk.cli import main as cli
 from cartridges_sdk.errors import CartridgeFormatError
-from cartridges_sdk.hf import HFRuntime
 from cartridges_sdk.server import ServeConfig, create_app
+from cartridges_sdk import testing
 from cartridges_sdk.testing import serving
 
 KEY = "sk-hostile"
 TEXTS = [f"Keeper {n} of the lighthouse number {i} logged {w} storms in the winter of 18{i}{n}."
          for i, (n, w) in enumerate(zip("ABCDEFGH", ("three", "five", "nine", "two", "six", "one", "four", "ten")))]
-POISON = "POISON"
 
 
 def rewrite_meta(path: Path, change) -> Path:
@@ -41,68 +39,6 @@ def rewrite_meta(path: Path, change) -> Path:
     change(meta)
     save_file(tensors, str(path), metadata={**header, "meta": json.dumps(meta)})
     return path
-
-
-class Gate:
-    """Holds the engine thread in its next runtime call until `until()` holds, so the requests sent meanwhile queue
-    up and are batched together (arrival timing must not decide what the test checks)."""
-
-    def __init__(self):
-        self.until = None
-        self.holding = threading.Event()
-
-    def __call__(self) -> None:
-        until, self.until = self.until, None
-        if until is not None:
-            self.holding.set()
-            deadline = time.monotonic() + 60
-            while not until() and time.monotonic() < deadline:
-                time.sleep(0.01)
-
-
-class PoisonedHF(HFRuntime):
-    """The real HF runtime, whose decoding fails on its third step whenever a request asking about POISON is in the
-    batch: a stand-in for an engine failure that only one request triggers (the engine isolation is under test)."""
-
-    def __init__(self, lm):
-        super().__init__(lm)
-        self.poisoned: set[str] = set()
-        self.steps = 0
-        self.gate = Gate()
-
-    def add(self, request):
-        handle = super().add(request)
-        if POISON in request.messages[-1]["content"]:
-            self.poisoned.add(handle)
-        return handle
-
-    def step(self):
-        self.gate()
-        out = super().step()
-        run = self._running
-        handles = run.handles if run is not None else [h for h, _, _ in out]
-        if self.poisoned & set(handles):
-            self.steps += 1
-            if self.steps % 3 == 0:
-                raise RuntimeError("the engine choked on a poisoned request")
-        return out
-
-
-class PoisonedBatches:
-    """The example plugin's plain runtime (batch by batch), failing any batch that holds a POISON request."""
-
-    def __init__(self, lm):
-        self.inner = lm.get_runtime("example")
-        self.gate = Gate()
-
-    def generate(self, requests):
-        self.gate()
-        if any(POISON in r.messages[-1]["content"] for r in requests):
-            raise RuntimeError("the engine choked on a poisoned request")
-        return self.inner.generate(requests)
-
-    def stream(self, request):
-        return self.inner.stream(request)
 
 
 @pytest.fixture(scope="module")
@@ -157,53 +93,16 @@ def answer_of(url: str, job: dict) -> tuple[int, str]:
     return (500, error) if error is not None else (200, text)
 
 
-def concurrent(url: str, jobs: list[dict]) -> list[tuple[int, str]]:
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(lambda j: answer_of(url, j), jobs))
-
-
-def eight_with_one_poisoned(lm, store, poison: dict) -> tuple[list[dict], list[str | None]]:
-    """8 requests over 8 cartridges, every third streamed, the fourth replaced by `poison`; and the answers the
-    others must get (each asked alone)."""
-    jobs = [body(f"c{i}", f"What did keeper {'ABCDEFGH'[i]} log?", max_tokens=12, stream=i % 3 == 0)
-            for i in range(8)]
-    want = [lm.ask(j["messages"][0]["content"], cartridges=[store.get(j["model"])], max_new_tokens=12) for j in jobs]
-    jobs[3], want[3] = poison, None
-    return jobs, want
-
-
-def check_alone(got, want, status: int, message: str) -> None:
-    for i, ((code, text), expected) in enumerate(zip(got, want)):
-        if expected is None:
-            assert code == status and message in text, (i, code, text)
-        else:
-            assert (code, text) == (200, expected), i
-
-
 # ---- case 1: one request never fails the others
 
-def test_a_seed_out_of_range_is_a_400_and_fails_no_one_else(served, store, tiny_llama):
-    url, _ = served
+def test_a_seed_out_of_range_is_a_400_and_fails_no_one_else(store, tiny_llama):
     poison = body("c3", "q", max_tokens=4, temperature=1, seed=18446744073709551616)
-    jobs, want = eight_with_one_poisoned(tiny_llama, store, poison)
-    check_alone(concurrent(url, jobs), want, 400, "seed=18446744073709551616 must be from 0 to 2**63-1")
+    testing.check_one_request_fails_alone(tiny_llama.get_runtime("hf"), store, store.names(), poison=poison)
 
 
-@pytest.mark.parametrize("path", ["continuous", "batch"])
-def test_a_request_that_breaks_the_engine_fails_alone(path, store, tiny_llama):
-    runtime = PoisonedHF(tiny_llama) if path == "continuous" else PoisonedBatches(tiny_llama)
-    app = create_app(store, runtime, ServeConfig(api_key=KEY, max_batch=16))
-    with serving(app) as url:
-        poison = body("c3", f"Tell me about {POISON}.", max_tokens=12, stream=path == "continuous")
-        jobs, want = eight_with_one_poisoned(tiny_llama, store, poison)
-        runtime.gate.until = lambda: app.state.engine.jobs.qsize() >= len(jobs)  # the 8 then go as one batch
-        with ThreadPoolExecutor(1) as pool:
-            first = pool.submit(answer_of, url, body("c0", "Hold on."))
-            assert runtime.gate.holding.wait(60)
-            check_alone(concurrent(url, jobs), want, 500, "the engine choked on a poisoned request")
-            assert first.result()[0] == 200
-        assert app.state.engine.retried_alone >= 2  # the poisoned batch was answered again one by one
-        assert answer_of(url, body("c1", "Still there?"))[0] == 200  # and the engine goes on
+@pytest.mark.parametrize("runtime", ["hf", "example"])  # the continuous path, and the batch-by-batch one
+def test_a_request_that_breaks_the_engine_fails_alone(runtime, store, tiny_llama):
+    testing.check_one_request_fails_alone(tiny_llama.get_runtime(runtime), store, store.names())
 
 
 # ---- case 2: a cartridge for another model never gets in
@@ -366,10 +265,10 @@ def test_crafted_metadata_is_refused_by_name_not_a_traceback(tmp_path, tiny_llam
 
 
 def test_a_stream_that_fails_midway_ends_with_done(store, tiny_llama):
-    app = create_app(store, PoisonedHF(tiny_llama), ServeConfig(api_key=KEY))
+    app = create_app(store, testing.failing(tiny_llama.get_runtime("hf")), ServeConfig(api_key=KEY))
     with serving(app) as url:
-        code, message = answer_of(url, body("c0", f"{POISON} now", max_tokens=12, stream=True))  # asserts [DONE]
-        assert code == 500 and "poisoned" in message
+        code, message = answer_of(url, body("c0", f"{testing.POISON} now", max_tokens=12, stream=True))
+        assert code == 500 and "poisoned" in message  # answer_of asserts the [DONE]
 
 
 # ---- fuzz: a few hundred malformed bodies, no 5xx, and a good request alongside gets its answer

@@ -155,3 +155,14 @@ def test_an_exported_state_file_is_restored_by_llamacpp_itself(lm, tmp_path):
     loaded = C.llama_state_seq_load_file(runtime.llm.ctx, str(path).encode(), 0, tokens, 64, ctypes.byref(count))
     assert loaded == path.stat().st_size and count.value == 40 and list(tokens[:40]) == [0] * 40
     assert runtime.sequence_state() == runtime.state_blob(c)  # the cells the runtime itself writes
+
+
+def test_one_request_that_fails_in_llamacpp_fails_alone(runtime, lm, tmp_path):
+    """Behind `cartridges serve` (batch by batch: llama.cpp answers one sequence at a time), a batch that fails
+    because of one request is answered again one by one: only that request fails."""
+    from cartridges_sdk import CartridgeStore
+
+    store = CartridgeStore(tmp_path, lm)
+    for i, text in enumerate(testing.CONTRACT_TEXTS):
+        store.add(f"c{i}", Cartridge.from_prefix(lm, text, 20 + i))
+    testing.check_one_request_fails_alone(runtime, store, store.names(), max_new_tokens=6)

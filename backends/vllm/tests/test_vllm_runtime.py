@@ -177,3 +177,18 @@ def test_cartridges_serve_feeds_vllm_requests_as_they_arrive(runtime, lm, tmp_pa
         assert engine.in_flight == 0 and len(aborted) == 1 and not runtime._live
         assert not runtime.llm.llm_engine.has_unfinished_requests()
         assert engine.largest_batch > 1
+
+
+def test_one_request_that_fails_in_vllm_fails_alone(runtime, lm, tmp_path):
+    """Behind `cartridges serve`, 8 requests in one vLLM batch: one with a seed no generator takes is refused (400), and
+    one that makes the engine's step fail is failed alone (the others are answered again one by one); every other
+    request gets the answer it gets alone."""
+    from cartridges_sdk import CartridgeStore
+
+    store = CartridgeStore(tmp_path, lm)
+    for i, text in enumerate(testing.CONTRACT_TEXTS):
+        store.add(f"c{i}", Cartridge.from_prefix(lm, text, 20 + i))
+    seed = {"model": "c0", "messages": [{"role": "user", "content": "q"}], "max_tokens": 4, "temperature": 1,
+            "seed": 18446744073709551616}
+    testing.check_one_request_fails_alone(runtime, store, store.names(), max_new_tokens=8, poison=seed)
+    testing.check_one_request_fails_alone(runtime, store, store.names(), max_new_tokens=8)
