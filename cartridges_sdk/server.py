@@ -603,6 +603,11 @@ async def _read_json(request: Any, limit: int) -> dict[str, Any]:
         raise BadRequest(400, f"The request body is not valid JSON: {why}.") from None
     if not isinstance(body, dict):
         raise BadRequest(400, "The request body must be a JSON object.")
+    try:  # JSON may escape half of a UTF-16 pair ("\ud800"): valid JSON, but no text a tokenizer can read
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(400, "The request body is not valid text: it escapes a lone UTF-16 surrogate (such as "
+                         "\\ud800); send the character itself or its whole surrogate pair.") from None
     return body
 
 

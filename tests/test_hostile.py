@@ -193,7 +193,8 @@ def test_json_that_fails_late_is_a_400(served):
     for raw, why in [('{"model": "c0", "max_tokens": ' + "9" * 5000 + "}", "too many digits"),
                      ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
                      (json.dumps(body("c0", "Hi", seed=int("1" * 400))), "seed="),
-                     (b'{"model": "\xff"}', "not valid JSON")]:
+                     (b'{"model": "\xff"}', "not valid JSON"),
+                     (json.dumps(body("c0", "\ud800")), "lone UTF-16 surrogate")]:
         r = post(url, raw)
         assert r.status_code == 400 and why in r.json()["error"]["message"], (r.status_code, r.text[:200])
 
@@ -275,7 +276,7 @@ def test_a_stream_that_fails_midway_ends_with_done(store, tiny_llama):
 
 def _malformed(rng: random.Random) -> bytes | dict:
     junk = [None, True, -1, 0, 2**70, 1e308, float("nan"), "", "x" * 300, [], {}, [1, "a"], {"a": {"b": []}},
-            "\u0000", "\ud7ff", -0.0]
+            "\u0000", "\ud7ff", "\ud800", "x\udfff", -0.0]
     good = body("c0", "Hi")
     kind = rng.randrange(5)
     if kind == 0:  # one field set to junk
