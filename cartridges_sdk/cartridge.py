@@ -373,7 +373,8 @@ class Cartridge:
             raise CartridgeFormatError(
                 f"{str(path)!r} is a safetensors file but not a cartridge (no {FORMAT_NAME!r} metadata)."
             )
-        version = int(header.get("format_version", "0"))
+        version = header.get("format_version", "0")
+        version = int(version) if version.isdigit() else FORMAT_VERSION + 1  # unreadable: from no version we know
         if version > FORMAT_VERSION:
             raise CartridgeFormatError(
                 f"{str(path)!r} has format version {version}, newer than this cartridges-sdk ({FORMAT_VERSION}); upgrade it."

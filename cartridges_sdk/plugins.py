@@ -54,7 +54,7 @@ def _messages(value: Any) -> tuple[Message, ...]:
 
 # temperatures below this decode greedily, as vLLM does: dividing logits by a tinier one overflows to inf and NaN
 GREEDY_BELOW = 1e-5
-MAX_SEED = 2**63 - 1  # every engine seeds a 64-bit generator from it; a larger one overflowed inside the engine
+SEEDS = (-(2**63), 2**63 - 1)  # every engine seeds a signed 64-bit generator; a larger seed overflowed inside one
 
 
 def _temperature(value: Any) -> Any:
@@ -64,8 +64,8 @@ def _temperature(value: Any) -> Any:
 
 def _seed(_inst, attribute, value) -> None:
     optional_int(_inst, attribute, value)
-    if value is not None and not 0 <= value <= MAX_SEED:
-        raise ConfigError(f"seed={value!r:.40} must be from 0 to 2**63-1 ({MAX_SEED}).")
+    if value is not None and not SEEDS[0] <= value <= SEEDS[1]:
+        raise ConfigError(f"seed={value!r:.40} must be a 64-bit signed integer, from -2**63 to 2**63-1.")
 
 
 @attrs.frozen

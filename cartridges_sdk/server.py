@@ -24,10 +24,12 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 from fastapi import FastAPI, Request  # this module is imported only to serve; the core never imports it
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import Headers
 
 from .checks import at_least_one, is_loopback
 from .errors import BackendError, CartridgeError, ConfigError, IncompatibleCartridgeError
@@ -49,9 +51,17 @@ def _check_key(_inst, _attr, value: str | None) -> None:
                           "headers carry ASCII only, so another key could never be sent as typed).")
 
 
-def _check_hosts(_inst, _attr, value: tuple[str, ...] | None) -> None:
-    if value is not None and not all(isinstance(h, str) and h and h == h.strip() for h in value):
-        raise ConfigError(f"allowed_hosts={value!r} must be host names or addresses (without a port), or None.")
+def _hosts(value: Any) -> Any:
+    """Host names as a Host header gives them (lower case, no port or brackets); anything else is left for the
+    validator to refuse."""
+    if value is None or isinstance(value, str) or not isinstance(value, (list, tuple, set)):
+        return value
+    return tuple(_host_name(h) if isinstance(h, str) else h for h in value)
+
+
+def _check_hosts(_inst, _attr, value: Any) -> None:
+    if value is not None and (not isinstance(value, tuple) or not all(isinstance(h, str) and h for h in value)):
+        raise ConfigError(f"allowed_hosts={value!r:.80} must be a list of host names or addresses, or None for any.")
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -61,7 +71,7 @@ def allowed_hosts(bind: str, named: Sequence[str] | None) -> tuple[str, ...] | N
     """The Host names a server bound to `bind` answers: the `named` ones ('*' for any) and, on a loopback address,
     the loopback names. A server bound elsewhere is reachable by whatever names the network gives it, so it checks
     only when names are given (as Jupyter does)."""
-    named = [n.strip().lower() for n in named or ()]
+    named = [_host_name(n) for n in named or ()]
     if "*" in named:
         return None
     if is_loopback(bind):
@@ -75,9 +85,8 @@ class ServeConfig:
     api_key: str | None = attrs.field(default=None, repr=False, validator=_check_key)
     # the names a request's Host header may carry (any port): a loopback-only server answers only requests addressed
     # to it, so a web page that rebinds its own name to 127.0.0.1 (DNS rebinding) gets 403; None: any Host
-    allowed_hosts: tuple[str, ...] | None = attrs.field(
-        default=LOOPBACK_HOSTS, converter=lambda v: v if v is None else tuple(h.lower() for h in v),
-        validator=_check_hosts)
+    allowed_hosts: tuple[str, ...] | None = attrs.field(default=LOOPBACK_HOSTS, converter=lambda v: _hosts(v),
+                                                       validator=_check_hosts)
     # requests waiting for the engine; more are answered 429 with retry-after
     max_queue: int = attrs.field(default=256, validator=at_least_one)
     # requests answered together in one batch
@@ -120,9 +129,9 @@ class Engine:
         self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
         self._stopping = threading.Event()
         self.largest_batch = 0  # the most requests answered together so far
-        self.retried_alone = 0  # requests answered again alone because their batch failed
+        self.replayed = 0  # requests answered again, in smaller batches, because their batch failed
         self._active: dict[str, _Running] = {}  # the requests a continuous runtime holds, by handle
-        self._suspects: deque[_Running] = deque()  # caught in a failed step with others: each is run again alone
+        self._suspects: deque[list[_Running]] = deque()  # halves of a failed batch, each run again on its own
         run = self._run_continuous if isinstance(runtime, ContinuousRuntime) else self._run
         self.thread = threading.Thread(target=run, name="cartridges-engine", daemon=True)
         self.thread.start()
@@ -200,17 +209,20 @@ class Engine:
         self.largest_batch = max(self.largest_batch, len(batch))
         try:
             outs = self.runtime.generate([j.request for j in batch])
+            if len(outs) != len(batch):
+                raise BackendError(f"The runtime answered {len(outs)} of {len(batch)} requests.")
         except Exception as err:
             if len(batch) == 1:
                 raise
-            # one request must never fail the others: each is answered again alone, so a failure is its own
+            # one request must never fail the others: each half is answered again on its own, and halved again
+            # while it fails, so the failure reaches the request that causes it alone
             _log_failure(err, len(batch), again=True)
-            self.retried_alone += len(batch)
-            for j in batch:
-                self._guarded([j], self._answer)
+            self.replayed += len(batch)
+            batch = [j for j in batch if not j.cancelled.is_set()]
+            for half in (batch[: len(batch) // 2], batch[len(batch) // 2 :]):
+                if half:
+                    self._guarded(half, self._answer)
             return
-        if len(outs) != len(batch):
-            raise BackendError(f"The runtime answered {len(outs)} of {len(batch)} requests.")
         for j, out in zip(batch, outs):
             _deliver(j, out, None)
 
@@ -239,8 +251,9 @@ class Engine:
         while not self._stopping.is_set():
             if not self._suspects:
                 self._take_arrivals()
-            elif not active:  # suspects run one at a time, before anything new
-                self._start(self._suspects.popleft())
+            elif not active:  # the halves of a failed batch run one after another, before anything new
+                for running in self._suspects.popleft():
+                    self._start(running)
             if not active:
                 continue
             try:
@@ -250,23 +263,30 @@ class Engine:
         for handle in list(active):
             self._drop(handle, BackendError("The server is shutting down."))
         while self._suspects:
-            _deliver(self._suspects.popleft().job, None, BackendError("The server is shutting down."))
+            for running in self._suspects.popleft():
+                _deliver(running.job, None, BackendError("The server is shutting down."))
         self._turn_away()
 
     def _isolate(self, err: Exception) -> None:
-        """After a failed step: a request that was alone is told; several are each run again alone from the start,
-        so the one that fails is told and the others get their answers. A greedy (or seeded, on engines that seed
-        per request) answer comes out the same, and a stream goes on from the text it has already sent."""
+        """After a failed step: a request that was alone is told; several are run again from the start, in two
+        halves one after the other, and a half that fails is halved again, so the request that fails is told alone
+        and the others get their answers. A stream goes on from the text it has already sent when the new answer
+        begins with it (greedy decoding, seeded engines); otherwise it ends with an error rather than a spliced
+        answer."""
         if len(self._active) == 1:
             _log_failure(err, 1)
             self._drop(next(iter(self._active)), err)
             return
         _log_failure(err, len(self._active), again=True)
-        self.retried_alone += len(self._active)
+        self.replayed += len(self._active)
+        group = []
         for handle in list(self._active):
             running = self._active[handle]
             self._drop(handle)
-            self._suspects.append(running)
+            running.replayed = True
+            group.append(running)
+        half = len(group) // 2
+        self._suspects.extendleft([group[half:], group[:half]])  # extendleft reverses: the first half goes first
 
     def _start(self, running: _Running) -> None:
         """Hand a request to the runtime; one it refuses is told alone."""
@@ -301,6 +321,11 @@ class Engine:
             if running is None:
                 continue
             job = running.job
+            if job.stream and running.replayed and _diverged(running.shown, completion.text):
+                self._drop(handle, BackendError(
+                    "This answer cannot go on: another request failed the batch it was in, and answering it again "
+                    "gave other text than was already sent. Ask again."))
+                continue
             if job.stream and (delta := settled_delta(running.shown, completion.text, ended)):
                 running.shown = completion.text
                 _call(job.loop, job.out.put_nowait, delta)
@@ -327,6 +352,13 @@ class _Running:
 
     job: _Job
     shown: str = ""
+    replayed: bool = False  # run again after its batch failed: its new text must agree with what was shown
+
+
+def _diverged(shown: str, text: str) -> bool:
+    """Whether a replayed answer's `text` departs from the `shown` one (an unfinished character at its end aside)."""
+    text = text.rstrip("\ufffd")
+    return not (text.startswith(shown) or shown.startswith(text))
 
 
 def _log_failure(err: BaseException, count: int, again: bool = False) -> None:
@@ -393,35 +425,43 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     async def _bad(_request, exc: BadRequest):
         return error(exc.status, exc.message, exc.param, exc.headers)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """Every path: the Host check first (DNS rebinding), then the key (all but /health)."""
+    def guard(scope: dict[str, Any]) -> JSONResponse | None:
+        """Every path: the Host and Origin checks first (DNS rebinding, web pages), then the key (all but /health);
+        a refusal, or None."""
+        headers = Headers(scope=scope)
         try:
-            check_host(request.headers.get("host"))
-            if request.url.path != "/health":
-                authorize(request)
+            check_host(headers.get("host"), headers.get("origin"))
+            if scope["path"] != "/health":
+                authorize(headers)
         except BadRequest as refused:
             return error(refused.status, refused.message, refused.param, refused.headers)
-        return await call_next(request)
+        return None
 
-    def check_host(host: str | None) -> None:
-        if config.allowed_hosts is None or host is None:  # no Host header: not a browser, so not a rebinding
+    app.add_middleware(_Guard, check=guard)
+
+    def check_host(host: str | None, origin: str | None) -> None:
+        if config.allowed_hosts is None:
             return
-        name = _host_name(host)
-        if name not in config.allowed_hosts:
+        name = _host_name(host) if host is not None else None  # no Host header: not a browser, not a rebinding
+        if name is not None and name not in config.allowed_hosts:
             raise BadRequest(403, f"This server does not answer requests addressed to {name[:100]!r} (Host header); "
                              f"it answers {', '.join(config.allowed_hosts)}. If clients reach it by that name, start it "
                              "with --allowed-host NAME.", "host")
+        # a web page's request carries its Origin: one from a page not served under an allowed name is another
+        # site's, which may not make this server work (it could not read the answer, but it would spend the engine)
+        if origin is not None and _host_name(urlsplit(origin).netloc or origin) not in config.allowed_hosts:
+            raise BadRequest(403, f"Requests from web pages at {origin[:100]!r} (Origin header) are refused; start the "
+                             "server with --allowed-host NAME for pages served under NAME.", "origin")
 
     def refresh(force: bool = False) -> None:
         if force or time.monotonic() - state["refreshed"] > 1.0:  # a folder re-read at most once a second
             store.refresh()
             state["refreshed"] = time.monotonic()
 
-    def authorize(request: Request) -> None:
+    def authorize(headers: Headers) -> None:
         if config.api_key is None:
             return
-        given = request.headers.get("authorization", "")
+        given = headers.get("authorization", "")
         token = given[7:] if given.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(token.encode(), config.api_key.encode()):
             raise BadRequest(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
@@ -456,7 +496,11 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
                                  f"{', '.join(store.names()[:50]) or 'none'} (and 'auto', {lm.name!r}).",
                                  "model") from None
             cartridges = [store.get(n) for n in names]
-        prompt_tokens = len(lm.chat_ids(messages, after_cartridge=bool(cartridges)))
+        try:
+            prompt_tokens = len(lm.chat_ids(messages, after_cartridge=bool(cartridges)))
+        except Exception as err:  # noqa: BLE001 - e.g. a template that wants alternating turns or no system turn
+            raise BadRequest(400, f"The model's chat template refuses these messages: {type(err).__name__}: "
+                             f"{str(err)[:300]}", "messages") from None
         used = sum(c.num_tokens for c in cartridges)
         limit = lm.max_context
         if limit is not None and used + prompt_tokens + params.max_new_tokens > limit:
@@ -560,6 +604,21 @@ async def _events(job: _Job, rid: str, model: str, names: list[str], usage: dict
         job.cancelled.set()  # finished, or the client disconnected: either way, no more work for it
 
 
+class _Guard:
+    """A plain ASGI middleware that answers a request `check` refuses, and passes the rest through untouched
+    (Starlette's BaseHTTPMiddleware would hide a client's disconnect from the endpoint, so a dropped request
+    would decode on)."""
+
+    def __init__(self, app: Any, check) -> None:
+        self.app, self.check = app, check
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (refused := self.check(scope)) is not None:
+            await refused(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def _host_name(host: str) -> str:
     """The name in a Host header, without its port: ``[::1]:8000`` -> ``::1``, ``Example.com:80`` -> ``example.com``."""
     host = host.strip().lower()
@@ -571,7 +630,7 @@ def _host_name(host: str) -> str:
 def _scrubber(root: Path):
     """A function that replaces the store's absolute path in a message with its folder name: clients are told names,
     never where the server keeps its files."""
-    paths = sorted({str(root), str(root.absolute()), str(root.resolve())}, key=len, reverse=True)
+    paths = sorted({p for p in (str(root.absolute()), str(root.resolve())) if len(p) > 1}, key=len, reverse=True)
 
     def scrub(message: str) -> str:
         for path in paths:
@@ -652,6 +711,8 @@ def _parse(body: dict[str, Any], config: ServeConfig):
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= config.max_new_tokens:
         raise BadRequest(400, f"'max_tokens' must be an int from 1 to {config.max_new_tokens}.", "max_tokens")
     stop = body.get("stop") or ()
+    if isinstance(stop, list) and len(stop) > 4:  # each is looked for after every token, in the whole batch's step
+        raise BadRequest(400, f"'stop' has {len(stop)} strings; at most 4 are read (as OpenAI does).", "stop")
     k = body.get("k", 1)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 8:
         raise BadRequest(400, "'k' (cartridges routed to, with model='auto') must be an int from 1 to 8.", "k")

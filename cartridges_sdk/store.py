@@ -136,6 +136,10 @@ class CartridgeStore:
 
     def _load(self, path: Path) -> tuple[Cartridge | None, str | None]:
         """The file's cartridge, bound to the model; or None and why, said once in the log and remembered."""
+        if not self._inside(path):  # checked again as it is read: the file may have become a link since the scan
+            why = f"{path.name} is a link to a file outside the store's folder; copy the file in instead"
+            self._refuse(path, why)
+            return None, why
         try:
             return Cartridge.load(path, model=self.model), None
         except Exception as err:  # noqa: BLE001 - a bad file must never stop the store
@@ -276,7 +280,8 @@ class CartridgeStore:
         if self._index is None:
             import bm25s
 
-            named = [(name, entry.corpus) for name, entry in sorted(self._entries.items()) if entry.corpus is not None]
+            named = [(name, entry.corpus) for name, entry in sorted(self._entries.items())
+                     if entry.corpus is not None and self._inside(entry.corpus)]
             if not named:
                 return None
             retriever = bm25s.BM25()

@@ -561,7 +561,7 @@ class FailingContinuousRuntime(ContinuousRuntime):
     def step(self) -> list[tuple[str, Completion, bool]]:
         self.gate()
         progress = self.inner.step()
-        if self.poisoned:
+        if self.poisoned & {h for h, _, _ in progress}:  # decoding now, with whatever shares its batch
             self.steps += 1
             if self.steps % 3 == 0:
                 raise RuntimeError("the engine choked on a poisoned request")
@@ -580,8 +580,9 @@ def failing(runtime: Runtime) -> Runtime:
 
 def check_one_request_fails_alone(runtime: Runtime, store: Any, names: Sequence[str], *, max_new_tokens: int = 12,
                                   poison: dict[str, Any] | None = None) -> None:
-    """Behind `cartridges serve` on 127.0.0.1: 8 concurrent requests over the store's cartridges `names`, every
-    third one streamed, sent while the engine is held so they reach the runtime as one batch; one of them is
+    """Behind `cartridges serve` on 127.0.0.1: 8 concurrent requests over the store's cartridges `names` (every
+    third one streamed, on a continuous runtime, whose batches hold streams; a plain runtime answers each stream
+    alone), sent while the engine is held so they reach the runtime as one batch; one of them is
     `poison` (a request body), or else one that makes `failing(runtime)` fail its batch. That one gets an error
     (400 for a body the server refuses, 500 for a failed engine) and every other gets the answer it gets alone."""
     import json
@@ -594,13 +595,12 @@ def check_one_request_fails_alone(runtime: Runtime, store: Any, names: Sequence[
     served = failing(runtime) if poison is None else runtime
     app = create_app(store, served, ServeConfig(max_batch=16))
     questions = [f"What does the text say? ({i})" for i in range(8)]
+    streams = isinstance(runtime, ContinuousRuntime)
     jobs = [{"model": names[i % len(names)], "messages": [{"role": "user", "content": q}], "temperature": 0,
-             "max_tokens": max_new_tokens, "stream": i % 3 == 0} for i, q in enumerate(questions)]
+             "max_tokens": max_new_tokens, "stream": streams and i % 3 == 0} for i, q in enumerate(questions)]
     want = [store.model.ask(j["messages"][0]["content"], cartridges=[store.get(j["model"])], runtime=runtime,
                             max_new_tokens=max_new_tokens) for j in jobs]
-    # streamed on a continuous runtime (whose batches hold streams); whole on another, whose streams run alone
-    jobs[3] = poison or {**jobs[3], "messages": [{"role": "user", "content": f"Tell me about {POISON}."}],
-                         "stream": isinstance(runtime, ContinuousRuntime)}
+    jobs[3] = poison or {**jobs[3], "messages": [{"role": "user", "content": f"Tell me about {POISON}."}]}
 
     def answer(url: str, job: dict[str, Any]) -> tuple[int, str]:
         if not job.get("stream"):
@@ -639,7 +639,7 @@ def check_one_request_fails_alone(runtime: Runtime, store: Any, names: Sequence[
         if gate is not None:
             if first.result()[0] != 200:
                 _fail("isolation", f"the first request failed: {first.result()}")
-            if app.state.engine.retried_alone < 2:
-                _fail("isolation", "the poisoned batch was never answered again one by one")
+            if app.state.engine.replayed < 2:
+                _fail("isolation", "the poisoned batch was never answered again in smaller batches")
         if answer(url, {**jobs[0], "stream": False}) != (200, want[0]):
             _fail("isolation", "the server did not answer the next request")

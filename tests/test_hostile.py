@@ -21,6 +21,7 @@ from cartridges_sdk import Cartridge, CartridgeStore, ConfigError, IncompatibleC
 from cartridges_sdk.cartridge import CartridgeMeta
 from cartridges_sdk.cli import main as cli
 from cartridges_sdk.errors import CartridgeFormatError
+from cartridges_sdk.hf import HFRuntime
 from cartridges_sdk.server import ServeConfig, create_app
 from cartridges_sdk import testing
 from cartridges_sdk.testing import serving
@@ -164,6 +165,12 @@ def test_only_requests_addressed_to_the_server_are_answered(store, tiny_llama):
             assert httpx.get(f"{url.removesuffix('/v1')}/docs", headers={"host": host}).status_code == 403
         for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}"):
             assert httpx.get(f"{url}/models", headers={"host": host}).status_code == 200, host
+        # a page elsewhere posting straight to 127.0.0.1 (no rebinding needed) carries its Origin: refused
+        for origin in ("http://attacker.example", "null", "https://127.0.0.1.attacker.example:443"):
+            r = httpx.post(f"{url}/chat/completions", json=body("c0", "Hi"), headers={"origin": origin})
+            assert r.status_code == 403 and "Origin" in r.json()["error"]["message"], origin
+        r = httpx.post(f"{url}/chat/completions", json=body("c0", "Hi"), headers={"origin": f"http://localhost:{port}"})
+        assert r.status_code == 200
     named = create_app(store, tiny_llama.get_runtime("hf"), ServeConfig(allowed_hosts=["box.internal"]))
     with serving(named) as url:
         assert httpx.get(f"{url}/models", headers={"host": "box.internal:80"}).status_code == 200
@@ -326,3 +333,37 @@ def test_fuzz_no_5xx_and_the_good_request_is_answered(served, tiny_llama, store)
     assert not [s for s in statuses if s >= 500], sorted(set(statuses))
     assert httpx.get(f"{url.removesuffix('/v1')}/health").json()["status"] == "ok"
     assert answer_of(url, good) == (200, want)
+
+
+def test_a_client_that_leaves_stops_its_decoding(store, tiny_llama):
+    class Slow(HFRuntime):  # the real runtime, each step 50 ms: 400 tokens would take 20 s
+        def step(self):
+            time.sleep(0.05)
+            return super().step()
+
+    app = create_app(store, Slow(tiny_llama), ServeConfig(api_key=KEY))
+    with serving(app) as url:
+        start = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/chat/completions", json=body("c0", "Tell a long story.", max_tokens=400),
+                       headers={"authorization": f"Bearer {KEY}"}, timeout=1)
+        engine = app.state.engine
+        while engine.in_flight and time.monotonic() - start < 30:
+            time.sleep(0.05)
+        assert engine.in_flight == 0 and time.monotonic() - start < 8  # dropped, not decoded to the end
+
+
+def test_messages_the_chat_template_refuses_are_a_400(served, tiny_llama, monkeypatch):
+    url, _ = served
+    real = tiny_llama.chat_ids
+
+    def strict(messages, **kw):  # as Gemma's template does with a system turn
+        if any(m["role"] == "system" for m in messages):
+            raise ValueError("System role not supported")
+        return real(messages, **kw)
+
+    monkeypatch.setattr(tiny_llama, "chat_ids", strict)
+    r = post(url, {**body("c0", "Hi"), "messages": [{"role": "system", "content": "x"},
+                                                   {"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and "chat template refuses" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "messages"
