@@ -11,15 +11,29 @@ from typing import Any
 from .errors import CartridgeError, ConfigError
 
 
-def _model_for(spec: str | None, cartridge_meta: Any = None, device: str = "cpu"):
-    """The model named on the command line, else the one the cartridge records, else the embedded default."""
+def _model_for(spec: str | None, device: str = "cpu"):
+    """The model named on the command line, else the embedded default. Never the one a file's metadata names: a file
+    must not choose a path to load (its model identity is only compared with the model loaded here)."""
     from .models import DEFAULT_MODEL_SOURCE, load_model
 
-    if spec is None and cartridge_meta is not None:
-        spec = cartridge_meta.model.source
     if spec in (None, "", DEFAULT_MODEL_SOURCE):
         return load_model(device=device)
     return load_model(spec, device=device)
+
+
+def _bind_all(cartridges: list[Any], lm: Any, flag: str = "--model") -> list[Any]:
+    """`cartridges` bound to `lm`; a misfit names the model the file says it was made for and the flag to pass."""
+    from .errors import IncompatibleCartridgeError
+
+    bound = []
+    for c in cartridges:
+        try:
+            bound.append(c.bind(lm))
+        except IncompatibleCartridgeError as err:
+            err.add_note(f"The file was made for {c.meta.model.name!r}; to use it, pass {flag} with that model (a "
+                         "model id, directory or .gguf); the file's own metadata never picks what is loaded.")
+            raise
+    return bound
 
 
 def _human_bytes(n: int) -> str:
@@ -98,7 +112,7 @@ def _text_file(name: str) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .cartridge import Cartridge
+    from .cartridge import SHAPE_FIELDS, Cartridge
 
     c = Cartridge.load(args.path)
     meta = c.meta.to_dict()
@@ -109,7 +123,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     kv_heads, _, head_dim = c.keys[0].shape
     rows = [
         ("file", str(args.path)),
-        ("model", f"{m.name}" + (f" (source: {m.source})" if m.source and m.source != m.name else "")),
+        ("model", f"{m.name}" + (f" (source: {m.source})" if m.source and m.source != m.name else "")
+         + ("" if all(f in m.architecture for f in SHAPE_FIELDS) else " (architecture not reported: no model will "
+            "take it)")),
         ("model fingerprint", m.fingerprint),
         ("tokens", f"{c.num_tokens} ({c.num_frozen} frozen)"),
         ("shape", f"{c.num_layers} layers x [{kv_heads} kv heads, {c.num_tokens} tokens, {head_dim} head dim]"),
@@ -135,7 +151,9 @@ def cmd_compose(args: argparse.Namespace) -> int:
     from .cartridge import Cartridge
 
     parts = [Cartridge.load(p) for p in args.paths]
-    lm = _model_for(args.model, parts[0].meta, device=args.device) if args.reposition else None
+    lm = _model_for(args.model, device=args.device) if args.reposition else None
+    if lm is not None:
+        parts = _bind_all(parts, lm)
     c = Cartridge.compose(parts, reposition=args.reposition, model=lm)
     c.save(args.output)
     print(f"wrote {args.output}: {len(parts)} parts, {c.num_tokens} tokens, {_human_bytes(c.nbytes)}")
@@ -148,22 +166,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .checks import is_loopback
-    from .server import ServeConfig, create_app
+    from .server import ServeConfig, allowed_hosts, create_app
     from .store import CartridgeStore
 
     options = backend_options(args, {"runtime": args.runtime})["runtime"]
+    key = args.api_key or os.environ.get("CARTRIDGES_API_KEY") or None
+    config = ServeConfig(api_key=key, max_queue=args.max_queue, max_batch=args.max_batch,
+                         allowed_hosts=allowed_hosts(args.host, args.allowed_host))  # checked before the model loads
     lm = _model_for(args.model, device=args.device)
     store = CartridgeStore(args.store, lm, memory_budget=args.memory_mb * 2**20)
-    key = args.api_key or os.environ.get("CARTRIDGES_API_KEY") or None
     if key is None and not is_loopback(args.host):
         print(f"warning: serving on {args.host} with no API key; anyone who can reach it can use it "
               "(--api-key or CARTRIDGES_API_KEY)", file=sys.stderr)
     runtime = lm.get_runtime(args.runtime, **options)
     refused = store.refused()
+    hosts = "any Host" if config.allowed_hosts is None else "Host " + ", ".join(config.allowed_hosts)
     print(f"serving {len(store)} cartridge(s) from {args.store} on http://{args.host}:{args.port}/v1 "
-          f"(runtime {args.runtime}{'; left out: ' + ', '.join(refused) if refused else ''})", file=sys.stderr)
+          f"(runtime {args.runtime}; answering {hosts}{'; left out: ' + ', '.join(refused) if refused else ''})",
+          file=sys.stderr)
     try:
-        config = ServeConfig(api_key=key, max_queue=args.max_queue, max_batch=args.max_batch)
         uvicorn.run(create_app(store, runtime, config), host=args.host, port=args.port, log_level="warning")
     finally:
         lm.close()
@@ -175,8 +196,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
     cartridges = [Cartridge.load(p) for p in args.cartridge]
     options = backend_options(args, {"runtime": args.runtime})["runtime"]
-    lm = _model_for(args.model, cartridges[0].meta, device=args.device)
-    cartridges = [c.bind(lm) for c in cartridges]
+    lm = _model_for(args.model, device=args.device)
+    cartridges = _bind_all(cartridges, lm)
     gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     if args.seed is not None:
         gen["seed"] = args.seed
@@ -391,21 +412,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     _output_file(args.output)
     dataset = SelfStudyDataset(args.data)
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
-    from .selfstudy import COMPACT_START, check_compact, check_whole
+    from .selfstudy import COMPACT_START, check_compact, check_dataset_corpus, check_whole
 
     check_whole(dataset)
-    # before the model loads: the dataset alone cannot be compacted (rank 0 makes the start under torchrun)
-    if (args.init == "compact" and not args.corpus and (args.restart or not (work / COMPACT_START).is_file())
-            and is_lead()):
-        check_compact(None, args.tokens)
+    # the start is rank 0's to make (the built-in trainer sends it to the others): they need not read the corpus
+    needs_corpus = args.corpus and (is_lead() or args.trainer != "torch")
+    corpus = _corpus(args) if needs_corpus else None
+    # before the model loads: a corpus given must be the dataset's; without one, the start comes from the corpus the
+    # dataset keeps (checked here), and a dataset made before datasets kept it cannot be compacted
+    if corpus is not None:
+        check_dataset_corpus(dataset, corpus)
+    elif not args.corpus and args.init in ("compact", "prefix") and is_lead():
+        if (dataset.corpus_text() is None and args.init == "compact"
+                and (args.restart or not (work / COMPACT_START).is_file())):
+            check_compact(None, args.tokens)
     ranks_exit = _start_ranks(args, options)
     if ranks_exit is not None:
         return ranks_exit
-    source = dataset.header.get("model", {}).get("source")
-    lm = _model_for(args.model or source, device=args.device)
-    # the start is rank 0's to make (the built-in trainer sends it to the others): they need not read the corpus
-    needs_corpus = args.corpus and (is_lead() or args.trainer != "torch")
-    prefix_ids = lm.encode(_corpus(args).text) if needs_corpus else None
+    lm = _model_for(args.model, device=args.device)  # the dataset's recorded model is compared, never loaded
+    prefix_ids = lm.encode(corpus.text) if corpus is not None else None
     c = train_cartridge(
         dataset, lm, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed,
         prefix_ids=prefix_ids, output_dir=work, trainer=args.trainer, trainer_options=options, restart=args.restart,
@@ -438,7 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", help="model id, directory or .gguf (default: the one the cartridge records, else the embedded default)")
+        p.add_argument("--model", help="model id, directory or .gguf (default: the embedded default model; a file's "
+                       "metadata never chooses it)")
         p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
 
     p = sub.add_parser("init", help="make an untrained cartridge (KV of a text's first tokens, unrelated text, or random)")
@@ -528,7 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", choices=["compact", "prefix", "random_text", "random"], default="compact",
                    help="where training starts (default compact: the corpus compacted, see docs/compaction.md)")
     p.add_argument("--corpus", nargs="*", default=None,
-                   help="the corpus (needed by the default init=compact, and by init=prefix beyond the opening tokens the dataset keeps)")
+                   help="the corpus, checked against the one the dataset was made from (the dataset keeps its corpus; "
+                        "only a dataset made before it kept one needs this for the default init=compact)")
     p.add_argument("--include", action="append")
     p.add_argument("--exclude", action="append")
     p.add_argument("--description")
@@ -570,6 +597,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=16, help="requests answered together at most (default 16)")
     p.add_argument("--memory-mb", type=int, default=1024,
                    help="cartridges kept loaded, in MiB; least recently used out first (default 1024)")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a name clients reach the server by, accepted in the Host header (repeatable). On a loopback "
+                        "address only loopback names are answered (against DNS rebinding); elsewhere any name, unless "
+                        "some are given. '*': any name")
     model_args(p)
     backend_args(p, "runtime")
     p.set_defaults(func=cmd_serve)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fnmatch
 import glob
-import hashlib
 import os
 import random
 import re
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from .errors import ConfigError
+from .identity import text_fingerprint
 
 if TYPE_CHECKING:
     from .models import LM
@@ -204,7 +204,7 @@ class Corpus:
         return self._ids[key]
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+        return text_fingerprint(self.text)
 
 
 def _check_chunk(inst: ChunkSampler, attribute, value: int) -> None:

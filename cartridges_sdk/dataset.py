@@ -18,8 +18,12 @@ import numpy as np
 
 from .errors import CartridgeFormatError, ConfigError
 from .files import atomic_write, atomic_write_json, folder_lock
+from .identity import text_fingerprint
 
 HEADER = "header.json"
+# the corpus's text, kept beside the conversations so training can start from it (a compacted or prefix start) with
+# nothing but the dataset; datasets made before it was kept lack it and ask for the corpus instead
+CORPUS_TEXT = "corpus.txt"
 DATASET_FORMAT = "cartridges-sdk-selfstudy"
 DATASET_VERSION = 1
 
@@ -180,16 +184,25 @@ class SelfStudyDataset:
 
     # -- writing ---------------------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str | os.PathLike, header: dict[str, Any], *, restart: bool = False) -> SelfStudyDataset:
+    def create(cls, path: str | os.PathLike, header: dict[str, Any], *, restart: bool = False,
+               corpus_text: str | None = None) -> SelfStudyDataset:
         """Open `path` for writing; an existing dataset is reused only if it was made with the same settings.
 
-        ``restart=True`` deletes an existing dataset there (its header and parts, nothing else) and starts anew.
+        ``restart=True`` deletes an existing dataset there (its header, parts and kept corpus, nothing else) and starts
+        anew. `corpus_text`, the text the dataset is made from, is kept in the folder (`keep_corpus`).
         """
-        path = Path(path)
+        dataset = cls._create(Path(path), header, restart)
+        if corpus_text is not None:
+            dataset.keep_corpus(corpus_text)
+        return dataset
+
+    @classmethod
+    def _create(cls, path: Path, header: dict[str, Any], restart: bool) -> SelfStudyDataset:
         header = {"format": DATASET_FORMAT, "format_version": DATASET_VERSION, **header}
         if restart and (path / HEADER).is_file():
             for part in path.glob("group-*.parquet"):
                 part.unlink()
+            (path / CORPUS_TEXT).unlink(missing_ok=True)
             (path / HEADER).unlink()
         if (path / HEADER).is_file():
             existing = json.loads((path / HEADER).read_text())
@@ -210,6 +223,36 @@ class SelfStudyDataset:
         path.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path / HEADER, header)
         return cls(path)
+
+    def keep_corpus(self, text: str) -> None:
+        """Keep the corpus's text in the folder, so training can start from the corpus compacted, or from its opening
+        tokens, with the dataset alone. The text must be the one the header records; a kept copy that was changed or
+        damaged is written again."""
+        path = self.path / CORPUS_TEXT
+        data = text.encode("utf-8")
+        if path.is_file() and path.read_bytes() == data:
+            return
+        recorded = self.header.get("corpus", {}).get("fingerprint")
+        if recorded and text_fingerprint(text) != recorded:
+            raise ConfigError(f"The corpus text given is not the one {str(self.path)!r} records (fingerprint "
+                              f"{text_fingerprint(text)}, not {recorded}).")
+        atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+    def corpus_text(self) -> str | None:
+        """The corpus the dataset was synthesized from, as kept in its folder, checked against the header; None for a
+        dataset made before datasets kept their corpus (training then needs the corpus given)."""
+        path = self.path / CORPUS_TEXT
+        if not path.is_file():
+            return None
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        recorded = self.header.get("corpus", {}).get("fingerprint")
+        if recorded and text_fingerprint(text) != recorded:
+            raise CartridgeFormatError(
+                f"{str(path)!r} is not the corpus {str(self.path)!r} was synthesized from (fingerprint "
+                f"{text_fingerprint(text)}, the header records {recorded}): it was changed or damaged. Delete it and "
+                "give the corpus (--corpus; prefix_ids= in Python), or synthesize again."
+            )
+        return text
 
     def done_groups(self) -> set[int]:
         return {int(p.stem.split("-")[1]) for p in self.path.glob("group-*.parquet")}
@@ -342,6 +385,9 @@ def merge(sources: Sequence[str | os.PathLike], output: str | os.PathLike) -> Se
                     ) from err
                 atomic_write(merged.path / _part_name(group), lambda tmp, t=table: pq.write_table(t, tmp))
                 have.add(group)
+        kept = next((text for text in (part.corpus_text() for part in parts) if text is not None), None)
+        if kept is not None:
+            merged.keep_corpus(kept)
         merged._cache = None
     return merged
 

@@ -114,6 +114,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
+def text_fingerprint(text: str) -> str:
+    """A short hash of a text: names a corpus (`Corpus.fingerprint`, a dataset's header) without storing it."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def token_fingerprint(ids: Sequence[int]) -> str:
     """A short hash of a token sequence: names the corpus a cartridge came from without storing it."""
     return hashlib.sha256(torch.as_tensor(list(ids), dtype=torch.int64).numpy().tobytes()).hexdigest()[:16]

@@ -16,7 +16,7 @@ import torch
 from .cartridge import Cartridge
 from .checks import PATH, require
 from .corpus import Corpus
-from .dataset import SelfStudyDataset
+from .dataset import CORPUS_TEXT, SelfStudyDataset
 from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_torchrun
 from .errors import ConfigError
 from .identity import token_fingerprint
@@ -99,6 +99,42 @@ def check_whole(dataset: SelfStudyDataset) -> None:
     if dataset.header.get("shard"):
         raise ConfigError(f"{str(dataset.path)!r} holds {dataset.holds()} of a synthesis, not the whole "
                           "dataset; gather the shards with `cartridges merge` (dataset.merge) and train on that.")
+
+
+def dataset_corpus_ids(dataset: SelfStudyDataset, lm: LM, init: str) -> list[int] | None:
+    """The corpus token ids a start of kind `init` needs, from the dataset alone: the whole corpus it keeps, or (a
+    dataset made before datasets kept their corpus) the opening tokens its header keeps, enough for a prefix start
+    only; None when the dataset cannot supply them (`initial_cartridge` then asks for the corpus)."""
+    if init not in ("compact", "prefix"):
+        return None
+    text = dataset.corpus_text()
+    if text is not None:
+        return lm.encode(text)
+    return dataset.header.get("corpus", {}).get("prefix_ids") if init == "prefix" else None
+
+
+def check_dataset_corpus(dataset: SelfStudyDataset, corpus: Corpus | None = None,
+                         prefix_ids: Sequence[int] | None = None) -> None:
+    """Refuse a corpus (or its token ids, all or the first ones) that is not the one `dataset` was synthesized from."""
+    recorded = dataset.header.get("corpus", {})
+    kept = (dataset.path / CORPUS_TEXT).is_file()
+    if corpus is not None and recorded.get("fingerprint") and corpus.fingerprint() != recorded["fingerprint"]:
+        raise ConfigError(
+            f"The corpus given ({len(corpus.documents)} document(s), fingerprint {corpus.fingerprint()}) is not the "
+            f"one {str(dataset.path)!r} was synthesized from ({recorded.get('documents')} document(s), fingerprint "
+            f"{recorded['fingerprint']}); " + ("leave --corpus out: the dataset keeps its corpus." if kept else
+                                              "give the files it was made from, with the same --include/--exclude.")
+        )
+    opening = recorded.get("prefix_ids")
+    if prefix_ids is not None and opening:
+        n = min(len(prefix_ids), len(opening))
+        if list(prefix_ids[:n]) != list(opening[:n]):
+            first = next(i for i in range(n) if prefix_ids[i] != opening[i])
+            raise ConfigError(
+                f"The corpus token ids given differ from those of the corpus {str(dataset.path)!r} was synthesized "
+                f"from at token {first}; " + ("leave prefix_ids out: the dataset keeps its corpus." if kept else
+                                             "pass lm.encode(corpus.text) of the corpus it was made from.")
+            )
 
 
 def clear_training(folder: Path) -> None:
@@ -186,7 +222,7 @@ def train_cartridge(
     if header_model.get("fingerprint") and header_model["fingerprint"] != lm.identity.fingerprint:
         raise ConfigError(
             f"The dataset was synthesized with model {header_model.get('name')!r}, not {lm.name!r}; "
-            "train with the model that made it."
+            "train with the model that made it (the CLI loads the one --model names, never the one a file records)."
         )
     check_whole(dataset)
     missing = dataset.missing_groups()
@@ -195,19 +231,18 @@ def train_cartridge(
                       f"{' ...' if len(missing) > 8 else ''}): its synthesis stopped early, or a shard was left out of a "
                       "merge. Training on what is there; run the same synthesis on it to complete it.", stacklevel=2)
     corpus_info = dataset.header.get("corpus", {})
-    prefix_ids = prefix_ids if prefix_ids is not None else corpus_info.get("prefix_ids")
+    if prefix_ids is not None:
+        check_dataset_corpus(dataset, prefix_ids=prefix_ids)
     work = work_model(lm, work_dtype)
     fitter, owned = trainers.resolve(trainer, work, trainer_options)
     if restart and output_dir is not None and is_lead():  # under torchrun, rank 0 alone touches the folder
         clear_training(Path(output_dir))
     try:
-        if init == "compact" and prefix_ids is corpus_info.get("prefix_ids"):
-            prefix_ids = None  # the dataset keeps only the corpus's first tokens, not enough to compact
         saved = Path(output_dir) / COMPACT_START if output_dir is not None and is_lead() else None  # rank 0 keeps it
 
         def make_start() -> Cartridge:
-            return initial_cartridge(lm, prefix_ids, num_tokens, init, seed, num_frozen, saved=saved,
-                                     progress=progress)
+            ids = prefix_ids if prefix_ids is not None else dataset_corpus_ids(dataset, lm, init)
+            return initial_cartridge(lm, ids, num_tokens, init, seed, num_frozen, saved=saved, progress=progress)
 
         with process_group(work.device):  # under torchrun: one group for the start and the training
             if isinstance(fitter, TorchTrainer):

@@ -356,9 +356,9 @@ def synthesize(
     if shard is not None and shard.count > 1:
         header["shard"] = attrs.asdict(shard)
     elif under_torchrun():
-        return _synthesize_across_ranks(lm, synthesizer, config, ids, output, header, restart, progress)
-    with folder_lock(output):
-        dataset = SelfStudyDataset.create(output, header, restart=restart)
+        return _synthesize_across_ranks(lm, synthesizer, config, ids, output, header, restart, progress, corpus.text)
+    with folder_lock(output):  # the dataset keeps the corpus's text: training starts from it with nothing else
+        dataset = SelfStudyDataset.create(output, header, restart=restart, corpus_text=corpus.text)
         _drop_damaged(dataset)
         return _synthesize(lm, synthesizer, config, ids, dataset, shard or Shard(0, 1), progress)
 
@@ -369,7 +369,7 @@ SHARED_FOLDER = ("Under torchrun the dataset folder must be one every rank reach
 
 def _synthesize_across_ranks(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, ids: list[int],
                              output: str | os.PathLike, header: dict[str, Any], restart: bool,
-                             progress: bool) -> SelfStudyDataset:
+                             progress: bool, corpus_text: str) -> SelfStudyDataset:
     """Every rank makes its share of the groups into one folder; rank 0 alone prepares it (and holds its lock).
 
     Whatever stops one rank before or after its share stops them all, with the reason, rather than leaving the
@@ -379,7 +379,7 @@ def _synthesize_across_ranks(lm: LM, synthesizer: Synthesizer, config: Synthesis
 
         def prepare() -> None:
             held.enter_context(folder_lock(output))
-            _drop_damaged(SelfStudyDataset.create(output, header, restart=restart))
+            _drop_damaged(SelfStudyDataset.create(output, header, restart=restart, corpus_text=corpus_text))
 
         lead_does(prepare)
         with patient_group() as waits:  # the slowest rank's share may end hours after the fastest's

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cartridges_sdk import Cartridge
 from cartridges_sdk.cli import main
@@ -85,15 +86,33 @@ def test_synthesize_then_train(tmp_path, capsys):
     data = tmp_path / "data.parquet"
     assert main(["synthesize", corpus, "-o", str(data), "--conversations", "4", *TINY]) == 0
     assert "4 conversations, 2 document windows" in capsys.readouterr().out
-    # the default start compacts the corpus, which the dataset does not keep whole: asked for by name
-    assert main(["train", str(data), "-o", str(tmp_path / "c.safetensors"), "--tokens", "16"]) == 2
-    assert "pass --corpus" in capsys.readouterr().err
-    assert main(["train", str(data), "-o", str(tmp_path / "c.safetensors"), "--tokens", "16", "--set", "lr=0.01",
-                 "--corpus", corpus]) == 0
+    # the dataset keeps its corpus: the default start (the corpus compacted) needs nothing else, as the README says
+    assert main(["train", str(data), "-o", str(tmp_path / "c.safetensors"), "--tokens", "16", "--set", "lr=0.01"]) == 0
     c = Cartridge.load(tmp_path / "c.safetensors")
     assert c.meta.init == "trained" and c.meta.training["config"]["lr"] == 0.01
     assert c.meta.training["init"] == "compact"
     assert c.meta.training["synthesis"]["max_tokens_b"] == 8
+    # --corpus still works, from the same start, and is checked against the corpus the dataset was made from
+    assert main(["train", str(data), "-o", str(tmp_path / "d.safetensors"), "--tokens", "16", "--set", "lr=0.01",
+                 "--corpus", corpus]) == 0
+    d = Cartridge.load(tmp_path / "d.safetensors")
+    assert all(torch.equal(a, b) for a, b in zip(c.keys + c.values, d.keys + d.values))
+    other = tmp_path / "other.txt"
+    other.write_text("Another text altogether, about tides. " * 20)
+    assert main(["train", str(data), "-o", str(tmp_path / "e.safetensors"), "--tokens", "16",
+                 "--corpus", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "is not the one" in err and "leave --corpus out: the dataset keeps its corpus" in err
+    # a kept corpus that was changed is refused by name, before any model work
+    kept = data / "corpus.txt"
+    kept.write_text(kept.read_text() + "an edit")
+    assert main(["train", str(data), "-o", str(tmp_path / "e.safetensors"), "--tokens", "16"]) == 2
+    assert "changed or damaged" in capsys.readouterr().err
+    # a dataset made before datasets kept their corpus still loads, and the default start asks for the corpus
+    kept.unlink()
+    assert main(["train", str(data), "-o", str(tmp_path / "e.safetensors"), "--tokens", "16"]) == 2
+    assert "init='compact' (the default) needs the whole corpus: pass --corpus" in capsys.readouterr().err
+    assert main(["train", str(data), "-o", str(tmp_path / "e.safetensors"), "--tokens", "16", "--init", "prefix"]) == 0
     # a training setting given to synthesize is refused with a pointer to the right command
     assert main(["synthesize", corpus, "-o", str(tmp_path / "x"), "--set", "lr=0.1"]) == 2
     assert "cartridges train" in capsys.readouterr().err
@@ -115,6 +134,7 @@ def test_shards_made_apart_then_merged(tmp_path, capsys):
     assert main([*common, "-o", str(tmp_path / "s0"), "--shard", "0/2"]) == 0
     assert main(["merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "-o", str(tmp_path / "data")]) == 0
     assert capsys.readouterr().out.strip().endswith("8 conversations, 2 document windows")
+    assert (tmp_path / "data" / "corpus.txt").read_text() == (tmp_path / "s0" / "corpus.txt").read_text()  # kept
     assert main([*common, "-o", str(tmp_path / "s0"), "--shard", "0/2", "--nproc", "2"]) == 2
     assert "Use one or the other" in capsys.readouterr().err
     assert main([*common, "-o", str(tmp_path / "s0"), "--shard", "0/3"]) == 2  # not the shard that folder holds
