@@ -719,8 +719,9 @@ def _parse(body: dict[str, Any], config: ServeConfig):
     try:
         params = GenerationParams(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 0.0),
                                   top_p=_number(body, "top_p", 1.0), seed=body.get("seed"), stop=stop)
-    except (ConfigError, TypeError) as err:
-        raise BadRequest(400, str(err)) from None
+    except (ConfigError, TypeError) as err:  # the settings' validators name the field first: "seed=... must be"
+        field = str(err).split("=", 1)[0]
+        raise BadRequest(400, str(err), field if field.isidentifier() else None) from None
     listed = body.get("cartridges")
     if listed is not None:
         if not isinstance(listed, list) or not listed or not all(isinstance(n, str) for n in listed):

@@ -204,6 +204,8 @@ def test_json_that_fails_late_is_a_400(served):
                      (json.dumps(body("c0", "\ud800")), "lone UTF-16 surrogate")]:
         r = post(url, raw)
         assert r.status_code == 400 and why in r.json()["error"]["message"], (r.status_code, r.text[:200])
+        if why == "seed=":
+            assert r.json()["error"]["param"] == "seed"
 
 
 # ---- case 6: the smaller ones
