@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from .checks import PATH, require
+from .checks import PATH, at_least_one, count, require
 from .errors import CartridgeFormatError, ConfigError, IncompatibleCartridgeError
 from .files import atomic_write
 from .identity import ModelIdentity, content_fingerprint, token_fingerprint
@@ -45,11 +45,8 @@ def sdk_version() -> str:
         return "unknown"
 
 
-def _check_num_frozen(inst: CartridgeMeta, _attr, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"num_frozen={value!r:.80} must be an int.")
-    if value < 0:
-        raise ConfigError(f"num_frozen={value} must be >= 0.")
+def _check_num_frozen(inst: CartridgeMeta, attribute, value: int) -> None:
+    count(inst, attribute, value)
     if value > inst.num_tokens:
         raise ConfigError(f"num_frozen={value} cannot exceed the cartridge's num_tokens={inst.num_tokens}.")
 
@@ -71,18 +68,13 @@ def _check_parts(_inst, _attr, value: tuple) -> None:
             raise ConfigError(f"parts[{i}]={part!r:.80} must be an object with int 'offset' and 'num_tokens' >= 0.")
 
 
-def _check_token_count(_inst, attribute, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{attribute.name}={value!r:.80} must be an int >= 1.")
-
-
 @attrs.frozen
 class CartridgeMeta:
     """Everything a cartridge file says about itself besides its tensors. Every field is type-checked, so a file
     with crafted metadata is refused on load rather than failing later inside whatever reads it."""
 
     model: ModelIdentity = attrs.field(validator=attrs.validators.instance_of(ModelIdentity))
-    num_tokens: int = attrs.field(validator=_check_token_count)
+    num_tokens: int = attrs.field(validator=at_least_one)
     num_frozen: int = attrs.field(default=1, validator=_check_num_frozen)
     dtype: str = attrs.field(default="float32", validator=attrs.validators.instance_of(str))
     init: str = attrs.field(default="prefix", validator=_check_init)

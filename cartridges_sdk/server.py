@@ -65,6 +65,8 @@ def _check_hosts(_inst, _attr, value: Any) -> None:
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+# what the runtime's own checks refuse: the request's fault, answered 400 (a stream's error event says so too)
+REFUSALS = (ConfigError, IncompatibleCartridgeError)
 
 
 def allowed_hosts(bind: str, named: Sequence[str] | None) -> tuple[str, ...] | None:
@@ -85,8 +87,7 @@ class ServeConfig:
     api_key: str | None = attrs.field(default=None, repr=False, validator=_check_key)
     # the names a request's Host header may carry (any port): a loopback-only server answers only requests addressed
     # to it, so a web page that rebinds its own name to 127.0.0.1 (DNS rebinding) gets 403; None: any Host
-    allowed_hosts: tuple[str, ...] | None = attrs.field(default=LOOPBACK_HOSTS, converter=lambda v: _hosts(v),
-                                                       validator=_check_hosts)
+    allowed_hosts: tuple[str, ...] | None = attrs.field(default=LOOPBACK_HOSTS, converter=_hosts, validator=_check_hosts)
     # requests waiting for the engine; more are answered 429 with retry-after
     max_queue: int = attrs.field(default=256, validator=at_least_one)
     # requests answered together in one batch
@@ -218,10 +219,8 @@ class Engine:
             # while it fails, so the failure reaches the request that causes it alone
             _log_failure(err, len(batch), again=True)
             self.replayed += len(batch)
-            batch = [j for j in batch if not j.cancelled.is_set()]
-            for half in (batch[: len(batch) // 2], batch[len(batch) // 2 :]):
-                if half:
-                    self._guarded(half, self._answer)
+            for half in _halves([j for j in batch if not j.cancelled.is_set()]):
+                self._guarded(half, self._answer)
             return
         for j, out in zip(batch, outs):
             _deliver(j, out, None)
@@ -285,8 +284,7 @@ class Engine:
             self._drop(handle)
             running.replayed = True
             group.append(running)
-        half = len(group) // 2
-        self._suspects.extendleft([group[half:], group[:half]])  # extendleft reverses: the first half goes first
+        self._suspects.extendleft(reversed(_halves(group)))  # extendleft reverses them back: the first half runs first
 
     def _start(self, running: _Running) -> None:
         """Hand a request to the runtime; one it refuses is told alone."""
@@ -361,9 +359,15 @@ def _diverged(shown: str, text: str) -> bool:
     return not (text.startswith(shown) or shown.startswith(text))
 
 
+def _halves(items: list) -> list[list]:
+    """`items` in two halves, the first first (none empty): how a failed batch is run again."""
+    mid = len(items) // 2
+    return [half for half in (items[:mid], items[mid:]) if half]
+
+
 def _log_failure(err: BaseException, count: int, again: bool = False) -> None:
     if again:
-        log.warning("The runtime failed a batch of %d requests (%s: %s); answering each alone", count,
+        log.warning("The runtime failed a batch of %d requests (%s: %s); running it again in halves", count,
                     type(err).__name__, err)
     elif isinstance(err, CartridgeError):  # refused by the runtime's own checks: the request's fault, said to it
         log.info("A request was refused: %s", err)
@@ -545,7 +549,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
                                      media_type="text/event-stream")
         try:
             out: Completion = await _wait(job, request)
-        except (ConfigError, IncompatibleCartridgeError) as err:  # what the runtime's own checks refuse
+        except REFUSALS as err:
             raise BadRequest(400, str(err)) from err
         except BadRequest:
             raise
@@ -589,8 +593,7 @@ async def _events(job: _Job, rid: str, model: str, names: list[str], usage: dict
         while isinstance(piece := await job.out.get(), str):
             yield chunk({"content": piece})
         if isinstance(piece, BaseException):
-            kind = "invalid_request_error" if isinstance(piece, (ConfigError, IncompatibleCartridgeError)) else \
-                "server_error"
+            kind = "invalid_request_error" if isinstance(piece, REFUSALS) else "server_error"
             yield f"data: {json.dumps({'error': {'message': scrub(str(piece)), 'type': kind}})}\n\n"
             yield "data: [DONE]\n\n"  # the stream is over: clients waiting for the end marker stop here
             return

@@ -69,6 +69,10 @@ class _Entry:
     corpus_stamp: tuple[int, int] | None = None  # an edited corpus text rebuilds the routing index
 
 
+def _link_out_reason(name: str) -> str:
+    return f"{name} is a link to a file outside the store's folder; copy the file in instead"
+
+
 def _stamp(path: Path) -> tuple[int, int]:
     st = path.stat()
     return st.st_size, st.st_mtime_ns
@@ -137,7 +141,7 @@ class CartridgeStore:
     def _load(self, path: Path) -> tuple[Cartridge | None, str | None]:
         """The file's cartridge, bound to the model; or None and why, said once in the log and remembered."""
         if not self._inside(path):  # checked again as it is read: the file may have become a link since the scan
-            why = f"{path.name} is a link to a file outside the store's folder; copy the file in instead"
+            why = _link_out_reason(path.name)
             self._refuse(path, why)
             return None, why
         try:
@@ -207,8 +211,7 @@ class CartridgeStore:
                 if outside:  # a link to elsewhere would serve or index a file the store's owner never put there
                     if self._refused.get(path, (None,))[0] != stamp or path not in self._linked_out:
                         self._linked_out.add(path)
-                        self._refuse(path, f"{outside[0]} is a link to a file outside the store's folder; copy the "
-                                     "file in instead")
+                        self._refuse(path, _link_out_reason(outside[0]))
                         changes["refused"].append(name)
                     continue
                 if path in self._linked_out:  # the link is gone: the file is judged afresh

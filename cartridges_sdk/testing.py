@@ -578,6 +578,34 @@ def failing(runtime: Runtime) -> Runtime:
     return FailingContinuousRuntime(runtime) if isinstance(runtime, ContinuousRuntime) else FailingRuntime(runtime)
 
 
+def chat_answer(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[int, str]:
+    """(status, answer text or error message) of one chat completion from the server at `url` (its ``/v1`` base),
+    streamed or not as `body` says; a stream must end with ``[DONE]``, failed ones too."""
+    import json
+
+    import httpx
+
+    if not body.get("stream"):
+        r = httpx.post(f"{url}/chat/completions", json=body, headers=headers, timeout=300)
+        data = r.json()
+        return r.status_code, data["choices"][0]["message"]["content"] if r.status_code == 200 else \
+            data["error"]["message"]
+    text, error, done = "", None, False
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, headers=headers, timeout=300) as r:
+        if r.status_code != 200:
+            return r.status_code, json.loads(r.read())["error"]["message"]
+        for line in r.iter_lines():
+            done = done or line == "data: [DONE]"
+            event = json.loads(line[6:]) if line.startswith("data: {") else {}
+            if "error" in event:
+                error = event["error"]["message"]
+            elif event.get("choices"):
+                text += event["choices"][0]["delta"].get("content") or ""
+    if not done:
+        _fail("stream", "a stream ended without [DONE]")
+    return (500, error) if error is not None else (200, text)
+
+
 def check_one_request_fails_alone(runtime: Runtime, store: Any, names: Sequence[str], *, max_new_tokens: int = 12,
                                   poison: dict[str, Any] | None = None) -> None:
     """Behind `cartridges serve` on 127.0.0.1: 8 concurrent requests over the store's cartridges `names` (every
@@ -585,10 +613,7 @@ def check_one_request_fails_alone(runtime: Runtime, store: Any, names: Sequence[
     alone), sent while the engine is held so they reach the runtime as one batch; one of them is
     `poison` (a request body), or else one that makes `failing(runtime)` fail its batch. That one gets an error
     (400 for a body the server refuses, 500 for a failed engine) and every other gets the answer it gets alone."""
-    import json
     from concurrent.futures import ThreadPoolExecutor
-
-    import httpx
 
     from .server import ServeConfig, create_app
 
@@ -602,35 +627,14 @@ def check_one_request_fails_alone(runtime: Runtime, store: Any, names: Sequence[
                             max_new_tokens=max_new_tokens) for j in jobs]
     jobs[3] = poison or {**jobs[3], "messages": [{"role": "user", "content": f"Tell me about {POISON}."}]}
 
-    def answer(url: str, job: dict[str, Any]) -> tuple[int, str]:
-        if not job.get("stream"):
-            r = httpx.post(f"{url}/chat/completions", json=job, timeout=300)
-            data = r.json()
-            return r.status_code, data["choices"][0]["message"]["content"] if r.status_code == 200 else \
-                data["error"]["message"]
-        text, error, done = "", None, False
-        with httpx.stream("POST", f"{url}/chat/completions", json=job, timeout=300) as r:
-            if r.status_code != 200:
-                return r.status_code, json.loads(r.read())["error"]["message"]
-            for line in r.iter_lines():
-                done = done or line == "data: [DONE]"
-                event = json.loads(line[6:]) if line.startswith("data: {") else {}
-                if "error" in event:
-                    error = event["error"]["message"]
-                elif event.get("choices"):
-                    text += event["choices"][0]["delta"].get("content") or ""
-        if not done:
-            _fail("isolation", "a stream ended without [DONE]")
-        return (500, error) if error is not None else (200, text)
-
     with serving(app) as url, ThreadPoolExecutor(len(jobs) + 1) as pool:
         gate = getattr(served, "gate", None)
         if gate is not None:  # a first request holds the engine while the 8 queue up
             gate.until = lambda: app.state.engine.jobs.qsize() >= len(jobs)
-            first = pool.submit(answer, url, {**jobs[1], "stream": False})
+            first = pool.submit(chat_answer, url, {**jobs[1], "stream": False})
             if not gate.holding.wait(120):
                 _fail("isolation", "the engine never called the runtime")
-        got = list(pool.map(lambda j: answer(url, j), jobs))
+        got = list(pool.map(lambda j: chat_answer(url, j), jobs))
         for i, ((status, text), expected) in enumerate(zip(got, want)):
             if i == 3 and (status < 400 or (poison is None and "poisoned" not in text)):
                 _fail("isolation", f"the poisoned request got {status}: {text[:200]!r}")
@@ -641,5 +645,5 @@ def check_one_request_fails_alone(runtime: Runtime, store: Any, names: Sequence[
                 _fail("isolation", f"the first request failed: {first.result()}")
             if app.state.engine.replayed < 2:
                 _fail("isolation", "the poisoned batch was never answered again in smaller batches")
-        if answer(url, {**jobs[0], "stream": False}) != (200, want[0]):
+        if chat_answer(url, {**jobs[0], "stream": False}) != (200, want[0]):
             _fail("isolation", "the server did not answer the next request")

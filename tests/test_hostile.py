@@ -70,28 +70,9 @@ def body(model: str, question: str, **extra) -> dict:
 
 
 def answer_of(url: str, job: dict) -> tuple[int, str]:
-    """(status, answer text or error message) of a request, streamed or not."""
-    headers = {"authorization": f"Bearer {KEY}"}
-    if not job.get("stream"):
-        r = post(url, job)
-        data = r.json()
-        return r.status_code, data["choices"][0]["message"]["content"] if r.status_code == 200 else \
-            data["error"]["message"]
-    text, error, done = "", None, False
-    with httpx.stream("POST", f"{url}/chat/completions", json=job, headers=headers, timeout=120) as r:
-        if r.status_code != 200:
-            return r.status_code, json.loads(r.read())["error"]["message"]
-        for line in r.iter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    error = event["error"]["message"]
-                elif event["choices"]:
-                    text += event["choices"][0]["delta"].get("content") or ""
-    assert done, "every stream ends with [DONE], failed ones too"
-    return (500, error) if error is not None else (200, text)
+    """(status, answer text or error message) of a request with the key, streamed or not (a stream must end with
+    [DONE], failed ones too)."""
+    return testing.chat_answer(url, job, {"authorization": f"Bearer {KEY}"})
 
 
 # ---- case 1: one request never fails the others
