@@ -29,9 +29,9 @@ from tqdm import tqdm
 
 from cartridges_sdk import Cartridge, CartridgeStore, load_model
 from cartridges_sdk.errors import ConfigError
-from cartridges_sdk.evaluation import answer_logprobs, nll
+from cartridges_sdk.build.evaluation import answer_logprobs, nll
 from cartridges_sdk.files import atomic_write_json
-from cartridges_sdk.models import LM
+from cartridges_sdk.lm import LM
 
 from . import provenance
 from .data import DEFAULT_DATA, Corpus, load_corpora, only_own_words

@@ -18,7 +18,7 @@ import attrs
 from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.files import atomic_write_json
-from cartridges_sdk.models import LM
+from cartridges_sdk.lm import LM
 
 from . import measure, methods, provenance, report
 from .data import Corpus, load_corpora

@@ -22,8 +22,8 @@ import numpy as np
 
 from cartridges_sdk import Cartridge, CartridgeStore, load_model
 from cartridges_sdk.files import atomic_write_json
-from cartridges_sdk.server import ServeConfig, create_app
-from cartridges_sdk.testing import serving
+from cartridges_sdk.serve.server import ServeConfig, create_app
+from cartridges_sdk.serve.background import serving
 
 from . import provenance
 from .data import DEFAULT_DATA, load_corpora

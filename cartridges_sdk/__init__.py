@@ -1,8 +1,8 @@
 """cartridges-sdk: turn a large corpus into a small trained KV cache (a cartridge) that a frozen LLM reads as context."""
 
 from .cartridge import Cartridge, CartridgeMeta
-from .compaction import CompactionConfig
-from .corpus import Corpus, Document
+from .build.compaction import CompactionConfig
+from .build.corpus import Corpus, Document
 from .errors import (
     BackendError,
     BackendUnavailableError,
@@ -16,20 +16,12 @@ from .errors import (
     TransientBackendError,
     UnsupportedModelError,
 )
-from .models import LM, ModelIdentity, default_cache_dir, load_model
-from .plugins import (
-    Backend,
-    Completion,
-    ContinuousRuntime,
-    GenerationParams,
-    GenerationRequest,
-    Runtime,
-    SynthesisRequest,
-    Synthesizer,
-    SynthesizerCapabilities,
-    Trainer,
-)
-from .store import CartridgeStore
+from .models import default_cache_dir, load_model
+from .lm import LM
+from .identity import ModelIdentity
+from .plugins import Backend, ContinuousRuntime, Runtime, Synthesizer, SynthesizerCapabilities, Trainer
+from .requests import Completion, GenerationParams, GenerationRequest, SynthesisRequest
+from .serve.store import CartridgeStore
 
 __all__ = [
     "LM",

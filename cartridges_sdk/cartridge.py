@@ -1,4 +1,4 @@
-"""`Cartridge`: per-layer KV tensors plus `CartridgeMeta`; constructors, the file format, composition, answering.
+"""`Cartridge`: per-layer KV tensors plus `CartridgeMeta`; constructors, composition, binding to a model, answering.
 
 A cartridge of ``p`` tokens holds, for every layer, ``keys`` and ``values`` of shape ``[kv_heads, p, head_dim]``.
 Keys are stored after RoPE for positions ``0..p-1``; whatever follows the cartridge starts at position ``p``.
@@ -6,9 +6,7 @@ Keys are stored after RoPE for positions ``0..p-1``; whatever follows the cartri
 
 from __future__ import annotations
 
-import datetime as _dt
 import functools
-import json
 import numbers
 import os
 from collections.abc import Iterator, Sequence
@@ -19,89 +17,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from .checks import PATH, at_least_one, count, require
+from .checks import PATH, require
 from .errors import CartridgeFormatError, ConfigError, IncompatibleCartridgeError
-from .files import atomic_write
-from .identity import ModelIdentity, content_fingerprint, token_fingerprint
-from .models import LM, Message
-from .rope import DEFAULT_KEY_LAYOUT, ROTATE_HALF, check_key_layout, convert_pairing, key_layout
+from .fileformat import SHAPE_FIELDS, CartridgeMeta, read_file, write_file
+from .identity import content_fingerprint, token_fingerprint
+from .interop import load_authors_pt, load_peft, save_peft
+from .lm import LM, Message
+from .rope import ROTATE_HALF, convert_pairing, key_layout, rope_inv_freq, shift_keys
 
 if TYPE_CHECKING:
     from .plugins import Runtime
-
-FORMAT_NAME = "cartridges-sdk"
-FORMAT_VERSION = 1
-# the identity fields that decide a KV cache's shape: a cartridge whose metadata lacks them is refused by every model
-SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim")
-INITS = ("prefix", "compact", "random_text", "random", "composed", "imported", "trained")
-
-
-def sdk_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("cartridges-sdk")
-    except Exception:
-        return "unknown"
-
-
-def _check_num_frozen(inst: CartridgeMeta, attribute, value: int) -> None:
-    count(inst, attribute, value)
-    if value > inst.num_tokens:
-        raise ConfigError(f"num_frozen={value} cannot exceed the cartridge's num_tokens={inst.num_tokens}.")
-
-
-def _check_init(_inst, _attr, value: str) -> None:
-    if value not in INITS:
-        raise ConfigError(f"init={value!r} is not one of {INITS}.")
-
-
-def _optional_dict(_inst, attribute, value) -> None:
-    if value is not None and not isinstance(value, dict):
-        raise ConfigError(f"{attribute.name}={value!r:.80} must be an object (a dict) or null.")
-
-
-def _check_parts(_inst, _attr, value: tuple) -> None:
-    for i, part in enumerate(value):
-        spans = isinstance(part, dict) and [part.get("offset"), part.get("num_tokens")]
-        if not spans or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in spans):
-            raise ConfigError(f"parts[{i}]={part!r:.80} must be an object with int 'offset' and 'num_tokens' >= 0.")
-
-
-@attrs.frozen
-class CartridgeMeta:
-    """Everything a cartridge file says about itself besides its tensors. Every field is type-checked, so a file
-    with crafted metadata is refused on load rather than failing later inside whatever reads it."""
-
-    model: ModelIdentity = attrs.field(validator=attrs.validators.instance_of(ModelIdentity))
-    num_tokens: int = attrs.field(validator=at_least_one)
-    num_frozen: int = attrs.field(default=1, validator=_check_num_frozen)
-    dtype: str = attrs.field(default="float32", validator=attrs.validators.instance_of(str))
-    init: str = attrs.field(default="prefix", validator=_check_init)
-    corpus: dict[str, Any] | None = attrs.field(default=None, validator=_optional_dict)
-    training: dict[str, Any] | None = attrs.field(default=None, validator=_optional_dict)
-    parts: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=tuple, validator=_check_parts)
-    extra: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
-    # how keys are stored (RoPE applied for positions 0..p-1, and which dimensions pair up); files written before
-    # this field existed were all in the Hugging Face rotate-half layout, which is the default
-    key_layout: dict[str, Any] = attrs.field(factory=lambda: dict(DEFAULT_KEY_LAYOUT), converter=check_key_layout)
-    created: str = attrs.field(factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
-    sdk_version: str = attrs.field(factory=sdk_version)
-    format_version: int = FORMAT_VERSION
-
-    def to_dict(self) -> dict[str, Any]:
-        d = attrs.asdict(self, recurse=False)
-        d["model"] = self.model.to_dict()
-        d["parts"] = list(self.parts)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CartridgeMeta:
-        data = dict(data)
-        data["model"] = ModelIdentity.from_dict(data.get("model") or {"name": "unknown"})
-        fields = {f.name for f in attrs.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in fields})
-
 
 class Cartridge:
     """A trained (or initial) KV prefix for one model. Bound to an `LM` (``.lm``) it can answer questions."""
@@ -276,16 +201,16 @@ class Cartridge:
 
         Per layer and KV head it keeps the attention sink and the keys the corpus's own queries (and those of a few
         probe questions about it) attend to most, and refits their values so attention outputs match the whole
-        corpus's (`cartridges_sdk.compaction`). At ``num_tokens`` = the corpus length it equals `from_prefix`.
+        corpus's (`cartridges_sdk.build.compaction`). At ``num_tokens`` = the corpus length it equals `from_prefix`.
         A corpus longer than the model's context is compacted per chunk and composed. `corpus` is a text, a path,
         a `Corpus` or token ids; `config` a `CompactionConfig`.
         """
-        from .compaction import compact
+        from .build.compaction import compact
 
         if torch.is_tensor(corpus) or (isinstance(corpus, (list, tuple)) and corpus and not isinstance(corpus[0], str)):
             ids = _token_ids(lm, corpus, "compact")
         else:
-            from .corpus import Corpus
+            from .build.corpus import Corpus
 
             ids = lm.encode(Corpus.coerce(corpus).text)
         return compact(lm, ids, num_tokens, num_frozen=num_frozen, config=config, progress=progress)
@@ -317,75 +242,26 @@ class Cartridge:
 
     @classmethod
     def from_corpus(cls, corpus: Any, model: Any = None, **settings: Any) -> Cartridge:
-        """Train a cartridge on `corpus` by self-study; see `cartridges_sdk.selfstudy.build_cartridge` for settings."""
-        from .selfstudy import build_cartridge  # the layer above, imported here so this module never depends on it
+        """Train a cartridge on `corpus` by self-study; see `cartridges_sdk.build.selfstudy.build_cartridge` for settings."""
+        from .build.selfstudy import build_cartridge  # the layer above, imported here so this module never depends on it
 
         return build_cartridge(corpus, model, **settings)
 
     # -- file format -----------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
         """Write one ``.safetensors`` file atomically (a crash leaves the old file or none, never half of one)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        tensors = {}
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            tensors[f"layers.{i}.keys"] = k.detach().to("cpu").contiguous()
-            tensors[f"layers.{i}.values"] = v.detach().to("cpu").contiguous()
-        metadata = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "meta": json.dumps(self.meta.to_dict())}
-        return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+        return write_file(path, self.keys, self.values, self.meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: LM | None = None) -> Cartridge:
-        """Read a cartridge file; with `model`, check it fits and bind it. Never unpickles anything."""
-        from safetensors import safe_open
-
+        """Read a cartridge file (`cartridges_sdk.fileformat`); with `model`, check it fits and bind it."""
         require("path", path, PATH, "a file path")
         if model is not None:
             require("model", model, LM, "a model from load_model()")
         path = Path(path)
         if not path.is_file():
             raise CartridgeFormatError(f"No cartridge file at {str(path)!r}; check the path.")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                header = f.metadata() or {}
-                names = set(f.keys())
-                tensors = {n: f.get_tensor(n) for n in names}
-        except Exception as err:
-            if _looks_like_torch_save(path):
-                raise CartridgeFormatError(
-                    f"{str(path)!r} is a PyTorch file (torch.save), not a cartridge file. If it is a cache from the "
-                    "paper authors' code, import it with Cartridge.from_authors_pt(path, model=lm) and save it."
-                ) from None
-            raise CartridgeFormatError(
-                f"{str(path)!r} is not a readable cartridge file (truncated or corrupt?): {err}. "
-                "Re-create or re-copy it."
-            ) from err
-        if header.get("format") != FORMAT_NAME or "meta" not in header:
-            raise CartridgeFormatError(
-                f"{str(path)!r} is a safetensors file but not a cartridge (no {FORMAT_NAME!r} metadata)."
-            )
-        version = header.get("format_version", "0")
-        version = int(version) if version.isdigit() else FORMAT_VERSION + 1  # unreadable: from no version we know
-        if version > FORMAT_VERSION:
-            raise CartridgeFormatError(
-                f"{str(path)!r} has format version {version}, newer than this cartridges-sdk ({FORMAT_VERSION}); upgrade it."
-            )
-        try:
-            meta = CartridgeMeta.from_dict(json.loads(header["meta"]))
-        except Exception as err:  # noqa: BLE001 - any malformed field is the file's fault, said as such
-            raise CartridgeFormatError(
-                f"{str(path)!r} has unreadable cartridge metadata ({type(err).__name__}: {err}); re-create the file."
-            ) from err
-        num_layers = sum(1 for n in names if n.endswith(".keys"))
-        expected = {f"layers.{i}.{kind}" for i in range(num_layers) for kind in ("keys", "values")}
-        if not num_layers or names != expected:
-            raise CartridgeFormatError(
-                f"{str(path)!r} has tensors {sorted(names)[:4]}... but a cartridge needs layers.<i>.keys/values "
-                f"for i in 0..{max(num_layers - 1, 0)}."
-            )
-        keys = [tensors[f"layers.{i}.keys"] for i in range(num_layers)]
-        values = [tensors[f"layers.{i}.values"] for i in range(num_layers)]
+        keys, values, meta = read_file(path)
         try:
             cartridge = cls(keys, values, meta)
         except ConfigError as err:
@@ -395,23 +271,22 @@ class Cartridge:
     # -- interop ---------------------------------------------------------------------------------------
     def to_peft(self, directory: str | os.PathLike) -> Path:
         """Export as a peft CARTRIDGE adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
-        from .interop import save_peft
-
-        return save_peft(self, Path(directory))
+        return save_peft(self.keys, self.values, self.meta, Path(directory))
 
     @classmethod
     def from_peft(cls, directory: str | os.PathLike, model: LM | None = None) -> Cartridge:
         """Import a peft CARTRIDGE adapter directory; pass `model` to check it and bind it."""
-        from .interop import load_peft
-
-        return load_peft(Path(directory), model)
+        return cls._imported(load_peft(Path(directory), model.identity if model is not None else None), model)
 
     @classmethod
     def from_authors_pt(cls, path: str | os.PathLike, model: LM | None = None, *, name: str | None = None) -> Cartridge:
         """Import a cache saved by the paper authors' code (``.pt`` with trainable and frozen/fixed keys and values)."""
-        from .interop import load_authors_pt
+        return cls._imported(load_authors_pt(Path(path), model.identity if model is not None else None, name=name), model)
 
-        return load_authors_pt(Path(path), model, name=name)
+    @classmethod
+    def _imported(cls, parts: tuple[list[torch.Tensor], list[torch.Tensor], CartridgeMeta], model: LM | None) -> Cartridge:
+        cartridge = cls(*parts)  # shapes checked against the file's own description first
+        return cartridge.bind(model) if model is not None else cartridge
 
     # -- composition -----------------------------------------------------------------------------------
     @classmethod
@@ -446,8 +321,6 @@ class Cartridge:
         pairing = ROTATE_HALF if reposition else first.pairing
         cartridges = [c.in_key_pairing(pairing) for c in cartridges]
         if reposition:
-            from .rope import rope_inv_freq, shift_keys
-
             if lm is None:
                 raise ConfigError("compose(reposition=True) needs the model: bind the cartridges or pass model=lm.")
             inv_freq = rope_inv_freq(lm)
@@ -517,13 +390,6 @@ def _token_ids(lm: LM, ids: Sequence[int] | torch.Tensor, what: str) -> list[int
     if bad:
         raise ConfigError(f"Token ids {bad[:5]} are outside the model's vocabulary [0, {vocab}).")
     return ids
-
-
-def _looks_like_torch_save(path: Path) -> bool:
-    """torch.save writes a zip archive (or, in old versions, a pickle starting with protocol byte 0x80)."""
-    with open(path, "rb") as f:
-        head = f.read(4)
-    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
 def _unrelated_ids(lm: LM, num_tokens: int, seed: int) -> list[int]:

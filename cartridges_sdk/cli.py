@@ -68,7 +68,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
     import attrs
 
     from .cartridge import Cartridge
-    from .compaction import CompactionConfig
+    from .build.compaction import CompactionConfig
 
     corpus = _corpus(args)
     known = {f.name for f in attrs.fields(CompactionConfig)}
@@ -98,7 +98,7 @@ def _output_file(name: str) -> None:
 
 
 def _text_file(name: str) -> str:
-    from .corpus import _read_text
+    from .build.corpus import _read_text
 
     path = Path(name)
     if path.is_dir():
@@ -166,8 +166,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .checks import is_loopback
-    from .server import ServeConfig, allowed_hosts, create_app
-    from .store import CartridgeStore
+    from .serve.server import ServeConfig, allowed_hosts, create_app
+    from .serve.store import CartridgeStore
 
     options = backend_options(args, {"runtime": args.runtime})["runtime"]
     key = args.api_key or os.environ.get("CARTRIDGES_API_KEY") or None
@@ -276,15 +276,21 @@ def cmd_backends(args: argparse.Namespace) -> int:
                 continue
             extra = f"  options: {', '.join(row['options']) or 'none'}"
             if "capabilities" in row:
-                caps = row["capabilities"]
-                extra += (f"; top-k up to {caps['max_top_logprobs']}, scores sequences: {'yes' if caps['score'] else 'no'}"
-                          f", prefix reuse: {'yes' if caps['prefix_reuse'] else 'no'}")
+                extra += "; " + ", ".join(f"{CAPABILITY_WORDS.get(k, k)}: {_yes(v)}" for k, v in row["capabilities"].items())
             print(f"  {row['name']:<12} ok      {row['target']} ({origin}){extra}")
     return 0
 
 
+CAPABILITY_WORDS = {"max_top_logprobs": "top-k up to", "score": "scores sequences", "prefix_reuse": "prefix reuse",
+                    "distributed": "joins torchrun"}
+
+
+def _yes(value: Any) -> str:
+    return ("yes" if value else "no") if isinstance(value, bool) else str(value)
+
+
 def _corpus(args: argparse.Namespace):
-    from .corpus import Corpus
+    from .build.corpus import Corpus
 
     paths = [Path(p) for p in args.corpus]
     if len(paths) == 1 and paths[0].is_dir():
@@ -295,16 +301,19 @@ def _corpus(args: argparse.Namespace):
 def _start_ranks(args: argparse.Namespace, trainer_options: dict[str, Any] | None = None) -> int | None:
     """With ``--nproc N`` (N > 1) outside torchrun: run this command as N ranks on this machine and return their exit
     code. Otherwise (one process, or a rank) None: go on here, on this rank's own device."""
-    from .distributed import launch, rank_device, under_torchrun
-    from .training import check_shardable
+    from .build.distributed import launch, rank_device, under_torchrun
+    from .build.training import check_shardable
+    from .plugins import trainers
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc {args.nproc} must be at least 1.")
     if (trainer_options or {}).get("shard_model") and not under_torchrun():  # before the model loads
         check_shardable(args.nproc)
-    if args.nproc > 1 and getattr(args, "trainer", "torch") != "torch":
-        raise ConfigError(f"--nproc runs the built-in torch trainer data-parallel; trainer {args.trainer!r} does not "
-                          "join a process group. Drop --nproc, or use --trainer torch.")
+    trainer = getattr(args, "trainer", None)
+    if args.nproc > 1 and trainer and not trainers.get(trainer).capabilities_for(trainer_options or {}).distributed:
+        raise ConfigError(f"--nproc runs training data-parallel under torchrun; trainer {trainer!r} does not join a "
+                          "process group (its capabilities.distributed is False). Drop --nproc, or use a trainer "
+                          "that does, e.g. --trainer torch.")
     if args.nproc > 1 and not under_torchrun():
         return launch(["cartridges_sdk.cli", *_without_option(args.argv, "--nproc")], args.nproc)
     args.device = rank_device(args.device)
@@ -313,8 +322,8 @@ def _start_ranks(args: argparse.Namespace, trainer_options: dict[str, Any] | Non
 
 def cmd_build(args: argparse.Namespace) -> int:
     from .cartridge import Cartridge
-    from .distributed import is_lead
-    from .selfstudy import check_settings
+    from .build.distributed import is_lead
+    from .build.selfstudy import check_settings
 
     settings = parse_settings(args.set)
     check_settings(settings, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
@@ -340,7 +349,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def _stage_settings(args: argparse.Namespace, stage: str) -> dict[str, Any]:
     """The `--set` settings of one stage (`synthesize` or `train`); the other stage's are refused by name."""
-    from .selfstudy import split_settings
+    from .build.selfstudy import split_settings
 
     synth, train = split_settings(parse_settings(args.set))
     mine, other, other_stage = (synth, train, "train") if stage == "synthesize" else (train, synth, "synthesize")
@@ -350,10 +359,10 @@ def _stage_settings(args: argparse.Namespace, stage: str) -> dict[str, Any]:
 
 
 def cmd_synthesize(args: argparse.Namespace) -> int:
-    from .dataset import Shard
-    from .distributed import is_lead, under_torchrun
+    from .build.dataset import Shard
+    from .build.distributed import is_lead, under_torchrun
     from .plugins import synthesizers
-    from .synthesis import SynthesisConfig, check_capabilities, synthesize
+    from .build.synthesis import SynthesisConfig, check_capabilities, synthesize
 
     shard = Shard.parse(args.shard) if args.shard else None
     if shard is not None and (args.nproc > 1 or under_torchrun()):
@@ -379,7 +388,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
 
 
 def _dataset_summary(ds: Any) -> str:
-    from .dataset import SEED_KIND_DOCUMENT
+    from .build.dataset import SEED_KIND_DOCUMENT
 
     windows = sum(c.seed_kind == SEED_KIND_DOCUMENT for c in ds)
     missing = ds.missing_groups()
@@ -388,7 +397,7 @@ def _dataset_summary(ds: Any) -> str:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from .dataset import merge
+    from .build.dataset import merge
 
     ds = merge(args.sources, args.output)
     missing = ds.missing_groups()
@@ -400,19 +409,19 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .dataset import SelfStudyDataset
-    from .distributed import is_lead
-    from .selfstudy import train_cartridge
+    from .build.dataset import SelfStudyDataset
+    from .build.distributed import is_lead
+    from .build.selfstudy import train_cartridge
 
     train = _stage_settings(args, "train")
-    from .selfstudy import check_settings
+    from .build.selfstudy import check_settings
 
     check_settings(train, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed)
     options = backend_options(args, {"trainer": args.trainer})["trainer"]
     _output_file(args.output)
     dataset = SelfStudyDataset(args.data)
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
-    from .selfstudy import COMPACT_START, check_compact, check_dataset_corpus, check_whole
+    from .build.selfstudy import COMPACT_START, check_compact, check_dataset_corpus, check_whole
 
     check_whole(dataset)
     # the start is rank 0's to make (the built-in trainer sends it to the others): they need not read the corpus

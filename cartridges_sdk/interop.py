@@ -1,17 +1,25 @@
-"""Import/export of other projects' cartridge formats: peft's CARTRIDGE adapter and the paper authors' ``.pt`` caches."""
+"""Import/export of other projects' cartridge formats: peft's CARTRIDGE adapter and the paper authors' ``.pt`` caches.
+
+Everything here works on a cartridge's parts (keys, values, `CartridgeMeta`); `Cartridge.to_peft`, `from_peft` and
+`from_authors_pt` wrap it. An import given the model it is meant for (`target`) is refused when its shapes do not fit.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from .cartridge import Cartridge, CartridgeMeta
-from .errors import CartridgeFormatError
+from .errors import CartridgeFormatError, IncompatibleCartridgeError
+from .fileformat import CartridgeMeta
 from .files import atomic_write
-from .models import LM, ModelIdentity
+from .identity import ModelIdentity
+from .models import DEFAULT_MODEL_SOURCE
 
+# a cartridge in parts: per-layer keys, per-layer values, metadata
+Parts = tuple[list[torch.Tensor], list[torch.Tensor], CartridgeMeta]
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 
@@ -23,70 +31,65 @@ def _shape_identity(name: str, num_layers: int, kv_heads: int, head_dim: int) ->
     )
 
 
-def _imported(keys, values, num_frozen: int, identity: ModelIdentity, model: LM | None, source: str) -> Cartridge:
+def _imported(keys, values, num_frozen: int, identity: ModelIdentity, target: ModelIdentity | None,
+              source: str) -> Parts:
+    if target is not None:
+        # shapes first, so the error names the real mismatch rather than a tensor reshape failure
+        problem = identity.mismatch(target)
+        if problem:
+            raise IncompatibleCartridgeError(
+                f"{source} was made for model {identity.name!r} and does not fit model {target.name!r}: {problem}."
+            )
     meta = CartridgeMeta(
-        model=model.identity if model is not None else identity,
+        model=target if target is not None else identity,
         num_tokens=keys[0].shape[1],
         num_frozen=num_frozen,
         dtype=str(keys[0].dtype).removeprefix("torch."),
         init="imported",
         extra={"imported_from": source},
     )
-    cartridge = Cartridge(keys, values, meta)  # shape checks against the file's own description
-    if model is not None:
-        # shapes first, so the error names the real mismatch rather than a tensor reshape failure
-        problem = identity.mismatch(model.identity)
-        if problem:
-            from .errors import IncompatibleCartridgeError
-
-            raise IncompatibleCartridgeError(
-                f"{source} was made for model {identity.name!r} and does not fit model {model.name!r}: {problem}."
-            )
-        cartridge = cartridge.bind(model)
-    return cartridge
+    return keys, values, meta
 
 
 def _peft_base_name(identity: ModelIdentity) -> str:
-    from .models import DEFAULT_MODEL_SOURCE
-
     return identity.name if identity.source in (None, DEFAULT_MODEL_SOURCE) else identity.source
 
 
-def save_peft(cartridge: Cartridge, directory: Path) -> Path:
+def save_peft(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], meta: CartridgeMeta, directory: Path) -> Path:
     """Write peft's layout: ``prompt_embeddings`` of shape ``[p, layers * 2 * kv_heads * head_dim]``, K then V per layer."""
     from safetensors.torch import save_file
 
-    kv_heads, p, head_dim = cartridge.keys[0].shape
+    kv_heads, p, head_dim = keys[0].shape
     per_layer = []
-    for k, v in zip(cartridge.keys, cartridge.values):
+    for k, v in zip(keys, values):
         per_layer += [k.transpose(0, 1), v.transpose(0, 1)]  # [p, kv_heads, head_dim] each
     embeddings = torch.stack(per_layer, dim=1).reshape(p, -1).contiguous().cpu()
     config = {
         "peft_type": "CARTRIDGE",
         "task_type": "CAUSAL_LM",
         # what peft would load as the base model: a path or hub id, never our "default" alias
-        "base_model_name_or_path": _peft_base_name(cartridge.meta.model),
-        "revision": cartridge.meta.model.revision,
+        "base_model_name_or_path": _peft_base_name(meta.model),
+        "revision": meta.model.revision,
         "inference_mode": True,
         "num_virtual_tokens": p,
-        "num_frozen_tokens": cartridge.num_frozen,
+        "num_frozen_tokens": meta.num_frozen,
         "token_dim": kv_heads * head_dim,
         "num_transformer_submodules": 1,
         "num_attention_heads": kv_heads,
-        "num_layers": cartridge.num_layers,
+        "num_layers": len(keys),
     }
     directory.mkdir(parents=True, exist_ok=True)
     # the SDK's own metadata rides along in the safetensors header so a round trip loses nothing
-    meta = {"format": "pt", "cartridges_sdk_meta": json.dumps(cartridge.meta.to_dict())}
+    header = {"format": "pt", "cartridges_sdk_meta": json.dumps(meta.to_dict())}
     for name, write in (
-        (PEFT_WEIGHTS, lambda tmp: save_file({"prompt_embeddings": embeddings}, tmp, metadata=meta)),
+        (PEFT_WEIGHTS, lambda tmp: save_file({"prompt_embeddings": embeddings}, tmp, metadata=header)),
         (PEFT_CONFIG, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2))),
     ):
         atomic_write(directory / name, write)
     return directory
 
 
-def load_peft(directory: Path, model: LM | None) -> Cartridge:
+def load_peft(directory: Path, target: ModelIdentity | None) -> Parts:
     from safetensors import safe_open
 
     config_path, weights_path = directory / PEFT_CONFIG, directory / PEFT_WEIGHTS
@@ -117,14 +120,12 @@ def load_peft(directory: Path, model: LM | None) -> Cartridge:
     keys = [grid[2 * i].contiguous() for i in range(layers)]
     values = [grid[2 * i + 1].contiguous() for i in range(layers)]
     if "cartridges_sdk_meta" in header:  # written by us: restore everything
-        meta = CartridgeMeta.from_dict(json.loads(header["cartridges_sdk_meta"]))
-        cartridge = Cartridge(keys, values, meta)
-        return cartridge.bind(model) if model is not None else cartridge
+        return keys, values, CartridgeMeta.from_dict(json.loads(header["cartridges_sdk_meta"]))
     identity = _shape_identity(config.get("base_model_name_or_path") or "unknown", layers, heads, head_dim)
-    return _imported(keys, values, int(config.get("num_frozen_tokens", 1)), identity, model, f"peft adapter {str(directory)!r}")
+    return _imported(keys, values, int(config.get("num_frozen_tokens", 1)), identity, target, f"peft adapter {str(directory)!r}")
 
 
-def load_authors_pt(path: Path, model: LM | None, name: str | None = None) -> Cartridge:
+def load_authors_pt(path: Path, target: ModelIdentity | None, name: str | None = None) -> Parts:
     """Read ``{trainable_keys, trainable_values, frozen_keys|fixed_keys, frozen_values|fixed_values}``.
 
     Each entry is a per-layer list of ``[1, kv_heads, tokens, head_dim]`` tensors; frozen tokens come first.
@@ -167,4 +168,4 @@ def load_authors_pt(path: Path, model: LM | None, name: str | None = None) -> Ca
         keys, values, num_frozen = tk, tv, 0
     heads, _, head_dim = keys[0].shape
     identity = _shape_identity(name or path.stem, len(keys), heads, head_dim)
-    return _imported(keys, values, num_frozen, identity, model, f"authors' cache {str(path)!r}")
+    return _imported(keys, values, num_frozen, identity, target, f"authors' cache {str(path)!r}")

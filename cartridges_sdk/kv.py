@@ -13,7 +13,7 @@ from .rope import ROTATE_HALF
 
 if TYPE_CHECKING:
     from .cartridge import Cartridge
-    from .models import LM
+    from .lm import LM
 
 
 def refuse_foreign(lm: LM, cartridges: Sequence[Cartridge]) -> None:

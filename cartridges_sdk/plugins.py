@@ -11,6 +11,7 @@ plus the options its ``Options`` class declares; an unknown option is refused wi
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 from abc import ABC, abstractmethod
@@ -19,148 +20,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
 
-from .checks import at_least_one, count, non_negative, optional_int, require, unit_interval
+from .checks import count, require
 from .errors import BackendUnavailableError, ConfigError, PluginError
+from .requests import Completion, GenerationRequest, SynthesisRequest, text_deltas
 
 if TYPE_CHECKING:
     from .cartridge import Cartridge
     from .identity import ModelIdentity
-    from .models import LM
-    from .training import TrainConfig
-
-Message = dict[str, str]
-
-
-def _token_ids(value: Any) -> tuple[int, ...]:
-    return tuple(int(t) for t in value)
-
-
-def _stops(value: Any) -> tuple[str, ...]:
-    stops = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else None
-    if stops is None or not all(isinstance(s, str) and s for s in stops):
-        raise ConfigError(f"stop={value!r} must be a non-empty string or a list of them.")
-    return stops
-
-
-def _messages(value: Any) -> tuple[Message, ...]:
-    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
-        raise ConfigError(f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got {value!r:.80}.")
-    messages = tuple(value)
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ConfigError(f"Message {i} is {m!r}; every message needs a string 'role' and a string 'content'.")
-    return messages
-
-
-# temperatures below this decode greedily, as vLLM does: dividing logits by a tinier one overflows to inf and NaN
-GREEDY_BELOW = 1e-5
-SEEDS = (-(2**63), 2**63 - 1)  # every engine seeds a signed 64-bit generator; a larger seed overflowed inside one
-
-
-def _temperature(value: Any) -> Any:
-    return 0.0 if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < GREEDY_BELOW \
-        else value
-
-
-def _seed(_inst, attribute, value) -> None:
-    optional_int(_inst, attribute, value)
-    if value is not None and not SEEDS[0] <= value <= SEEDS[1]:
-        raise ConfigError(f"seed={value!r:.40} must be a 64-bit signed integer, from -2**63 to 2**63-1.")
-
-
-@attrs.frozen
-class GenerationParams:
-    """How to sample an answer. ``temperature=0`` is greedy decoding, and so is any temperature below `GREEDY_BELOW`.
-
-    With ``top_logprobs=k`` the completion also carries, per generated token, the model's top-k candidates and
-    their log-probabilities before temperature (what the contract suite compares across engines).
-    """
-
-    max_new_tokens: int = attrs.field(default=256, validator=at_least_one)
-    temperature: float = attrs.field(default=0.0, converter=_temperature, validator=non_negative)
-    top_p: float = attrs.field(default=1.0, validator=unit_interval)
-    top_k: int = attrs.field(default=0, validator=count)
-    seed: int | None = attrs.field(default=None, validator=_seed)
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_stops)
-    top_logprobs: int = attrs.field(default=0, validator=count)
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> GenerationParams:
-        known = {f.name for f in attrs.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ConfigError(f"Unknown generation setting(s) {unknown}; valid ones are {sorted(known)}.")
-        return cls(**kwargs)
-
-
-@attrs.frozen
-class Completion:
-    """One generated answer: the text, its token ids, and why it ended (``"stop"`` or ``"length"``).
-
-    `top_ids` / `top_logprobs`, when asked for: per generated token, the model's top-k candidates and their
-    log-probabilities before temperature (arrays of shape ``[tokens, k]``).
-    """
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    top_ids: Any = None
-    top_logprobs: Any = None
-
-    @classmethod
-    def from_ids(
-        cls, lm: LM, ids: Sequence[int], finish_reason: str | None, *, stop_ids: Iterable[int] = (),
-        stop: Sequence[str] = (), top_ids: Any = None, top_logprobs: Any = None,
-    ) -> Completion:
-        """Generated ids as a `Completion`, the same in every engine: the text is the student's tokenizer's decoding
-        without the ending stop token (or end-of-turn token), cut before the first stop string."""
-        ids = tuple(int(i) for i in ids)
-        body = ids[:-1] if ids and ids[-1] in set(stop_ids) | lm.eos_token_ids else ids
-        text = lm.tokenizer.decode(list(body), skip_special_tokens=True)
-        for s in stop:
-            if s in text:
-                text = text[: text.index(s)]
-        return cls(text=text, token_ids=ids, finish_reason="stop" if finish_reason == "stop" else "length",
-                   top_ids=top_ids, top_logprobs=top_logprobs)
-
-
-@attrs.frozen
-class GenerationRequest:
-    """One conversation to answer with its own cartridges (zero, one, or several used one after another).
-
-    `prefix_ids` are plain tokens placed after the cartridges and before the chat: a document in context, which is
-    how a runtime shows that a cartridge made from those tokens answers the same.
-    """
-
-    messages: tuple[Message, ...] = attrs.field(converter=_messages)
-    cartridges: tuple[Cartridge, ...] = attrs.field(default=(), converter=tuple)
-    params: GenerationParams = attrs.field(factory=GenerationParams)
-    prefix_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
-
-
-@attrs.frozen
-class SynthesisRequest:
-    """One completion to sample for self-study, as token ids of the student's tokenizer.
-
-    `prompt_ids` is the teacher's whole prompt, rendered once by the SDK (the chunk, then the chat turn ready for
-    the answer) with the same rule the student's sequences follow, so an engine only continues it: it never applies
-    a chat template and needs no Hugging Face weights. Generation ends at any of `stop_ids` (kept as the last token)
-    or after `max_tokens`. Requests of one `group` share their chunk, so an engine can prefill it once.
-    """
-
-    prompt_ids: tuple[int, ...] = attrs.field(converter=_token_ids)
-    stop_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
-    max_tokens: int = attrs.field(default=128, validator=at_least_one)
-    temperature: float = attrs.field(default=1.0, validator=non_negative)
-    top_logprobs: int = attrs.field(default=0, validator=count)
-    group: int | None = None
-    seed: int | None = attrs.field(default=None, validator=optional_int)
-
-    @prompt_ids.validator
-    def _check_prompt(self, _attribute, value):
-        if not value:
-            raise ConfigError("A synthesis request needs at least one prompt token.")
-
+    from .lm import LM
 
 @attrs.frozen
 class SynthesizerCapabilities:
@@ -169,6 +36,15 @@ class SynthesizerCapabilities:
     max_top_logprobs: int = attrs.field(default=0, validator=count)  # top-k it returns per sampled token
     score: bool = False  # teacher top-k for given sequences (document windows and targets="all" need it)
     prefix_reuse: bool = False  # a group's shared prompt is prefilled once
+
+
+@attrs.frozen
+class TrainerCapabilities:
+    """What a trainer can do; the SDK asks this, never the class or its name."""
+
+    # under torchrun it joins the process group and trains data-parallel, every rank starting from the cartridge
+    # rank 0 made (`cartridges self-study --nproc N` needs it)
+    distributed: bool = False
 
 
 @attrs.frozen
@@ -199,6 +75,18 @@ class Backend(ABC):
             valid = cls.option_names()
             raise ConfigError(f"Unknown option(s) {unknown} for {label}; valid options: {valid or 'none'}.")
         return cls.Options(**options)
+
+    @classmethod
+    def capabilities_for(cls, options: dict[str, Any]) -> Any:
+        """What it can do with these options, known before its engine starts, so settings it cannot serve are refused
+        first: the class's ``capabilities``, or what `capabilities_with` makes of the options."""
+        return cls.capabilities_with(cls.parse_options(options))
+
+    @classmethod
+    def capabilities_with(cls, options: Any) -> Any:
+        """Override when an option changes what it can do (e.g. how many log-probs a server returns); an instance
+        whose options do sets ``self.capabilities = self.capabilities_with(options)`` once when built."""
+        return getattr(cls, "capabilities", None)
 
     @classmethod
     def create(cls, model: LM, /, **options: Any) -> Backend:
@@ -261,7 +149,7 @@ class ContinuousRuntime(Runtime):
     def _reports(self, handles: Container[str]) -> list[tuple[str, Completion, bool]]:
         """The next reports for `handles`: held ones first, else one `step`, whose reports for other requests (a
         `stream` and a `generate` interleaved on one runtime) are held for their own readers (the latest of each)."""
-        held: dict[str, tuple[Completion, bool]] = self.__dict__.setdefault("_held_reports", {})
+        held = self._held_reports
         mine = [(h, *held.pop(h)) for h in [h for h in held if h in handles]]
         if mine:
             return mine
@@ -307,28 +195,15 @@ class ContinuousRuntime(Runtime):
             if not ended:  # the reader stopped early
                 self._drop(handle)
 
+    @functools.cached_property
+    def _held_reports(self) -> dict[str, tuple[Completion, bool]]:
+        """Reports `step` gave for requests no caller was waiting on yet, kept until one asks (made on first use,
+        so a subclass need not call an ``__init__`` here)."""
+        return {}
+
     def _drop(self, handle: str) -> None:
         self.abort(handle)
-        self.__dict__.get("_held_reports", {}).pop(handle, None)
-
-
-def settled_delta(shown: str, text: str, done: bool) -> str:
-    """What `text` (a growing answer) adds to the `shown` part, once it has settled: text that may still change (an
-    incomplete multi-byte character at its end) is held back until it does."""
-    if (done or not text.endswith("\ufffd")) and len(text) > len(shown) and text.startswith(shown):
-        return text[len(shown) :]
-    return ""
-
-
-def text_deltas(answers: Iterable[tuple[Completion, bool]]) -> Generator[str, None, Completion | None]:
-    """The new part of a growing answer each time it settles, for `Runtime.stream`: `answers` gives the answer so far
-    and whether it has ended; the last one is returned."""
-    shown, last = "", None
-    for last, done in answers:
-        if delta := settled_delta(shown, last.text, done):
-            yield delta
-            shown = last.text
-    return last
+        self._held_reports.pop(handle, None)
 
 
 class Synthesizer(Backend):
@@ -339,13 +214,6 @@ class Synthesizer(Backend):
     """
 
     capabilities: ClassVar[SynthesizerCapabilities] = SynthesizerCapabilities()
-
-    @classmethod
-    def capabilities_for(cls, options: dict[str, Any]) -> SynthesizerCapabilities:
-        """What it can do with these options, known before its engine starts (so settings it cannot serve are
-        refused first). Override when an option changes it, e.g. how many log-probs a server returns."""
-        cls.parse_options(options)
-        return cls.capabilities
 
     @abstractmethod
     def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]:
@@ -371,12 +239,15 @@ class Synthesizer(Backend):
 class Trainer(Backend):
     """Trains a cartridge from a self-study dataset."""
 
+    capabilities: ClassVar[TrainerCapabilities] = TrainerCapabilities()
+
     @abstractmethod
     def fit(
-        self, init: Cartridge, dataset: Any, model: LM, config: TrainConfig | None = None, *,
+        self, init: Cartridge, dataset: Any, model: LM, config: Any = None, *,
         output_dir: Any = None, progress: bool = True,
     ) -> Cartridge:
-        """Train `init` (bound to `model`) on `dataset`; with `output_dir`, checkpoint there and resume from it."""
+        """Train `init` (bound to `model`) on `dataset` with `config` (a `cartridges_sdk.build.training.TrainConfig`,
+        or None for its defaults); with `output_dir`, checkpoint there and resume from it."""
 
 
 T = TypeVar("T", bound=Backend)
@@ -479,7 +350,7 @@ class Registry(Generic[T]):
                 row.update(ok=False, error=str(err))
             else:
                 row.update(ok=True, options=cls.option_names())
-                if isinstance(getattr(cls, "capabilities", None), SynthesizerCapabilities):
+                if attrs.has(type(getattr(cls, "capabilities", None))):
                     row["capabilities"] = attrs.asdict(cls.capabilities)
             rows.append(row)
         return rows

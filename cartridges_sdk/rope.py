@@ -15,7 +15,7 @@ import torch
 from .errors import CartridgeFormatError, UnsupportedModelError
 
 if TYPE_CHECKING:
-    from .models import LM
+    from .lm import LM
 
 # RoPE variants whose rotation angle is position * inv_freq, so a shift by d positions is one extra rotation.
 POSITION_ADDITIVE_ROPE = {"default", "linear", "llama3", "yarn"}

@@ -29,53 +29,14 @@ import torch
 
 from .cartridge import Cartridge, CartridgeMeta
 from .errors import CartridgeError, IncompatibleCartridgeError
-from .plugins import (
-    Completion,
-    ContinuousRuntime,
-    GenerationParams,
-    GenerationRequest,
-    Runtime,
-    SynthesisRequest,
-    Synthesizer,
-    SynthesizerCapabilities,
-)
+from .plugins import ContinuousRuntime, Runtime, Synthesizer, SynthesizerCapabilities
+from .requests import Completion, GenerationParams, GenerationRequest, SynthesisRequest
+
+from .net import free_port  # noqa: F401  (tests and plugins start servers on it)
+from .serve.background import serving  # noqa: F401
 
 if TYPE_CHECKING:
-    from .models import LM
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a server a test starts."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """An ASGI app (e.g. `server.create_app`'s) served by uvicorn on 127.0.0.1 in a thread of this process, for
-    tests and benchmarks; yields its ``http://127.0.0.1:PORT/v1`` base URL and stops it on exit."""
-    import threading
-    import time
-
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not server.started:
-        server.should_exit = True
-        raise RuntimeError("uvicorn did not start within 60 s (see its log above).")
-    try:
-        yield f"http://127.0.0.1:{server.config.port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-
+    from .lm import LM
 
 # makes the prefix cartridge of given token ids (see `check_runtime_exactness`)
 PrefixMaker = Callable[[Sequence[int]], Cartridge]
@@ -435,7 +396,8 @@ def check_synthesizer(synthesizer: Synthesizer, lm: LM, *, tolerance: float = 1e
     - its capabilities are honest: it returns the top-k it claims, and scores given sequences exactly when it
       claims ``score`` (and refuses otherwise).
     """
-    from .synthesis import check_same_model, teacher_prompt
+    from .build.synthesis import teacher_prompt
+    from .probe import check_same_model
 
     caps = synthesizer.capabilities
     if not isinstance(caps, SynthesizerCapabilities):
@@ -615,7 +577,7 @@ def check_one_request_fails_alone(runtime: Runtime, store: Any, names: Sequence[
     (400 for a body the server refuses, 500 for a failed engine) and every other gets the answer it gets alone."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .server import ServeConfig, create_app
+    from .serve.server import ServeConfig, create_app
 
     served = failing(runtime) if poison is None else runtime
     app = create_app(store, served, ServeConfig(max_batch=16))

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.data import DEFAULT_DATA, EVALDATA, load_corpora, only_own_words
 from cartridges_sdk import Cartridge, ConfigError, IncompatibleCartridgeError
-from cartridges_sdk.store import CartridgeStore, NotInStoreError
+from cartridges_sdk.serve.store import CartridgeStore, NotInStoreError
 
 CORPORA = {
     "lighthouse": "The Harrow Point lighthouse was built in 1871 by the engineer Margaret Ellison. Its lamp burned "
@@ -57,7 +57,7 @@ def test_a_cartridge_of_another_model_is_refused(store, tiny_qwen):
 def test_bad_files_dropped_in_are_left_out_with_a_log_line_and_the_rest_is_served(store, tiny_qwen, caplog):
     (store.root / "damaged.safetensors").write_bytes(b"\x00garbage" * 100)
     Cartridge.from_prefix(tiny_qwen, CORPORA["railway"], 12).save(store.root / "foreign.safetensors")
-    with caplog.at_level(logging.WARNING, logger="cartridges_sdk.store"):
+    with caplog.at_level(logging.WARNING, logger="cartridges_sdk.serve.store"):
         changes = store.refresh()
         assert changes == {"added": [], "removed": [], "refused": ["damaged", "foreign"]}
         assert store.refresh()["refused"] == []  # said once, not at every refresh

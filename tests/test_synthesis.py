@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from cartridges_sdk import Completion, ConfigError, Synthesizer, SynthesizerCapabilities
-from cartridges_sdk.dataset import ROLE_ASSISTANT, SelfStudyDataset, Shard, merge
+from cartridges_sdk.build.dataset import ROLE_ASSISTANT, SelfStudyDataset, Shard, merge
 from cartridges_sdk.hf import HFSynthesizer
-from cartridges_sdk.plugins import SynthesisRequest
-from cartridges_sdk.selfstudy import train_cartridge
-from cartridges_sdk.synthesis import SynthesisConfig, synthesize, teacher_prompt
+from cartridges_sdk.requests import SynthesisRequest
+from cartridges_sdk.build.selfstudy import train_cartridge
+from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize, teacher_prompt
 
 from conftest import TEXT
 

@@ -15,34 +15,13 @@ import torch
 
 from ..errors import ConfigError
 from ..kv import rows_prefix_cache
-from ..plugins import Completion, GenerationParams
+from ..requests import Completion, GenerationParams
+from ..sampling import ends_answer, sample_next
 
 if TYPE_CHECKING:
-    from ..models import LM
+    from ..lm import LM
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def sample_next(logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Next token per row from ``[batch, vocab]`` logits."""
-    if params.temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest set reaching top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    # inverse-CDF sampling: one uniform per row against the cumulative probabilities (in float64, so the sum over a
-    # large vocabulary stays exact enough). It draws as multinomial does, which draws a random number per
-    # vocabulary entry on CPU and took a tenth of synthesis time.
-    cdf = logits.softmax(-1).double().cumsum(-1)
-    u = torch.rand((cdf.shape[0], 1), generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
 
 
 class DecodeState:
@@ -117,12 +96,8 @@ def decode(
             if top_logprobs:
                 state.top_ids[row].append(top.indices[b].cpu())
                 state.top_logprobs[row].append(top.values[b].cpu())
-            if t in eos:
+            if ends_answer(lm, state.tokens[row], params.stop, eos):
                 state.reasons[row] = "stop"
-            elif params.stop:
-                text = lm.tokenizer.decode(state.tokens[row], skip_special_tokens=True)
-                if any(s in text for s in params.stop):
-                    state.reasons[row] = "stop"
         yield state
         finished = [b for b, row in enumerate(live) if state.reasons[row] is not None]
         if len(finished) == len(live):

@@ -11,12 +11,13 @@ import attrs
 
 from ..checks import at_least_one
 from ..kv import concat_layers, refuse_foreign
-from ..plugins import Completion, ContinuousRuntime, GenerationParams, GenerationRequest
+from ..plugins import ContinuousRuntime
+from ..requests import Completion, GenerationParams, GenerationRequest
 from .decode import DecodeState, Layers, decode, row_completion
 
 if TYPE_CHECKING:
     from ..cartridge import Cartridge
-    from ..models import LM
+    from ..lm import LM
 
 
 @attrs.frozen

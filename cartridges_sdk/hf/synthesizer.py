@@ -11,13 +11,14 @@ import torch
 from ..checks import one_of
 from ..identity import ModelIdentity
 from ..kv import concat_layers
-from ..models import autocast, resolve_dtype
-from ..plugins import Completion, GenerationParams, SynthesisRequest, Synthesizer, SynthesizerCapabilities
+from ..lm import autocast, resolve_dtype
+from ..plugins import Synthesizer, SynthesizerCapabilities
+from ..requests import Completion, GenerationParams, SynthesisRequest
 from .decode import decode, prefill_rows, row_completion
 
 if TYPE_CHECKING:
     from ..cartridge import Cartridge
-    from ..models import LM
+    from ..lm import LM
 
 
 @attrs.frozen

@@ -29,7 +29,7 @@ from cartridges_sdk import (
 )
 from cartridges_sdk.cartridge import CartridgeMeta
 from cartridges_sdk.kv import refuse_foreign
-from cartridges_sdk.plugins import text_deltas
+from cartridges_sdk.requests import text_deltas
 from cartridges_sdk.rope import INTERLEAVED, ROTATE_HALF, key_layout
 
 from .options import LlamaCppOptions
@@ -273,8 +273,7 @@ class LlamaCppRuntime(Runtime):
             token = int(sample_next(logits[None], params, generator)[0])
             ids.append(token)
             logps.append(logits.double().log_softmax(-1).numpy())
-            stopped = token in eos or bool(params.stop and any(
-                s in self.lm.tokenizer.decode(ids, skip_special_tokens=True) for s in params.stop))
+            stopped = ends_answer(self.lm, ids, params.stop, eos)
             reason = "stop" if stopped else "length" if n + 1 == params.max_new_tokens else None
             yield ids, logps, reason
             if reason:

@@ -26,7 +26,7 @@ from cartridges_sdk import (BackendError, BackendUnavailableError, Completion, C
                             Synthesizer, SynthesizerCapabilities)
 from cartridges_sdk.checks import is_loopback
 from cartridges_sdk.errors import IncompatibleCartridgeError, TransientBackendError
-from cartridges_sdk.synthesis import PROBE_TOLERANCE, PROBE_TOP_K, probe_gap, probe_request
+from cartridges_sdk.probe import PROBE_TOLERANCE, PROBE_TOP_K, probe_gap, probe_request
 
 from .logprobs import TokenReader, positions, topk
 from .options import OpenAIOptions, shown
@@ -87,13 +87,13 @@ class OpenAISynthesizer(Synthesizer):
     capabilities = SynthesizerCapabilities(max_top_logprobs=20, score=True, prefix_reuse=True)
 
     @classmethod
-    def capabilities_for(cls, options: dict[str, Any]) -> SynthesizerCapabilities:
-        return attrs.evolve(cls.capabilities, max_top_logprobs=cls.parse_options(options).max_logprobs)
+    def capabilities_with(cls, options: Any) -> SynthesizerCapabilities:
+        return attrs.evolve(cls.capabilities, max_top_logprobs=options.max_logprobs)
 
     def __init__(self, student, /, **options: Any):  # positional: `model` is an option (the served model's name)
         self.lm = student
         self.options = OpenAIOptions(**options)
-        self.capabilities = attrs.evolve(type(self).capabilities, max_top_logprobs=self.options.max_logprobs)
+        self.capabilities = self.capabilities_with(self.options)
         self.urls = self.options.urls()
         self.names = tuple(shown(u) for u in self.urls)  # URLs as messages show them (no user:password)
         self.reader = TokenReader(student.tokenizer)

@@ -14,7 +14,7 @@ import pytest
 from cartridges_sdk import BackendError, BackendUnavailableError, ConfigError, SynthesisRequest, testing
 from cartridges_sdk.errors import IncompatibleCartridgeError, RateLimitedError, TransientBackendError
 from cartridges_sdk.plugins import synthesizers
-from cartridges_sdk.synthesis import probe_request
+from cartridges_sdk.probe import probe_request
 from cartridges_sdk.testing import free_port
 from cartridges_openai.logprobs import TokenReader, positions, topk
 from cartridges_openai.options import OpenAIOptions

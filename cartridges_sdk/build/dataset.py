@@ -16,9 +16,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .errors import CartridgeFormatError, ConfigError
-from .files import atomic_write, atomic_write_json, folder_lock
-from .identity import text_fingerprint
+from ..errors import CartridgeFormatError, ConfigError
+from ..files import atomic_write, atomic_write_json, folder_lock
+from ..identity import text_fingerprint
 
 HEADER = "header.json"
 # the corpus's text, kept beside the conversations so training can start from it (a compacted or prefix start) with

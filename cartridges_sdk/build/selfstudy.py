@@ -13,17 +13,18 @@ from typing import Any
 import attrs
 import torch
 
-from .cartridge import Cartridge
-from .checks import PATH, require
+from ..cartridge import Cartridge
+from ..checks import PATH, require
 from .corpus import Corpus
 from .dataset import CORPUS_TEXT, SelfStudyDataset
 from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_torchrun
-from .errors import ConfigError
-from .identity import token_fingerprint
-from .models import LM, load_model, resolve_dtype
-from .plugins import Synthesizer, Trainer, synthesizers, trainers
+from ..errors import ConfigError
+from ..identity import token_fingerprint
+from ..models import load_model
+from ..lm import LM, resolve_dtype
+from ..plugins import Synthesizer, Trainer, synthesizers, trainers
 from .synthesis import DEFAULT_CONVERSATIONS, SynthesisConfig, check_capabilities, check_context, synthesize
-from .training import CHECKPOINT, RUN_LOG, TorchTrainer, TrainConfig, check_shardable
+from .training import CHECKPOINT, RUN_LOG, TrainConfig, check_shardable
 
 INITS = ("compact", "prefix", "random_text", "random")
 # where training starts: the corpus compacted (measured best, docs/self-study.md)
@@ -245,7 +246,7 @@ def train_cartridge(
             return initial_cartridge(lm, ids, num_tokens, init, seed, num_frozen, saved=saved, progress=progress)
 
         with process_group(work.device):  # under torchrun: one group for the start and the training
-            if isinstance(fitter, TorchTrainer):
+            if fitter.capabilities.distributed:
                 # it starts every rank from rank 0's cartridge: rank 0 alone makes the start (minutes of compaction
                 # on a large corpus), the others take one of the right shape
                 start = lead_does(make_start)

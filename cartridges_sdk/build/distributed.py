@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 T = TypeVar("T")
 

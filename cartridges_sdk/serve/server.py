@@ -31,12 +31,13 @@ from fastapi import FastAPI, Request  # this module is imported only to serve; t
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import Headers
 
-from .checks import at_least_one, is_loopback
-from .errors import BackendError, CartridgeError, ConfigError, IncompatibleCartridgeError
-from .plugins import Completion, ContinuousRuntime, GenerationParams, GenerationRequest, Runtime, settled_delta
+from ..checks import at_least_one, is_loopback
+from ..errors import BackendError, CartridgeError, ConfigError, IncompatibleCartridgeError
+from ..plugins import ContinuousRuntime, Runtime
+from ..requests import Completion, GenerationParams, GenerationRequest, settled_delta
 from .store import SUFFIX, CartridgeStore, NotInStoreError
 
-log = logging.getLogger("cartridges_sdk.server")
+log = logging.getLogger("cartridges_sdk.serve.server")
 
 ROLES = ("system", "user", "assistant")
 # request fields this server reads; others are refused by name (an ignored setting would answer something else)

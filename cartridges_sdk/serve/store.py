@@ -26,12 +26,12 @@ from typing import Any
 
 import attrs
 
-from .cartridge import Cartridge
-from .errors import CartridgeError, ConfigError, IncompatibleCartridgeError
-from .files import atomic_write
-from .models import LM
+from ..cartridge import Cartridge
+from ..errors import CartridgeError, ConfigError, IncompatibleCartridgeError
+from ..files import atomic_write
+from ..lm import LM
 
-log = logging.getLogger("cartridges_sdk.store")
+log = logging.getLogger("cartridges_sdk.serve.store")
 
 SUFFIX = ".safetensors"
 CORPUS_SUFFIX = ".corpus.txt"

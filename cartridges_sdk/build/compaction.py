@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from .checks import boolean, count, one_of, positive
-from .errors import ConfigError
-from .identity import token_fingerprint
-from .rope import rope_inv_freq, shift_keys
+from ..checks import boolean, count, one_of, positive
+from ..errors import ConfigError
+from ..identity import token_fingerprint
+from ..rope import rope_inv_freq, shift_keys
 
 if TYPE_CHECKING:
-    from .cartridge import Cartridge
-    from .models import LM
+    from ..cartridge import Cartridge
+    from ..lm import LM
 
 # questions a user might ask about any document; their queries (and those of the model's answers) stand in for
 # the questions the cartridge will be asked
@@ -88,7 +88,7 @@ class CompactionConfig:
 def compact(lm: LM, ids: Sequence[int], num_tokens: int, *, num_frozen: int = 1,
             config: CompactionConfig | None = None, progress: bool = False) -> Cartridge:
     """A `num_tokens` cartridge standing in for the corpus token ids `ids` (see the module docstring)."""
-    from .cartridge import Cartridge, CartridgeMeta
+    from ..cartridge import Cartridge, CartridgeMeta
 
     config = config or CompactionConfig()
     ids = [int(t) for t in ids]
@@ -171,7 +171,7 @@ class _Recorder:
         self.scaling: dict[int, float] = {}
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
-        from .kv import _sdpa_gqa_attention
+        from ..kv import _sdpa_gqa_attention
 
         q = query[0] if self.select is None else query[0].index_select(1, self.select.to(query.device))
         self.queries.setdefault(module.layer_idx, []).append(q.detach().float().cpu())
@@ -198,7 +198,7 @@ def _recording(lm: LM) -> Iterator[_Recorder]:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
-    from .errors import UnsupportedModelError
+    from ..errors import UnsupportedModelError
 
     model = lm.model
     AttentionInterface.register(RECORDING, _recording_attention)
@@ -248,7 +248,7 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
         probe_q = {i: torch.cat(qs, dim=1) for i, qs in rec.queries.items()}
     layers = range(len(kv))
     if sorted(corpus_q) != list(layers) and sorted(probe_q) != list(layers):
-        from .errors import UnsupportedModelError
+        from ..errors import UnsupportedModelError
 
         raise UnsupportedModelError(
             f"Model {lm.name!r}: queries were read from layers {sorted(corpus_q)} of {len(kv)}; compaction needs an "

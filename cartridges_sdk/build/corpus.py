@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .errors import ConfigError
-from .identity import text_fingerprint
+from ..errors import ConfigError
+from ..identity import text_fingerprint
 
 if TYPE_CHECKING:
-    from .models import LM
+    from ..lm import LM
 
 
 @attrs.frozen

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from .cartridge import Cartridge
-from .errors import ConfigError
-from .models import LM
+from ..cartridge import Cartridge
+from ..errors import ConfigError
+from ..lm import LM
 
 
 def _answer_ids(lm: LM, answer: str) -> list[int]:

@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable, Mapping
 
 from .dataset import SEED_KIND_DOCUMENT
-from .errors import ConfigError
+from ..errors import ConfigError
 
 SeedFn = Callable[[random.Random], str]
 

@@ -23,16 +23,16 @@ import attrs
 import numpy as np
 import torch
 
-from .cartridge import Cartridge, CartridgeMeta
-from .checks import at_least_one, boolean, count, fraction, non_negative, one_of, optional_int, positive
+from ..cartridge import Cartridge, CartridgeMeta
+from ..checks import at_least_one, boolean, count, fraction, non_negative, one_of, optional_int, positive
 from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
 from .distributed import (gather_from_ranks, lead_does, on_cpu, process_group, ranks_in_env, sum_across_ranks,
                           sum_numbers_across_ranks)
-from .errors import ConfigError
-from .files import atomic_write, folder_lock
-from .identity import token_fingerprint
-from .models import LM, autocast
-from .plugins import Trainer
+from ..errors import ConfigError
+from ..files import atomic_write, folder_lock
+from ..identity import token_fingerprint
+from ..lm import LM, autocast
+from ..plugins import Trainer, TrainerCapabilities
 
 CHECKPOINT = "checkpoint.pt"
 RUN_LOG = "train_log.jsonl"
@@ -323,6 +323,7 @@ class TorchTrainer(Trainer):
     under torchrun, the model replicated or (``shard_model=True``) sharded with FSDP2."""
 
     Options = TorchTrainerOptions
+    capabilities = TrainerCapabilities(distributed=True)
 
     def __init__(self, model: LM | None = None, *, resume: bool = True, shard_model: bool = False):
         if shard_model:

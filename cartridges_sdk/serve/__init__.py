@@ -1,0 +1,1 @@
+"""Serving cartridges: the store (files, routing) and the OpenAI-compatible server."""
