@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from cartridges_sdk.cli import parse_settings
+from cartridges_sdk.cli.common import parse_settings
 from cartridges_sdk.errors import CartridgeError
 
 from .data import DEFAULT_DATA

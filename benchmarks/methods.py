@@ -21,7 +21,8 @@ from cartridges_sdk.build.dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, SEED_KIN
 from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.lm import LM
 from cartridges_sdk.plugins import synthesizers, trainers
-from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize, window_chunk_start
+from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.build.windows import window_chunk_start
 from cartridges_sdk.build.training import TrainConfig, split_eval
 
 from .profiles import Profile

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, load_model
-from cartridges_sdk.cli import parse_settings
+from cartridges_sdk.cli.common import parse_settings
 from cartridges_sdk.build.evaluation import score
 
 from . import provenance

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from cartridges_sdk import load_model
-from cartridges_sdk.cli import parse_settings
+from cartridges_sdk.cli.common import parse_settings
 from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.plugins import synthesizers
 from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize

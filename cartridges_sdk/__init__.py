@@ -1,8 +1,12 @@
-"""cartridges-sdk: turn a large corpus into a small trained KV cache (a cartridge) that a frozen LLM reads as context."""
+"""cartridges-sdk: turn a large corpus into a small trained KV cache (a cartridge) that a frozen LLM reads as context.
 
-from .cartridge import Cartridge, CartridgeMeta
+The public API: what is imported here is promised to stay. Backends also use `cartridges_sdk.kit`; the package's
+layers are drawn in docs/architecture.md.
+"""
+
 from .build.compaction import CompactionConfig
 from .build.corpus import Corpus, Document
+from .cartridge import Cartridge
 from .errors import (
     BackendError,
     BackendUnavailableError,
@@ -11,15 +15,17 @@ from .errors import (
     ConfigError,
     IncompatibleCartridgeError,
     ModelNotAvailableError,
+    NotInStoreError,
     PluginError,
     RateLimitedError,
     TransientBackendError,
     UnsupportedModelError,
 )
-from .models import default_cache_dir, load_model
-from .lm import LM
+from .fileformat import CartridgeMeta
 from .identity import ModelIdentity
-from .plugins import Backend, ContinuousRuntime, Runtime, Synthesizer, SynthesizerCapabilities, Trainer
+from .lm import LM
+from .models import default_cache_dir, load_model
+from .plugins import Backend, ContinuousRuntime, Runtime, Synthesizer, SynthesizerCapabilities, Trainer, TrainerCapabilities
 from .requests import Completion, GenerationParams, GenerationRequest, SynthesisRequest
 from .serve.store import CartridgeStore
 
@@ -44,6 +50,7 @@ __all__ = [
     "IncompatibleCartridgeError",
     "ModelIdentity",
     "ModelNotAvailableError",
+    "NotInStoreError",
     "PluginError",
     "RateLimitedError",
     "Runtime",
@@ -51,6 +58,7 @@ __all__ = [
     "Synthesizer",
     "SynthesizerCapabilities",
     "Trainer",
+    "TrainerCapabilities",
     "TransientBackendError",
     "UnsupportedModelError",
     "default_cache_dir",

@@ -10,7 +10,6 @@ import functools
 import numbers
 import os
 from collections.abc import Iterator, Sequence
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +59,7 @@ class Cartridge:
         self.meta = meta
         self.lm = None
         if lm is not None:
-            self._check_model(lm)
+            self.check_model(lm)
             self.lm = lm
 
     # -- facts -----------------------------------------------------------------------------------------
@@ -130,11 +129,14 @@ class Cartridge:
         wrong = [f"{f}: tensors have {have[f]}, the model {want[f]}" for f in SHAPE_FIELDS if have[f] != want[f]]
         return "; ".join(wrong) or None
 
-    def _check_model(self, lm: LM) -> None:
+    def check_model(self, lm: LM, whose: str = "the model") -> None:
+        """The wrong-model check, the one every loader, store and runtime makes: raise `IncompatibleCartridgeError`
+        naming both models and why (`misfit`) when this cartridge cannot run on `lm` (`whose` names it in the
+        message, e.g. "the store's")."""
         problem = self.misfit(lm)
         if problem:
             raise IncompatibleCartridgeError(
-                f"This cartridge was made for model {self.meta.model.name!r} and does not fit model {lm.name!r}: "
+                f"The cartridge is for model {self.meta.model.name!r}, not {whose} {lm.name!r}, and does not fit it: "
                 f"{problem}. Use it with the model it was made for, or make it again for this one."
             )
 
@@ -159,7 +161,8 @@ class Cartridge:
         return cls(keys, values, info, lm=lm)
 
     @staticmethod
-    def _check_size(num_tokens: int, num_frozen: int, available: int | None = None) -> None:
+    def check_size(num_tokens: int, num_frozen: int, available: int | None = None) -> None:
+        """Refuse a size no cartridge can have: more frozen tokens than tokens, or more tokens than the text has."""
         if isinstance(num_frozen, bool) or not isinstance(num_frozen, numbers.Integral) or num_frozen < 0:
             raise ConfigError(f"num_frozen={num_frozen!r} must be an int >= 0 (the leading tokens that never train).")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Integral) or num_tokens <= num_frozen:
@@ -188,8 +191,8 @@ class Cartridge:
                 raise ConfigError("The text is empty; from_prefix needs a text with at least num_tokens tokens.")
             ids = lm.encode(text_or_ids)
         else:
-            ids = _token_ids(lm, text_or_ids, "from_prefix")
-        cls._check_size(num_tokens, num_frozen, len(ids))
+            ids = lm.check_ids(text_or_ids, "from_prefix")
+        cls.check_size(num_tokens, num_frozen, len(ids))
         lm.check_context(num_tokens, f"A {num_tokens}-token prefix cartridge", "pass a smaller num_tokens")
         corpus = {"fingerprint": token_fingerprint(ids), "num_tokens": len(ids)}
         return cls._from_kv(lm, lm.kv(ids[:num_tokens]), num_frozen=num_frozen, init="prefix", corpus=corpus)
@@ -205,30 +208,24 @@ class Cartridge:
         A corpus longer than the model's context is compacted per chunk and composed. `corpus` is a text, a path,
         a `Corpus` or token ids; `config` a `CompactionConfig`.
         """
-        from .build.compaction import compact
+        from .build.compaction import compact_corpus  # the facade: the build layer, imported here (docs/architecture.md)
 
-        if torch.is_tensor(corpus) or (isinstance(corpus, (list, tuple)) and corpus and not isinstance(corpus[0], str)):
-            ids = _token_ids(lm, corpus, "compact")
-        else:
-            from .build.corpus import Corpus
-
-            ids = lm.encode(Corpus.coerce(corpus).text)
-        return compact(lm, ids, num_tokens, num_frozen=num_frozen, config=config, progress=progress)
+        return compact_corpus(lm, corpus, num_tokens, num_frozen=num_frozen, config=config, progress=progress)
 
     @classmethod
     def from_random_text(cls, lm: LM, num_tokens: int, seed: int = 0, *, num_frozen: int = 1) -> Cartridge:
         """The KV of text unrelated to any corpus (shipped with the package); `seed` picks where in it to start."""
-        cls._check_size(num_tokens, num_frozen)
+        cls.check_size(num_tokens, num_frozen)
         require("seed", seed, int, "an integer")
-        ids = _unrelated_ids(lm, num_tokens, seed)
+        ids = lm.unrelated_ids(num_tokens, seed)
         return cls._from_kv(lm, lm.kv(ids), num_frozen=num_frozen, init="random_text", extra={"seed": seed})
 
     @classmethod
     def random(cls, lm: LM, num_tokens: int, seed: int = 0, *, num_frozen: int = 1) -> Cartridge:
         """Gaussian vectors with the per-layer, per-channel mean and spread of the model's real KV."""
-        cls._check_size(num_tokens, num_frozen)
+        cls.check_size(num_tokens, num_frozen)
         require("seed", seed, int, "an integer")
-        reference = lm.kv(_unrelated_ids(lm, 256, 0))
+        reference = lm.kv(lm.unrelated_ids(256, 0))
         gen = torch.Generator().manual_seed(seed)
         kv = []
         for k, v in reference:
@@ -243,7 +240,7 @@ class Cartridge:
     @classmethod
     def from_corpus(cls, corpus: Any, model: Any = None, **settings: Any) -> Cartridge:
         """Train a cartridge on `corpus` by self-study; see `cartridges_sdk.build.selfstudy.build_cartridge` for settings."""
-        from .build.selfstudy import build_cartridge  # the layer above, imported here so this module never depends on it
+        from .build.selfstudy import build_cartridge  # the facade: the build layer, imported here (docs/architecture.md)
 
         return build_cartridge(corpus, model, **settings)
 
@@ -276,17 +273,22 @@ class Cartridge:
     @classmethod
     def from_peft(cls, directory: str | os.PathLike, model: LM | None = None) -> Cartridge:
         """Import a peft CARTRIDGE adapter directory; pass `model` to check it and bind it."""
-        return cls._imported(load_peft(Path(directory), model.identity if model is not None else None), model)
+        return cls._imported(load_peft(Path(directory)), model)
 
     @classmethod
     def from_authors_pt(cls, path: str | os.PathLike, model: LM | None = None, *, name: str | None = None) -> Cartridge:
         """Import a cache saved by the paper authors' code (``.pt`` with trainable and frozen/fixed keys and values)."""
-        return cls._imported(load_authors_pt(Path(path), model.identity if model is not None else None, name=name), model)
+        return cls._imported(load_authors_pt(Path(path), name=name), model)
 
     @classmethod
     def _imported(cls, parts: tuple[list[torch.Tensor], list[torch.Tensor], CartridgeMeta], model: LM | None) -> Cartridge:
         cartridge = cls(*parts)  # shapes checked against the file's own description first
-        return cartridge.bind(model) if model is not None else cartridge
+        if model is None:
+            return cartridge
+        cartridge.check_model(model)
+        if cartridge.meta.init == "imported":  # the file knew only its shapes: it is now known to be for `model`
+            return cls(cartridge.keys, cartridge.values, attrs.evolve(cartridge.meta, model=model.identity), lm=model)
+        return cartridge.bind(model)
 
     # -- composition -----------------------------------------------------------------------------------
     @classmethod
@@ -377,29 +379,3 @@ class Cartridge:
     def logits(self, input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Next-token logits of `input_ids` placed after this cartridge (see `LM.logits`)."""
         return self._bound().logits(input_ids, cartridges=[self])
-
-
-def _token_ids(lm: LM, ids: Sequence[int] | torch.Tensor, what: str) -> list[int]:
-    """Token ids as a list of ints, refusing non-integers and ids outside the model's vocabulary."""
-    ids = ids.reshape(-1).tolist() if torch.is_tensor(ids) else list(ids)
-    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
-        raise ConfigError(f"{what}'s token ids must all be integers.")
-    ids = [int(t) for t in ids]
-    vocab = lm.identity.architecture["vocab_size"]
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ConfigError(f"Token ids {bad[:5]} are outside the model's vocabulary [0, {vocab}).")
-    return ids
-
-
-def _unrelated_ids(lm: LM, num_tokens: int, seed: int) -> list[int]:
-    """`num_tokens` ids of the shipped unrelated text, from a seed-chosen paragraph, wrapping around as needed."""
-    text = resources.files("cartridges_sdk").joinpath("data/unrelated.txt").read_text(encoding="utf-8")
-    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
-    start = seed % len(paragraphs)
-    ordered = paragraphs[start:] + paragraphs[:start]
-    ids = lm.encode("\n\n".join(ordered))
-    body = lm.tokenizer("\n\n" + "\n\n".join(ordered), add_special_tokens=False)["input_ids"]
-    while len(ids) < num_tokens:
-        ids = ids + body
-    return ids[:num_tokens]

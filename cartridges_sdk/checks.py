@@ -20,18 +20,21 @@ def _number(attribute, value, *, integer: bool) -> None:
         raise ConfigError(f"{attribute.name}={value!r} must be {'an integer' if integer else 'a finite number'}.")
 
 
+def _above(attribute, value, low: float, *, integer: bool, strict: bool = False) -> None:
+    """A number of the right kind that is >= `low` (> `low` when `strict`)."""
+    _number(attribute, value, integer=integer)
+    if value < low or (strict and value == low):
+        raise ConfigError(f"{attribute.name}={value!r} must be {'>' if strict else '>='} {low}.")
+
+
 def at_least_one(_inst, attribute, value) -> None:
     """An integer >= 1 (a count of things that must happen at least once)."""
-    _number(attribute, value, integer=True)
-    if value < 1:
-        raise ConfigError(f"{attribute.name}={value!r} must be >= 1.")
+    _above(attribute, value, 1, integer=True)
 
 
 def count(_inst, attribute, value) -> None:
     """An integer >= 0."""
-    _number(attribute, value, integer=True)
-    if value < 0:
-        raise ConfigError(f"{attribute.name}={value!r} must be >= 0.")
+    _above(attribute, value, 0, integer=True)
 
 
 def optional_int(_inst, attribute, value) -> None:
@@ -40,17 +43,15 @@ def optional_int(_inst, attribute, value) -> None:
 
 
 def non_negative(_inst, attribute, value) -> None:
+    """A finite number >= 0, or None."""
     if value is not None:
-        _number(attribute, value, integer=False)
-        if value < 0:
-            raise ConfigError(f"{attribute.name}={value!r} must be >= 0.")
+        _above(attribute, value, 0, integer=False)
 
 
 def positive(_inst, attribute, value) -> None:
+    """A finite number > 0, or None."""
     if value is not None:
-        _number(attribute, value, integer=False)
-        if value <= 0:
-            raise ConfigError(f"{attribute.name}={value!r} must be > 0.")
+        _above(attribute, value, 0, integer=False, strict=True)
 
 
 def unit_interval(_inst, attribute, value) -> None:

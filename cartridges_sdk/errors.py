@@ -1,6 +1,25 @@
 """One exception tree, so callers can catch everything the SDK raises with ``except CartridgeError``.
 
-Every message names the bad value and says how to fix it.
+Every message names the bad value and says how to fix it. One class per kind of failure::
+
+    CartridgeError                      everything the SDK raises on purpose
+    ├── ConfigError (ValueError)        a setting, argument or request the SDK cannot use
+    ├── ModelNotAvailableError          weights or tokenizer files not found offline
+    ├── IncompatibleCartridgeError      a cartridge (or a teacher) for another model than the one it meets
+    ├── CartridgeFormatError            a file that is corrupt, truncated, or not a cartridge
+    ├── NotInStoreError (KeyError)      a name the store does not hold
+    ├── UnsupportedModelError           the model lacks what an operation needs
+    ├── PluginError                     a backend unknown, broken, or not keeping its interface
+    │   └── BackendUnavailableError     (also a BackendError) it cannot run here
+    └── BackendError                    an engine failed; raised at the adapter boundary
+        ├── BackendUnavailableError
+        └── TransientBackendError       may pass if the call is made again (retry_after, when known)
+            └── RateLimitedError        refused for now by load or quota (HTTP 429)
+
+    ContractViolation (AssertionError)  a backend broke the contract `cartridges_sdk.testing` checks
+
+Backends subclass these for their own cases (the llama.cpp state format, an OpenAI-compatible server that went
+down), so the tree above is all a caller needs to catch.
 """
 
 from __future__ import annotations
@@ -24,6 +43,13 @@ class IncompatibleCartridgeError(CartridgeError):
 
 class CartridgeFormatError(CartridgeError):
     """A cartridge file is corrupt, truncated, or not a cartridge at all."""
+
+
+class NotInStoreError(CartridgeError, KeyError):
+    """A name the store does not hold (the message lists the ones it does)."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0])
 
 
 class PluginError(CartridgeError):
@@ -55,3 +81,8 @@ class TransientBackendError(BackendError):
 
 class RateLimitedError(TransientBackendError):
     """The engine refused the call for now because of load or quota (HTTP 429); wait `retry_after` and retry."""
+
+
+class ContractViolation(AssertionError):
+    """A backend broke the contract; the message names the check and what differed (raised by `testing`'s checks,
+    as an AssertionError so pytest reports it as a failed test)."""

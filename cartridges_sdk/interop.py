@@ -1,7 +1,7 @@
 """Import/export of other projects' cartridge formats: peft's CARTRIDGE adapter and the paper authors' ``.pt`` caches.
 
 Everything here works on a cartridge's parts (keys, values, `CartridgeMeta`); `Cartridge.to_peft`, `from_peft` and
-`from_authors_pt` wrap it. An import given the model it is meant for (`target`) is refused when its shapes do not fit.
+`from_authors_pt` wrap it (and check an import against the model it is given).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CartridgeFormatError, IncompatibleCartridgeError
+from .errors import CartridgeFormatError
 from .fileformat import CartridgeMeta
 from .files import atomic_write
 from .identity import ModelIdentity
@@ -31,17 +31,9 @@ def _shape_identity(name: str, num_layers: int, kv_heads: int, head_dim: int) ->
     )
 
 
-def _imported(keys, values, num_frozen: int, identity: ModelIdentity, target: ModelIdentity | None,
-              source: str) -> Parts:
-    if target is not None:
-        # shapes first, so the error names the real mismatch rather than a tensor reshape failure
-        problem = identity.mismatch(target)
-        if problem:
-            raise IncompatibleCartridgeError(
-                f"{source} was made for model {identity.name!r} and does not fit model {target.name!r}: {problem}."
-            )
+def _imported(keys, values, num_frozen: int, identity: ModelIdentity, source: str) -> Parts:
     meta = CartridgeMeta(
-        model=target if target is not None else identity,
+        model=identity,
         num_tokens=keys[0].shape[1],
         num_frozen=num_frozen,
         dtype=str(keys[0].dtype).removeprefix("torch."),
@@ -89,7 +81,7 @@ def save_peft(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], meta
     return directory
 
 
-def load_peft(directory: Path, target: ModelIdentity | None) -> Parts:
+def load_peft(directory: Path) -> Parts:
     from safetensors import safe_open
 
     config_path, weights_path = directory / PEFT_CONFIG, directory / PEFT_WEIGHTS
@@ -122,10 +114,10 @@ def load_peft(directory: Path, target: ModelIdentity | None) -> Parts:
     if "cartridges_sdk_meta" in header:  # written by us: restore everything
         return keys, values, CartridgeMeta.from_dict(json.loads(header["cartridges_sdk_meta"]))
     identity = _shape_identity(config.get("base_model_name_or_path") or "unknown", layers, heads, head_dim)
-    return _imported(keys, values, int(config.get("num_frozen_tokens", 1)), identity, target, f"peft adapter {str(directory)!r}")
+    return _imported(keys, values, int(config.get("num_frozen_tokens", 1)), identity, f"peft adapter {str(directory)!r}")
 
 
-def load_authors_pt(path: Path, target: ModelIdentity | None, name: str | None = None) -> Parts:
+def load_authors_pt(path: Path, name: str | None = None) -> Parts:
     """Read ``{trainable_keys, trainable_values, frozen_keys|fixed_keys, frozen_values|fixed_values}``.
 
     Each entry is a per-layer list of ``[1, kv_heads, tokens, head_dim]`` tensors; frozen tokens come first.
@@ -168,4 +160,4 @@ def load_authors_pt(path: Path, target: ModelIdentity | None, name: str | None =
         keys, values, num_frozen = tk, tv, 0
     heads, _, head_dim = keys[0].shape
     identity = _shape_identity(name or path.stem, len(keys), heads, head_dim)
-    return _imported(keys, values, num_frozen, identity, target, f"authors' cache {str(path)!r}")
+    return _imported(keys, values, num_frozen, identity, f"authors' cache {str(path)!r}")

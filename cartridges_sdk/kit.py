@@ -17,11 +17,12 @@ from .errors import (BackendError, BackendUnavailableError, CartridgeError, Cart
 from .fileformat import CartridgeMeta, layer_tensors, tensor_name
 from .files import atomic_write, atomic_write_json
 from .identity import ModelIdentity, architecture_of, tokenizer_fingerprint
-from .kv import concat_layers, prefix_cache, refuse_foreign, rows_prefix_cache
-from .lm import LM
+from .kv import Layers, Recent, concat_layers, join_layers, prefix_cache, refuse_foreign, rows_prefix_cache
+from .lm import LM, autocast, resolve_dtype
 from .models import default_model_gguf
 from .net import free_port
-from .plugins import (Backend, ContinuousRuntime, NoOptions, Runtime, Synthesizer, SynthesizerCapabilities, Trainer)
+from .plugins import (Backend, ContinuousRuntime, NoOptions, Runtime, Synthesizer, SynthesizerCapabilities, Trainer,
+                      TrainerCapabilities)
 from .probe import PROBE_TOLERANCE, PROBE_TOP_K, check_probe, probe_gap, probe_request
 from .requests import (Completion, GenerationParams, GenerationRequest, Message, SynthesisRequest, check_fits,
                        settled_delta, text_deltas)
@@ -31,14 +32,16 @@ from .sampling import ends_answer, sample_next
 __all__ = [
     # the contract: what a backend implements and what flows through it
     "Backend", "Runtime", "ContinuousRuntime", "Synthesizer", "Trainer", "NoOptions", "SynthesizerCapabilities",
+    "TrainerCapabilities",
     "GenerationRequest", "GenerationParams", "SynthesisRequest", "Completion", "Message",
     # the nouns
-    "LM", "Cartridge", "CartridgeMeta", "ModelIdentity", "architecture_of", "tokenizer_fingerprint",
+    "LM", "Cartridge", "CartridgeMeta", "ModelIdentity", "architecture_of", "tokenizer_fingerprint", "autocast",
+    "resolve_dtype",
     "default_model_gguf",
     # rules every engine follows (the prompt rule is `LM.prompt_ids`)
     "check_fits", "refuse_foreign", "ends_answer", "sample_next", "settled_delta", "text_deltas",
     # KV and RoPE
-    "concat_layers", "prefix_cache", "rows_prefix_cache", "tensor_name", "layer_tensors",
+    "Layers", "Recent", "concat_layers", "join_layers", "prefix_cache", "rows_prefix_cache", "tensor_name", "layer_tensors",
     "ROTATE_HALF", "INTERLEAVED", "key_layout", "rope_inv_freq", "shift_keys",
     # vetting a teacher: the same-model probe
     "PROBE_TOLERANCE", "PROBE_TOP_K", "check_probe", "probe_gap", "probe_request",

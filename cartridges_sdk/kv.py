@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
-from .errors import IncompatibleCartridgeError
 from .rope import ROTATE_HALF
 
 if TYPE_CHECKING:
@@ -17,26 +17,61 @@ if TYPE_CHECKING:
 
 
 def refuse_foreign(lm: LM, cartridges: Sequence[Cartridge]) -> None:
-    """Raise `IncompatibleCartridgeError`, naming both models, for the first cartridge made for another model."""
+    """`Cartridge.check_model` for each of `cartridges`: the first made for another model raises
+    `IncompatibleCartridgeError`, before an engine sees any of them."""
     for c in cartridges:
-        problem = c.misfit(lm)
-        if problem:
-            raise IncompatibleCartridgeError(
-                f"Cartridge for model {c.meta.model.name!r} cannot run on model {lm.name!r} ({problem}). "
-                f"Load it with the model it was made for."
-            )
+        c.check_model(lm)
 
 
-def concat_layers(lm: LM, cartridges: Sequence[Cartridge]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [kv_heads, tokens, head_dim]
+
+
+def concat_layers(lm: LM, cartridges: Sequence[Cartridge]) -> Layers:
     """Per-layer keys/values of several cartridges placed one after another, on the model's device and dtype."""
     refuse_foreign(lm, cartridges)
     cartridges = [c.in_key_pairing(ROTATE_HALF) for c in cartridges]  # the layout transformers' RoPE writes
-    layers = []
-    for i in range(lm.num_layers):
-        ks = [c.keys[i].to(lm.device, lm.dtype) for c in cartridges]
-        vs = [c.values[i].to(lm.device, lm.dtype) for c in cartridges]
-        layers.append((torch.cat(ks, dim=1) if len(ks) > 1 else ks[0], torch.cat(vs, dim=1) if len(vs) > 1 else vs[0]))
-    return layers
+    return join_layers([[(k.to(lm.device, lm.dtype), v.to(lm.device, lm.dtype)) for k, v in zip(c.keys, c.values)]
+                        for c in cartridges])
+
+
+def join_layers(parts: Sequence[Layers]) -> Layers:
+    """Several per-layer KV prefixes as one, in order (the tokens of each part follow the previous part's)."""
+    if len(parts) == 1:
+        return list(parts[0])
+    return [(torch.cat([p[i][0] for p in parts], dim=1), torch.cat([p[i][1] for p in parts], dim=1))
+            for i in range(len(parts[0]))]
+
+
+V = TypeVar("V")
+
+
+class Recent(Generic[V]):
+    """The last `size` values made by key, for what an engine installs once and reuses while it stays in use (a
+    cartridge moved to the device, a composition, a file read): `get` makes a value only when it is not held."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._items: OrderedDict[Hashable, V] = OrderedDict()
+        self.made = 0  # values made so far (tests count installs with it)
+
+    def get(self, key: Hashable, make: Callable[[], V]) -> V:
+        if key in self._items:
+            self._items.move_to_end(key)
+        else:
+            self._items[key] = make()
+            self.made += 1
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+        return self._items[key]
+
+    def clear(self) -> None:
+        self._items.clear()
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 def prefix_cache(lm: LM, cartridges: Sequence[Cartridge], batch_size: int, *, capacity: int | None = None):
@@ -139,7 +174,7 @@ def _preallocated_layer_class():
 ATTENTION_NAME = "cartridges_sdpa"
 
 
-def _sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' SDPA attention, but grouped-query heads stay grouped even when a mask is given.
 
     Stock transformers copies every KV head once per query head whenever there is a padding mask (always, with
@@ -163,7 +198,7 @@ def _sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, 
 
 
 def use_grouped_sdpa(model) -> bool:
-    """Switch a model on stock SDPA to `_sdpa_gqa_attention` (same results, no KV-head copies). Returns if it did."""
+    """Switch a model on stock SDPA to `sdpa_gqa_attention` (same results, no KV-head copies). Returns if it did."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
@@ -175,7 +210,7 @@ def use_grouped_sdpa(model) -> bool:
         from transformers.masking_utils import sdpa_mask
     except ImportError:  # older transformers without these hooks: stock SDPA gives the same results, only slower
         return False
-    AttentionInterface.register(ATTENTION_NAME, _sdpa_gqa_attention)
+    AttentionInterface.register(ATTENTION_NAME, sdpa_gqa_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
     model.set_attn_implementation(ATTENTION_NAME)
     return True

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import numbers
 import os
 from collections.abc import Iterator, Sequence
+from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -169,6 +172,32 @@ class LM:
         in front of it and as the start of a sequence otherwise."""
         after = after_cartridge or bool(prefix_ids)
         return list(prefix_ids) + self.chat_ids(messages, after_cartridge=after)
+
+    def check_ids(self, ids: Sequence[int] | torch.Tensor, what: str) -> list[int]:
+        """Token ids as a list of ints, refusing non-integers and ids outside the model's vocabulary (`what` names
+        the caller in the message)."""
+        ids = ids.reshape(-1).tolist() if torch.is_tensor(ids) else list(ids)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise ConfigError(f"{what}'s token ids must all be integers.")
+        ids = [int(t) for t in ids]
+        vocab = self.identity.architecture["vocab_size"]
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"Token ids {bad[:5]} are outside the model's vocabulary [0, {vocab}).")
+        return ids
+
+    def unrelated_ids(self, num_tokens: int, seed: int) -> list[int]:
+        """`num_tokens` ids of text unrelated to any corpus (shipped with the package), from a seed-chosen
+        paragraph, wrapping around as needed: the paper's random-text initialisation reads it."""
+        text = resources.files("cartridges_sdk").joinpath("data/unrelated.txt").read_text(encoding="utf-8")
+        paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+        start = seed % len(paragraphs)
+        ordered = paragraphs[start:] + paragraphs[:start]
+        ids = self.encode("\n\n".join(ordered))
+        body = self.tokenizer("\n\n" + "\n\n".join(ordered), add_special_tokens=False)["input_ids"]
+        while len(ids) < num_tokens:
+            ids = ids + body
+        return ids[:num_tokens]
 
     def _auto_bos(self) -> int | None:
         """The token the tokenizer puts at the start of every sequence on its own, if any."""

@@ -15,7 +15,7 @@ import functools
 import importlib
 import importlib.metadata
 from abc import ABC, abstractmethod
-from collections.abc import Container, Generator, Iterable, Iterator, Sequence
+from collections.abc import Container, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
@@ -55,12 +55,20 @@ class NoOptions:
 class Backend(ABC):
     """What every backend shares: one way to be built, from the student model and named options, and closed.
 
-    Declare options as a frozen attrs class in ``Options`` (validators give errors that name the bad value); the
-    constructor receives the model and each option as a keyword. Override `create` only when building needs more
-    than that (e.g. starting an engine from the model's files).
+    Declare options as a frozen attrs class in ``Options`` (validators give errors that name the bad value). The
+    constructor receives the model positionally and each option as a keyword, and calls ``super().__init__(model,
+    **options)``, which keeps ``self.lm`` and the validated ``self.options`` (and ``self.capabilities``, when an
+    option changes them). Override `create` only when building needs more than that.
     """
 
     Options: ClassVar[type] = NoOptions
+
+    def __init__(self, lm: LM, /, **options: Any):
+        self.lm = lm
+        self.options = self.parse_options(options)
+        capabilities = self.capabilities_with(self.options)
+        if capabilities is not None:
+            self.capabilities = capabilities
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -171,17 +171,17 @@ def text_deltas(answers: Iterable[tuple[Completion, bool]]) -> Generator[str, No
     return last
 
 
-def check_fits(index: int, request: GenerationRequest, prompt_tokens: int, limit: int | None, limit_name: str,
-               fix: str = "") -> None:
+def check_fits(request: GenerationRequest, prompt_tokens: int, limit: int | None, limit_name: str, *,
+               index: int | None = None, fix: str = "") -> None:
     """The context check every runtime makes for each request before any compute: its cartridges, its prompt and
     ``max_new_tokens`` must fit the engine's position limit (`limit`, described as `limit_name`; None: no limit
-    known). An engine would otherwise cut the answer short, or fail the whole batch, without saying why."""
+    known; `index`: its place in the batch, for the message). An engine would otherwise cut the answer short, or fail the whole batch, without saying why."""
     p = sum(c.num_tokens for c in request.cartridges)
     n = request.params.max_new_tokens
     need = p + prompt_tokens + n
     if limit is not None and need > limit:
         raise ConfigError(
-            f"Request {index} ({p} cartridge tokens + {prompt_tokens} prompt tokens + max_new_tokens={n}) needs {need} "
+            f"{'The request' if index is None else f'Request {index}'} ({p} cartridge tokens + {prompt_tokens} prompt tokens + max_new_tokens={n}) needs {need} "
             f"tokens, more than {limit_name}; shorten the conversation, lower max_new_tokens or use a smaller "
             f"cartridge{fix}."
         )

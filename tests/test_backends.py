@@ -272,56 +272,6 @@ def test_an_engine_failure_says_what_is_saved_and_resumes(tiny_llama, tmp_path, 
     assert sorted(c.conv_id for c in ds) == [0, 1, 2, 3]
 
 
-# -- layout ------------------------------------------------------------------------------------------------------
-
-PACKAGE = Path(__file__).parent.parent / "cartridges_sdk"
-# lower layers never import higher ones; modules in one layer may import each other
-LAYERS = [
-    {"errors", "checks", "files", "distributed"},
-    {"identity", "rope", "kv"},
-    {"plugins"},
-    {"models"},
-    {"cartridge", "interop", "compaction"},
-    {"corpus", "dataset", "seeds", "evaluation"},
-    {"hf"},
-    {"synthesis", "training"},
-    {"selfstudy"},
-    {"store"},
-    {"server"},
-    {"testing", "cli", "__init__"},
-]
-# Cartridge.from_corpus hands off to the layer above, lazily (DESIGN.md); Cartridge.compact reads a corpus the
-# same way, lazily
-EXCEPTIONS = {("cartridge", "selfstudy"), ("cartridge", "corpus")}
-
-
-def _layer(module: str) -> int:
-    return next(i for i, group in enumerate(LAYERS) if module in group)
-
-
-def _imports(tree: ast.AST):
-    """Every `from . import` that runs (at import or inside functions); type-checking-only imports are not code."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            continue
-        if isinstance(node, ast.ImportFrom):
-            yield node
-        yield from _imports(node)
-
-
-def test_imports_run_down_the_data_flow():
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE)
-        module = rel.parts[0].removesuffix(".py")
-        for node in _imports(ast.parse(path.read_text())):
-            if node.level:
-                depth = node.level - (1 if len(rel.parts) > 1 else 0)  # inside hf/, ".." is the package
-                target = (node.module or "").split(".")[0] if depth == 1 else module
-                if not target or target == module or (module, target) in EXCEPTIONS:
-                    continue
-                assert _layer(target) <= _layer(module), f"{rel} imports .{target}, a layer above it"
-
-
 def test_importing_the_sdk_imports_no_engine():
     code = ("import sys, cartridges_sdk; print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('transformers', 'vllm', 'llama_cpp', 'openai') or m.startswith('cartridges_sdk.hf')))")

@@ -84,9 +84,9 @@ def test_bad_settings_are_refused_before_synthesis(tiny_llama, tmp_path, setting
 def test_cli_refuses_bad_settings_before_loading_a_model(tmp_path, capsys, monkeypatch, args, message):
     import re
 
-    import cartridges_sdk.cli as cli
+    import cartridges_sdk.cli.common as cli
 
-    monkeypatch.setattr(cli, "_model_for", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+    monkeypatch.setattr(cli, "model_for", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
     corpus = tmp_path / "doc.txt"
     corpus.write_text(TEXT)
     base = ["build", str(corpus), "-o", str(tmp_path / "c.safetensors"), "--tokens", "16"]
@@ -290,9 +290,9 @@ def test_wrong_questions_and_messages(tiny_llama):
 
 
 def test_cli_file_mistakes_are_one_line_errors(tmp_path, capsys, monkeypatch):
-    import cartridges_sdk.cli as cli
+    import cartridges_sdk.cli.common as cli
 
-    monkeypatch.setattr(cli, "_model_for", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+    monkeypatch.setattr(cli, "model_for", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
     (tmp_path / "bin.dat").write_bytes(b"\x00\x01\x02" * 100)
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
     (tmp_path / "ok.txt").write_text(TEXT)

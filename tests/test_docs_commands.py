@@ -120,15 +120,14 @@ AROUND: dict[tuple[str, str], tuple[str, str]] = {
     ("docs/writing-a-backend.md", "class LogOptions"): (
         "import attrs\n"
         "from cartridges_example.log import _writable_path\n"
-        "from cartridges_sdk import Runtime\n"
-        "from cartridges_sdk.hf import HFRuntime\n",
+        "from cartridges_sdk import Runtime\n",
         "from cartridges_example.runtime import LoggingRuntime as _Real\n"
         "assert [f.name for f in attrs.fields(LogOptions)] == [f.name for f in attrs.fields(_Real.Options)]\n"
         "docs_same_methods(LoggingRuntime, _Real)\n"),
     ("docs/writing-a-backend.md", "class Runtime(Backend)"): (
         "from __future__ import annotations\n"
         "from collections.abc import Generator, Sequence\n"
-        "from cartridges_sdk.plugins import Backend, Completion, GenerationRequest\n",
+        "from cartridges_sdk.kit import Backend, Completion, GenerationRequest\n",
         "import cartridges_sdk.plugins\n"
         "docs_same_methods(Runtime, cartridges_sdk.plugins.Runtime)\n"),
     ("docs/writing-a-backend.md", "class Synthesizer(Backend)"): (
@@ -136,20 +135,20 @@ AROUND: dict[tuple[str, str], tuple[str, str]] = {
         "from collections.abc import Sequence\n"
         "from typing import ClassVar\n"
         "from cartridges_sdk import ModelIdentity\n"
-        "from cartridges_sdk.plugins import Backend, Completion, SynthesisRequest, SynthesizerCapabilities\n",
+        "from cartridges_sdk.kit import Backend, Completion, SynthesisRequest, SynthesizerCapabilities\n",
         "import cartridges_sdk.plugins\n"
         "docs_same_methods(Synthesizer, cartridges_sdk.plugins.Synthesizer)\n"),
     ("docs/writing-a-backend.md", "SynthesizerCapabilities(\n"): (
         "from cartridges_sdk import SynthesizerCapabilities\n", ""),
-    ("docs/writing-a-backend.md", "def capabilities_for"): (
+    ("docs/writing-a-backend.md", "def capabilities_with"): (
         "import attrs\n"
         "from cartridges_sdk import SynthesizerCapabilities\n",
         "import cartridges_sdk.plugins\n"
-        "docs_same_signature(capabilities_for.__func__, cartridges_sdk.plugins.Synthesizer.capabilities_for)\n"),
+        "docs_same_signature(capabilities_with.__func__, cartridges_sdk.plugins.Synthesizer.capabilities_with)\n"),
     ("docs/writing-a-backend.md", "class Trainer(Backend)"): (
         "from __future__ import annotations\n"
         "from cartridges_sdk import Cartridge\n"
-        "from cartridges_sdk.plugins import Backend\n",
+        "from cartridges_sdk.kit import Backend\n",
         "import cartridges_sdk.plugins\n"
         "docs_same_methods(Trainer, cartridges_sdk.plugins.Trainer)\n"),
     ("docs/writing-a-backend.md", "def test_runtime_keeps_the_contract"): (

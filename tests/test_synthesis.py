@@ -13,7 +13,8 @@ from cartridges_sdk.build.dataset import ROLE_ASSISTANT, SelfStudyDataset, Shard
 from cartridges_sdk.hf import HFSynthesizer
 from cartridges_sdk.requests import SynthesisRequest
 from cartridges_sdk.build.selfstudy import train_cartridge
-from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize, teacher_prompt
+from cartridges_sdk.build.conversations import teacher_prompt
+from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
 
 from conftest import TEXT
 

@@ -8,7 +8,8 @@ import torch
 
 from cartridges_sdk import Cartridge, ConfigError
 from cartridges_sdk.build.dataset import Conversation
-from cartridges_sdk.build.training import TorchTrainer, TrainableCartridge, TrainConfig, pack, student_loss
+from cartridges_sdk.build.loss import student_loss
+from cartridges_sdk.build.training import TorchTrainer, TrainableCartridge, TrainConfig, pack
 
 from conftest import TEXT
 
@@ -165,7 +166,7 @@ def test_bad_training_settings():
 def test_chunked_output_loss_matches_autograd_of_the_plain_formula(monkeypatch, bias):
     """The output layer's loss and its gradient come chunk by chunk (the logits never exist whole); both must equal
     autograd's on the plain formula, with weights, partial teacher mass and repeated ids."""
-    from cartridges_sdk.build import training
+    from cartridges_sdk.build import loss
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=g, dtype=torch.float64)
@@ -180,9 +181,9 @@ def test_chunked_output_loss_matches_autograd_of_the_plain_formula(monkeypatch, 
     plain = -(weights * (top_p * logp.gather(-1, top_ids)).sum(-1)).sum()
     (3 * plain).backward()
 
-    monkeypatch.setattr(training, "OUTPUT_CHUNK", 10)
+    monkeypatch.setattr(loss, "OUTPUT_CHUNK", 10)
     chunked_h = hidden.clone().requires_grad_()
-    chunked = training.OutputLoss.apply(chunked_h, weight, b, top_ids, top_p, weights)
+    chunked = loss.OutputLoss.apply(chunked_h, weight, b, top_ids, top_p, weights)
     (3 * chunked).backward()
     assert float(chunked.detach()) == pytest.approx(float(plain.detach()), rel=1e-5)
     torch.testing.assert_close(chunked_h.grad, plain_h.grad.to(chunked_h.grad.dtype), rtol=1e-5, atol=1e-6)

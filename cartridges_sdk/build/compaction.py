@@ -25,13 +25,16 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from ..cartridge import Cartridge
 from ..checks import boolean, count, one_of, positive
-from ..errors import ConfigError
+from ..errors import ConfigError, UnsupportedModelError
+from ..fileformat import CartridgeMeta
 from ..identity import token_fingerprint
+from ..kv import sdpa_gqa_attention
 from ..rope import rope_inv_freq, shift_keys
+from .corpus import Corpus
 
 if TYPE_CHECKING:
-    from ..cartridge import Cartridge
     from ..lm import LM
 
 # questions a user might ask about any document; their queries (and those of the model's answers) stand in for
@@ -85,14 +88,22 @@ class CompactionConfig:
             raise ConfigError("corpus_queries=0 with no probe_questions leaves no reference queries to fit to.")
 
 
+def compact_corpus(lm: LM, corpus: Any, num_tokens: int, *, num_frozen: int = 1,
+                   config: CompactionConfig | None = None, progress: bool = False) -> Cartridge:
+    """`Cartridge.compact`: `corpus` is a text, a path, a `Corpus` or token ids."""
+    if torch.is_tensor(corpus) or (isinstance(corpus, (list, tuple)) and corpus and not isinstance(corpus[0], str)):
+        ids = lm.check_ids(corpus, "compact")
+    else:
+        ids = lm.encode(Corpus.coerce(corpus).text)
+    return compact(lm, ids, num_tokens, num_frozen=num_frozen, config=config, progress=progress)
+
+
 def compact(lm: LM, ids: Sequence[int], num_tokens: int, *, num_frozen: int = 1,
             config: CompactionConfig | None = None, progress: bool = False) -> Cartridge:
     """A `num_tokens` cartridge standing in for the corpus token ids `ids` (see the module docstring)."""
-    from ..cartridge import Cartridge, CartridgeMeta
-
     config = config or CompactionConfig()
     ids = [int(t) for t in ids]
-    Cartridge._check_size(num_tokens, num_frozen, len(ids))
+    Cartridge.check_size(num_tokens, num_frozen, len(ids))
     if num_frozen > 1:
         raise ConfigError(f"num_frozen={num_frozen}: compaction keeps one attention sink per chunk; use num_frozen=1 or 0.")
     chunks = _split(len(ids), _chunk_limit(lm, config, len(ids)))
@@ -171,12 +182,10 @@ class _Recorder:
         self.scaling: dict[int, float] = {}
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
-        from ..kv import _sdpa_gqa_attention
-
         q = query[0] if self.select is None else query[0].index_select(1, self.select.to(query.device))
         self.queries.setdefault(module.layer_idx, []).append(q.detach().float().cpu())
         self.scaling[module.layer_idx] = float(scaling if scaling is not None else module.scaling)
-        return _sdpa_gqa_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return sdpa_gqa_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
 _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("cartridges_recorder", default=None)
@@ -197,8 +206,6 @@ def _recording(lm: LM) -> Iterator[_Recorder]:
     The model is switched as a whole: do not answer with it from another thread meanwhile."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
-
-    from ..errors import UnsupportedModelError
 
     model = lm.model
     AttentionInterface.register(RECORDING, _recording_attention)
@@ -248,9 +255,7 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
         probe_q = {i: torch.cat(qs, dim=1) for i, qs in rec.queries.items()}
     layers = range(len(kv))
     if sorted(corpus_q) != list(layers) and sorted(probe_q) != list(layers):
-        from ..errors import UnsupportedModelError
-
-        raise UnsupportedModelError(
+            raise UnsupportedModelError(
             f"Model {lm.name!r}: queries were read from layers {sorted(corpus_q)} of {len(kv)}; compaction needs an "
             "attention layer that calls transformers' attention interface in every layer."
         )

@@ -44,11 +44,12 @@ class Conversation:
     group: int
     chunk: tuple[int, int]
     seed_kind: str
-    input_ids: np.ndarray  # int32 [n]
-    role_mask: np.ndarray  # int8 [n]
-    target_positions: np.ndarray  # int32 [t]
-    topk_ids: np.ndarray  # int32 [t, k]
-    topk_logprobs: np.ndarray  # float32 [t, k]
+    # arrays in the dtypes the Parquet file stores (given as lists or arrays of any dtype, converted here)
+    input_ids: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.int32))  # [n]
+    role_mask: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.int8))  # [n]
+    target_positions: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.int32))  # [t]
+    topk_ids: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.int32))  # [t, k]
+    topk_logprobs: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.float32))  # [t, k]
     messages: tuple[dict[str, str], ...] = ()
 
     @property
@@ -328,9 +329,9 @@ class SelfStudyDataset:
                     group=row["group"],
                     chunk=(row["chunk_start"], row["chunk_end"]),
                     seed_kind=row["seed_kind"],
-                    input_ids=np.asarray(row["input_ids"], dtype=np.int32),
-                    role_mask=np.asarray(row["role_mask"], dtype=np.int8),
-                    target_positions=np.asarray(row["target_positions"], dtype=np.int32),
+                    input_ids=row["input_ids"],
+                    role_mask=row["role_mask"],
+                    target_positions=row["target_positions"],
                     topk_ids=np.asarray(row["topk_ids"], dtype=np.int32).reshape(n_t, k),
                     topk_logprobs=np.asarray(row["topk_logprobs"], dtype=np.float32).reshape(n_t, k),
                     messages=tuple(json.loads(row["messages"])),

@@ -11,8 +11,8 @@ import math
 import random
 from collections.abc import Callable, Mapping
 
-from .dataset import SEED_KIND_DOCUMENT
 from ..errors import ConfigError
+from .dataset import SEED_KIND_DOCUMENT
 
 SeedFn = Callable[[random.Random], str]
 
@@ -28,55 +28,43 @@ def structuring(rng: random.Random) -> str:
     )
 
 
-def summarization(rng: random.Random) -> str:
-    return rng.choice(
-        [
-            "Write one message asking an assistant to summarise a particular passage of the text above. Say "
-            "precisely which passage you mean, using the names, titles or dates that appear in it. Reply with that "
-            "message only.",
-            "Write a short request for a summary of one section of the text above, identifying the section so that "
-            "nobody could mistake it for another. Reply with the request only.",
-        ]
-    )
+def _one_of(*prompts: str) -> SeedFn:
+    """A seed kind that picks one of `prompts` (a kind with a single prompt draws nothing from the generator)."""
+    if len(prompts) == 1:
+        return lambda rng: prompts[0]
+    return lambda rng: rng.choice(prompts)
 
 
-def question(rng: random.Random) -> str:
-    return rng.choice(
-        [
-            "Ask one question that checks whether someone really knows the text above. Mention the specific names, "
-            "numbers or terms the question is about. Reply with the question only.",
-            "Write a single question about a concrete fact stated in the text above, phrased so that it makes sense "
-            "to someone who cannot see the text. Reply with the question only.",
-            "You are quizzing a student on the passage above. Ask them one precise question about it, including "
-            "enough detail that the question is unambiguous. Reply with the question only.",
-        ]
-    )
-
-
-def use_case(rng: random.Random) -> str:
-    return (
-        "Think about what a person who has this text at hand might actually be trying to get done with it: a "
-        "decision, a task, a piece of work. Write the request or question that person would type to an assistant "
-        "while doing it. Reply with that request only."
-    )
-
-
-def creative(rng: random.Random) -> str:
-    return rng.choice(
-        [
-            "Start an imaginative conversation inspired by the text above with one open question to your partner. "
-            "Reply with the question only.",
-            "Invite your partner to think about the text above from an unusual angle, in one short message. Reply "
-            "with the message only.",
-        ]
-    )
-
-
-def generic(rng: random.Random) -> str:
-    return (
-        "Write one chat message that opens a conversation about the information in the text above: ask a question "
-        "about it or make a request. Reply with the message only."
-    )
+summarization = _one_of(
+    "Write one message asking an assistant to summarise a particular passage of the text above. Say precisely "
+    "which passage you mean, using the names, titles or dates that appear in it. Reply with that message "
+    "only.",
+    "Write a short request for a summary of one section of the text above, identifying the section so that "
+    "nobody could mistake it for another. Reply with the request only.",
+)
+question = _one_of(
+    "Ask one question that checks whether someone really knows the text above. Mention the specific names, "
+    "numbers or terms the question is about. Reply with the question only.",
+    "Write a single question about a concrete fact stated in the text above, phrased so that it makes sense "
+    "to someone who cannot see the text. Reply with the question only.",
+    "You are quizzing a student on the passage above. Ask them one precise question about it, including "
+    "enough detail that the question is unambiguous. Reply with the question only.",
+)
+use_case = _one_of(
+    "Think about what a person who has this text at hand might actually be trying to get done with it: a "
+    "decision, a task, a piece of work. Write the request or question that person would type to an assistant "
+    "while doing it. Reply with that request only.",
+)
+creative = _one_of(
+    "Start an imaginative conversation inspired by the text above with one open question to your partner. "
+    "Reply with the question only.",
+    "Invite your partner to think about the text above from an unusual angle, in one short message. Reply "
+    "with the message only.",
+)
+generic = _one_of(
+    "Write one chat message that opens a conversation about the information in the text above: ask a question "
+    "about it or make a request. Reply with the message only.",
+)
 
 
 _REGISTRY: dict[str, SeedFn] = {

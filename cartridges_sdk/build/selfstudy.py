@@ -15,16 +15,18 @@ import torch
 
 from ..cartridge import Cartridge
 from ..checks import PATH, require
+from ..errors import ConfigError
+from ..identity import token_fingerprint
+from ..lm import LM, resolve_dtype
+from ..models import load_model
+from ..plugins import Synthesizer, Trainer, synthesizers, trainers
+from .checkpoint import CHECKPOINT, RUN_LOG
 from .corpus import Corpus
 from .dataset import CORPUS_TEXT, SelfStudyDataset
 from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_torchrun
-from ..errors import ConfigError
-from ..identity import token_fingerprint
-from ..models import load_model
-from ..lm import LM, resolve_dtype
-from ..plugins import Synthesizer, Trainer, synthesizers, trainers
+from .loss import check_shardable
 from .synthesis import DEFAULT_CONVERSATIONS, SynthesisConfig, check_capabilities, check_context, synthesize
-from .training import CHECKPOINT, RUN_LOG, TrainConfig, check_shardable
+from .training import TrainConfig
 
 INITS = ("compact", "prefix", "random_text", "random")
 # where training starts: the corpus compacted (measured best, docs/self-study.md)
@@ -67,7 +69,7 @@ def check_settings(
     synth_settings, train_settings = split_settings(settings)
     if init not in INITS:
         raise ConfigError(f"init={init!r} must be one of {INITS}.")
-    Cartridge._check_size(num_tokens, num_frozen)
+    Cartridge.check_size(num_tokens, num_frozen)
     if init == "compact" and num_frozen > 1:
         raise ConfigError(f"num_frozen={num_frozen}: init='compact' keeps one attention sink; use num_frozen=1 or 0, "
                           "or init='prefix'.")

@@ -2,36 +2,36 @@
 
 For each group of conversations: sample a chunk of the corpus; participant A sees the chunk and a seed prompt and
 writes a message; participant B sees the chunk and answers. B's tokens, with the teacher's top-k log-probabilities,
-become the distillation targets for a student that sees the cartridge instead of the chunk.
+become the distillation targets for a student that sees the cartridge instead of the chunk. Here: the settings, their
+checks and the loop over groups (one process, a shard, or the ranks under torchrun); one group's conversations are
+made in `conversations.py`, the document windows in `windows.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import math
 import os
 import random
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 
 from ..checks import at_least_one, count, non_negative, optional_int
-from .corpus import ChunkSampler, Corpus
-from .dataset import (HEADER, ROLE_ASSISTANT, ROLE_DOCUMENT, ROLE_USER, SEED_KIND_DOCUMENT, Conversation,
-                      SelfStudyDataset, Shard, dataset_settings, describe_changes, group_counts)
-from .distributed import barrier, gather_from_ranks, lead_does, patient_group, process_group, under_torchrun
-from ..errors import BackendError, ConfigError, IncompatibleCartridgeError
+from ..errors import BackendError, ConfigError
 from ..files import folder_lock
-from ..lm import LM, Message
-from ..plugins import Synthesizer, SynthesizerCapabilities
-from ..requests import Completion, SynthesisRequest
+from ..lm import LM
+from ..plugins import Synthesizer, SynthesizerCapabilities, synthesizers
 from ..probe import check_same_model
+from .conversations import chunk_context, run_group
+from .corpus import ChunkSampler, Corpus
+from .dataset import HEADER, Conversation, SelfStudyDataset, Shard, dataset_settings, describe_changes, group_counts
+from .distributed import barrier, gather_from_ranks, lead_does, patient_group, process_group, under_torchrun
 from .seeds import DEFAULT_WEIGHTS, check_weights, sample_seed
+from .windows import document_windows
 
 PREFIX_IDS_KEPT = 4096
 
@@ -93,12 +93,6 @@ class SynthesisConfig:
         ChunkSampler(self.min_chunk, self.max_chunk)  # validates the pair
 
 
-def teacher_prompt(lm: LM, context_ids: Sequence[int] | None, messages: Sequence[Message]) -> list[int]:
-    """Token ids the teacher reads: the context as a document, then the chat turn by the prompt rule
-    (`LM.prompt_ids`), so teacher and student differ only in chunk versus cartridge."""
-    return lm.prompt_ids(messages, prefix_ids=context_ids or ())
-
-
 def check_capabilities(config: SynthesisConfig, capabilities: SynthesizerCapabilities, name: str) -> None:
     """Refuse settings the synthesizer cannot serve, naming each setting and its fix, before any work."""
     problems = []
@@ -151,38 +145,6 @@ def check_context(lm: LM, config: SynthesisConfig, corpus_tokens: int, num_token
         )
 
 
-def chunk_context(chunk_text: str, description: str | None) -> str:
-    """What the teacher sees in place of the cartridge: the optional description, then the chunk."""
-    return f"{description.strip()}\n\n{chunk_text}" if description else chunk_text
-
-
-def _student_sequence(lm: LM, turns: list[tuple[str, list[int]]]) -> tuple[list[int], list[int], list[int]] | str:
-    """Token ids, roles and target positions of a conversation as the student sees it (after a cartridge).
-
-    `turns` alternates ``(A's text, [])`` and ``(B's text, B's exact token ids)``. B's ids are used as sampled,
-    so the targets are exactly the tokens the teacher scored. Returns a reason string when the chat template
-    re-tokenizes earlier turns differently (then the conversation is skipped).
-    """
-    ids: list[int] = []
-    roles: list[int] = []
-    targets: list[int] = []
-    messages: list[Message] = []
-    for i in range(0, len(turns), 2):
-        user_text, _ = turns[i]
-        _, b_ids = turns[i + 1]
-        messages.append({"role": "user", "content": user_text})
-        full = lm.chat_ids(messages, after_cartridge=True)
-        if full[: len(ids)] != ids:
-            return "the chat template re-tokenizes earlier turns differently"
-        roles += [ROLE_USER] * (len(full) - len(ids))
-        ids = list(full)
-        targets += list(range(len(ids), len(ids) + len(b_ids)))
-        ids += b_ids
-        roles += [ROLE_ASSISTANT] * len(b_ids)
-        messages.append({"role": "assistant", "content": turns[i + 1][0]})
-    return ids, roles, targets
-
-
 def synthesize(
     corpus: Corpus | Any,
     lm: LM,
@@ -209,9 +171,7 @@ def synthesize(
     corpus = Corpus.coerce(corpus)
     config = config or SynthesisConfig()
     if synthesizer is None:
-        from ..hf import HFSynthesizer
-
-        synthesizer = HFSynthesizer(lm)
+        synthesizer = synthesizers.create("hf", lm)  # the built-in one, by name like any other
     check_capabilities(config, synthesizer.capabilities, type(synthesizer).__name__)
     ids = corpus.token_ids(lm)
     if config.document_windows and len(ids) < 2:
@@ -265,22 +225,33 @@ def _synthesize_across_ranks(lm: LM, synthesizer: Synthesizer, config: Synthesis
         lead_does(prepare)
         with patient_group() as waits:  # the slowest rank's share may end hours after the fastest's
             told = gather_from_ranks((dataset_settings(header), (Path(output) / HEADER).is_file()), waits)
-            lead_settings = told[0][0]
-            problems = [f"rank {r} was given other settings than rank 0 ({describe_changes(lead_settings, theirs)})"
-                        for r, (theirs, _) in enumerate(told) if theirs != lead_settings]
-            problems += [f"rank {r} does not see the dataset folder rank 0 prepared"
-                         for r, (_, sees) in enumerate(told) if not sees]
-            if problems:
-                raise ConfigError(f"The ranks cannot share this synthesis: {'; '.join(problems)} in {str(output)!r}. "
-                                  f"{SHARED_FOLDER}")
+            _check_ranks_share(told, output)
             _synthesize(lm, synthesizer, config, ids, SelfStudyDataset(output), Shard(rank, ranks),
                         progress and rank == 0)
             barrier(waits)  # every rank's share is written
             missing = gather_from_ranks(SelfStudyDataset(output).missing_groups(), waits)
-        unseen = [f"rank {r} does not see group(s) {m[:8]}" for r, m in enumerate(missing) if m]
-        if unseen:
-            raise ConfigError(f"{'; '.join(unseen)} in {str(output)!r}. {SHARED_FOLDER}")
+        _check_ranks_see_all(missing, output)
     return SelfStudyDataset(output)
+
+
+def _check_ranks_share(told: list[tuple[dict[str, Any], bool]], output: str | os.PathLike) -> None:
+    """Refuse ranks given other settings than rank 0 or not seeing the folder it prepared; `told` is each rank's
+    ``(dataset settings, sees the folder)``."""
+    lead_settings = told[0][0]
+    problems = [f"rank {r} was given other settings than rank 0 ({describe_changes(lead_settings, theirs)})"
+                for r, (theirs, _) in enumerate(told) if theirs != lead_settings]
+    problems += [f"rank {r} does not see the dataset folder rank 0 prepared"
+                 for r, (_, sees) in enumerate(told) if not sees]
+    if problems:
+        raise ConfigError(f"The ranks cannot share this synthesis: {'; '.join(problems)} in {str(output)!r}. "
+                          f"{SHARED_FOLDER}")
+
+
+def _check_ranks_see_all(missing: list[list[int]], output: str | os.PathLike) -> None:
+    """Refuse a dataset some rank does not see whole once all are written; `missing` is each rank's missing groups."""
+    unseen = [f"rank {r} does not see group(s) {m[:8]}" for r, m in enumerate(missing) if m]
+    if unseen:
+        raise ConfigError(f"{'; '.join(unseen)} in {str(output)!r}. {SHARED_FOLDER}")
 
 
 def _drop_damaged(dataset: SelfStudyDataset) -> None:
@@ -292,47 +263,25 @@ def _drop_damaged(dataset: SelfStudyDataset) -> None:
 
 def _synthesize(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, ids: list[int],
                 dataset: SelfStudyDataset, shard: Shard, progress: bool) -> SelfStudyDataset:
-    from tqdm.auto import tqdm
-
+    """Make `shard`'s groups that `dataset` is missing: conversation groups first, then document-window groups."""
     sampler = ChunkSampler(config.min_chunk, config.max_chunk)
-    group_size = config.conversations_per_chunk
     num_groups, window_groups = group_counts(attrs.asdict(config))
     mine = [g for g in range(num_groups + window_groups) if shard.owns(g)]
     todo = set(dataset.missing_groups(shard))
-    total = sum(_group_size(config, g, num_groups) for g in mine)
-    already = sum(_group_size(config, g, num_groups) for g in mine if g not in todo)
-    desc = "self-study synthesis" + (f" (shard {shard.index} of {shard.count})" if shard.count > 1 else "")
-    bar = tqdm(total=total, initial=already, desc=desc, unit="seq", disable=not progress)
+    bar = _progress_bar(config, shard, mine, todo, num_groups, progress)
     skipped: list[str] = []
     vocab = lm.identity.architecture["vocab_size"]
     try:
-        for g in range(num_groups):
-            if g not in todo:
-                continue
-            size = min(group_size, config.num_conversations - g * group_size)
-            rng = random.Random(f"{config.seed}:{g}")
-            start, end = sampler.sample(len(ids), rng)
-            context = chunk_context(lm.tokenizer.decode(ids[start:end]), config.description)
-            seeds = [sample_seed(rng, config.seed_weights) for _ in range(size)]
-            conversations = _run_group(lm, synthesizer, config, g, (start, end), context, seeds, rng)
-            kept = []
-            for conv in conversations:
-                if isinstance(conv, str):
-                    skipped.append(conv)
-                    continue
-                problems = conv.problems(vocab)
-                if problems:
-                    skipped.append(f"conversation {conv.conv_id}: {'; '.join(problems)}")
-                else:
-                    kept.append(conv)
-            dataset.write_group(g, kept)
-            bar.update(size)
-        for w in range(window_groups):
-            g = num_groups + w
+        for g in range(num_groups + window_groups):
             if g not in todo:
                 continue
             size = _group_size(config, g, num_groups)
-            dataset.write_group(g, _document_windows(lm, synthesizer, config, g, ids, w * config.windows_per_chunk, size))
+            if g < num_groups:
+                sequences = _conversation_group(lm, synthesizer, config, sampler, ids, g, size, vocab, skipped)
+            else:
+                first_id = (g - num_groups) * config.windows_per_chunk
+                sequences = document_windows(lm, synthesizer, config, g, ids, first_id, size)
+            dataset.write_group(g, sequences)
             bar.update(size)
     except BackendError as err:  # the engine failed; say what is kept and how to go on
         saved = len(dataset.done_groups() & set(mine))
@@ -346,147 +295,41 @@ def _synthesize(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, ids: 
     return dataset
 
 
+def _progress_bar(config: SynthesisConfig, shard: Shard, mine: list[int], todo: set[int], num_groups: int,
+                  progress: bool):
+    """A bar over this shard's sequences, starting at those already made."""
+    from tqdm.auto import tqdm
+
+    total = sum(_group_size(config, g, num_groups) for g in mine)
+    already = sum(_group_size(config, g, num_groups) for g in mine if g not in todo)
+    desc = "self-study synthesis" + (f" (shard {shard.index} of {shard.count})" if shard.count > 1 else "")
+    return tqdm(total=total, initial=already, desc=desc, unit="seq", disable=not progress)
+
+
+def _conversation_group(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, sampler: ChunkSampler,
+                        ids: list[int], group: int, size: int, vocab: int, skipped: list[str]) -> list[Conversation]:
+    """The conversations of `group` on a chunk drawn for it; those that cannot be kept are left out, their reasons
+    added to `skipped`."""
+    rng = random.Random(f"{config.seed}:{group}")
+    start, end = sampler.sample(len(ids), rng)
+    context = chunk_context(lm.tokenizer.decode(ids[start:end]), config.description)
+    seeds = [sample_seed(rng, config.seed_weights) for _ in range(size)]
+    kept = []
+    for conv in run_group(lm, synthesizer, config, group, (start, end), context, seeds, rng):
+        if isinstance(conv, str):
+            skipped.append(conv)
+            continue
+        problems = conv.problems(vocab)
+        if problems:
+            skipped.append(f"conversation {conv.conv_id}: {'; '.join(problems)}")
+        else:
+            kept.append(conv)
+    return kept
+
+
 def _group_size(config: SynthesisConfig, group: int, num_groups: int) -> int:
     """How many sequences group `group` holds: conversations first, then document windows."""
     if group < num_groups:
         return min(config.conversations_per_chunk, config.num_conversations - group * config.conversations_per_chunk)
     first = (group - num_groups) * config.windows_per_chunk
     return min(config.windows_per_chunk, config.document_windows - first)
-
-
-def window_chunk_start(n_tokens: int, length: int, width: int, index: int, seed: int) -> int:
-    """Start of the `index`-th document-window chunk (`length` tokens, read as windows of `width`).
-
-    Uniformly random starts would train the corpus's first and last windows several times less often than its
-    middle, and a document's opening (title, abstract, summary) is often what questions are about. Instead, starts
-    sweep the corpus evenly (each sweep in a random order, with jitter) over a range that reaches a chunk's length
-    beyond both ends, then are clamped into the corpus, so every window position is trained about equally often.
-    """
-    if n_tokens <= length:
-        return 0
-    lo, hi = -(length - width), n_tokens - width
-    tiles = math.ceil((hi - lo) / width) + 1
-    sweep, slot = divmod(index, tiles)
-    order = list(range(tiles))
-    random.Random(f"{seed}:windows:sweep:{sweep}").shuffle(order)
-    spacing = (hi - lo) / (tiles - 1)
-    jitter = random.Random(f"{seed}:windows:{index}").uniform(-spacing / 2, spacing / 2)
-    return min(max(round(lo + order[slot] * spacing + jitter), 0), n_tokens - length)
-
-
-def _document_windows(
-    lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, group: int, ids: Sequence[int], first_id: int, size: int
-) -> list[Conversation]:
-    """Windows of one chunk, each re-read by the teacher after the whole chunk and by the student after the cartridge.
-
-    A small model's synthetic conversations carry little of the text's facts, and a teacher that has only the
-    preceding text cannot predict the facts a window introduces. A teacher that has just read the chunk predicts
-    each window token as the text in context would (near-copies, soft where the model is unsure), which is what
-    the cartridge should make the student do without the chunk. See docs/self-study.md for the measurements.
-    """
-    width = min(config.window_tokens, len(ids))
-    length = min(size * width, len(ids))
-    start = window_chunk_start(len(ids), length, width, first_id // config.windows_per_chunk, config.seed)
-    context = lm.encode(chunk_context(lm.tokenizer.decode(ids[start : start + length]), config.description))
-    spans = [(start + k * width, min(start + (k + 1) * width, start + length)) for k in range(size)]
-    spans = [(a, b) for a, b in spans if b - a >= 2]  # synthesize() refuses corpora too short for any window
-    scores = synthesizer.score(context, [list(ids[a:b]) for a, b in spans], config.top_k)
-    out = []
-    for k, ((a, b), (top_ids, top_lps)) in enumerate(zip(spans, scores)):
-        n = b - a
-        out.append(
-            Conversation(
-                conv_id=config.num_conversations + first_id + k,  # after every conversation id
-                group=group,
-                chunk=(start, start + length),
-                seed_kind=SEED_KIND_DOCUMENT,
-                input_ids=np.asarray(ids[a:b], dtype=np.int32),
-                role_mask=np.full(n, ROLE_DOCUMENT, dtype=np.int8),
-                target_positions=np.arange(1, n, dtype=np.int32),
-                topk_ids=np.asarray(top_ids, dtype=np.int32),
-                topk_logprobs=np.asarray(top_lps, dtype=np.float32),
-            )
-        )
-    return out
-
-
-def _run_group(
-    lm: LM,
-    synthesizer: Synthesizer,
-    config: SynthesisConfig,
-    group: int,
-    chunk: tuple[int, int],
-    context: str,
-    seeds: list[tuple[str, str]],
-    rng: random.Random,
-) -> list[Conversation | str]:
-    # A only writes questions, so it may read the chunk however it reads best; small models ignore a chunk placed
-    # before the chat but use one inside the message. B is the teacher and reads the chunk where the cartridge sits.
-    a_in_message = config.a_context == "message"
-    a_first = (lambda seed: f"{context}\n\n{seed}") if a_in_message else (lambda seed: seed)
-    context_ids = lm.encode(context)
-    a_ctx = None if a_in_message else context_ids
-    stop_ids = tuple(sorted(lm.eos_token_ids))
-    a_hist: list[list[Message]] = [[{"role": "user", "content": a_first(seed)}] for _, seed in seeds]
-    b_hist: list[list[Message]] = [[] for _ in seeds]
-    turns: list[list[tuple[str, list[int]]]] = [[] for _ in seeds]
-    tops: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in seeds]
-    for _ in range(config.rounds):
-        a_out = synthesizer.complete(
-            [
-                SynthesisRequest(teacher_prompt(lm, a_ctx, h), stop_ids, config.max_tokens_a, config.temperature_a, 0,
-                                 group, rng.randrange(2**31))
-                for h in a_hist
-            ]
-        )
-        for i, a in enumerate(a_out):
-            text = a.text.strip()
-            a_hist[i].append({"role": "assistant", "content": text})
-            b_hist[i].append({"role": "user", "content": text})
-        b_out = synthesizer.complete(
-            [
-                SynthesisRequest(teacher_prompt(lm, context_ids, h), stop_ids, config.max_tokens_b, config.temperature_b,
-                                 config.top_k, group, rng.randrange(2**31))
-                for h in b_hist
-            ]
-        )
-        for i, b in enumerate(b_out):
-            text = b.text.strip()
-            turns[i] += [(a_hist[i][-1]["content"], []), (text, list(b.token_ids))]
-            tops[i].append((np.asarray(b.top_ids), np.asarray(b.top_logprobs)))
-            a_hist[i].append({"role": "user", "content": text})
-            b_hist[i].append({"role": "assistant", "content": text})
-
-    out: list[Conversation | str] = []
-    for i, (kind, _) in enumerate(seeds):
-        conv_id = group * config.conversations_per_chunk + i
-        if any(not t[0] for t in turns[i][::2]):
-            out.append(f"conversation {conv_id}: participant A wrote an empty message")
-            continue
-        seq = _student_sequence(lm, turns[i])
-        if isinstance(seq, str):
-            out.append(f"conversation {conv_id}: {seq}")
-            continue
-        ids, roles, targets = seq
-        messages = tuple({"role": "user" if j % 2 == 0 else "assistant", "content": t[0]} for j, t in enumerate(turns[i]))
-        if config.targets == "all":  # every token after the first, scored by the teacher with the chunk in context
-            top_ids, top_lps = synthesizer.score(context_ids, [ids], config.top_k)[0]
-            targets = list(range(1, len(ids)))
-        else:
-            top_ids = np.concatenate([t[0].reshape(-1, config.top_k) for t in tops[i]])
-            top_lps = np.concatenate([t[1].reshape(-1, config.top_k) for t in tops[i]])
-        out.append(
-            Conversation(
-                conv_id=conv_id,
-                group=group,
-                chunk=chunk,
-                seed_kind=kind,
-                input_ids=np.asarray(ids, dtype=np.int32),
-                role_mask=np.asarray(roles, dtype=np.int8),
-                target_positions=np.asarray(targets, dtype=np.int32),
-                topk_ids=top_ids.astype(np.int32),
-                topk_logprobs=top_lps.astype(np.float32),
-                messages=messages,
-            )
-        )
-    return out

@@ -20,26 +20,21 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 from ..cartridge import Cartridge, CartridgeMeta
 from ..checks import at_least_one, boolean, count, fraction, non_negative, one_of, optional_int, positive
+from ..errors import ConfigError
+from ..files import folder_lock
+from ..lm import LM, autocast
+from ..plugins import Trainer, TrainerCapabilities
+from .checkpoint import CHECKPOINT, RUN_LOG, load_checkpoint, run_settings, save_checkpoint
 from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
 from .distributed import (gather_from_ranks, lead_does, on_cpu, process_group, ranks_in_env, sum_across_ranks,
                           sum_numbers_across_ranks)
-from ..errors import ConfigError
-from ..files import atomic_write, folder_lock
-from ..identity import token_fingerprint
-from ..lm import LM, autocast
-from ..plugins import Trainer, TrainerCapabilities
+from .loss import Student, check_shardable, sharded_student, student_loss, target_weights
+from .memory import peak_memory_mb, reset_peak_memory
 
-CHECKPOINT = "checkpoint.pt"
-RUN_LOG = "train_log.jsonl"
-# how often to save or evaluate does not change what is trained, so a resume may change them
-NOT_SHAPING = ("checkpoint_every", "checkpoint_seconds", "eval_every")
-# target positions whose logits are in memory at once (256 x a 50k vocabulary in float32 = 50 MB)
-OUTPUT_CHUNK = 256
 
 
 @attrs.frozen
@@ -138,168 +133,6 @@ class TrainableCartridge(torch.nn.Module):
         return Cartridge([k.detach().to(dtype).clone() for k, _ in kv], [v.detach().to(dtype).clone() for _, v in kv], meta, lm=lm)
 
 
-def target_weights(batch: Sequence[Conversation], conversation_weight: float = 1.0) -> np.ndarray:
-    """Each target token's weight in the loss: 1 for document windows, `conversation_weight` for conversations."""
-    return np.concatenate([
-        np.full(len(c.target_positions), 1.0 if c.seed_kind == SEED_KIND_DOCUMENT else conversation_weight, np.float32)
-        for c in batch
-    ])
-
-
-class Student(torch.nn.Module):
-    """The frozen model's body and output layer as one module whose forward is the loss.
-
-    One module, so FSDP2 can shard the whole model (`shard_model`): its root unit gathers the embeddings, final norm
-    and output layer for the forward, while each decoder layer is a unit of its own."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids, attention_mask, position_ids, cache, rows, positions, top_ids, top_p, weights):
-        hidden = self.model.base_model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
-                                       past_key_values=cache, use_cache=True).last_hidden_state
-        head = self.model.get_output_embeddings()
-        return OutputLoss.apply(hidden[rows, positions], head.weight, head.bias, top_ids, top_p, weights)
-
-
-def check_shardable(ranks: int) -> None:
-    """Refuse `shard_model` where there is nothing to shard across, before any work."""
-    if ranks < 2:
-        raise ConfigError("shard_model=True splits the model across ranks; run under torchrun with 2 or more "
-                          "(--nproc N), or train without it.")
-
-
-def sharded_student(lm: LM) -> Student:
-    """Shard `lm`'s frozen weights across the ranks with FSDP2 (each decoder layer a unit, the rest the root unit),
-    in place: afterwards `lm` serves only this training. The cartridge is not part of it and stays whole on every
-    rank."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    layers = getattr(lm.model.base_model, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ConfigError(f"shard_model=True needs a model whose decoder layers are `model.layers` (Llama, Qwen2, "
-                          f"Mistral, ...); {type(lm.model).__name__} has none. Train without shard_model.")
-    mesh = init_device_mesh(lm.device.type, (dist.get_world_size(),))
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(Student(lm.model), mesh=mesh)
-
-
-def student_loss(
-    lm: LM, cartridge: TrainableCartridge, batch: Sequence[Conversation], objective: str = "distill",
-    conversation_weight: float = 1.0, student: Student | None = None,
-) -> tuple[torch.Tensor, float]:
-    """Weighted sum of the loss over the batch's target tokens, and the sum of weights (divide for the mean).
-
-    With the default weights each target token counts once, so the second value is the number of target tokens.
-    `student` is the model as `sharded_student` made it, when it is sharded."""
-    from transformers import DynamicCache
-
-    device = lm.device
-    rows = len(batch)
-    width = max(c.num_tokens for c in batch)
-    ids = torch.full((rows, width), lm.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    for r, c in enumerate(batch):
-        ids[r, : c.num_tokens] = torch.from_numpy(c.input_ids.astype(np.int64))
-        mask[r, : c.num_tokens] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    layers = cartridge.layers()
-    p = layers[0][0].shape[1]
-    dtype = lm.dtype
-    data = [(k.to(dtype)[None].expand(rows, -1, -1, -1), v.to(dtype)[None].expand(rows, -1, -1, -1)) for k, v in layers]
-    cache = DynamicCache(ddp_cache_data=data, config=lm.model.config)
-    # only the positions that predict a target token go through the (large) output layer
-    row_idx = torch.cat([torch.full((len(c.target_positions),), r, dtype=torch.long) for r, c in enumerate(batch)])
-    pos = torch.cat([torch.from_numpy(c.target_positions.astype(np.int64)) for c in batch])
-    if objective == "ntp":
-        top_ids = ids[row_idx.to(device), pos.to(device)][:, None]
-        top_p = torch.ones(top_ids.shape, device=device)
-    else:
-        top_ids = torch.from_numpy(np.concatenate([c.topk_ids for c in batch]).astype(np.int64)).to(device)
-        top_p = torch.from_numpy(np.concatenate([c.topk_logprobs for c in batch])).to(device).exp()
-    weights = target_weights(batch, conversation_weight)
-    loss = (student or Student(lm.model))(
-        ids, torch.cat([torch.ones(rows, p, dtype=torch.long, device=device), mask], dim=1),
-        (p + torch.arange(width, device=device))[None].expand(rows, -1), cache, row_idx.to(device),
-        (pos - 1).to(device), top_ids, top_p, torch.from_numpy(weights).to(device),
-    )
-    return loss, float(weights.sum())
-
-
-class OutputLoss(torch.autograd.Function):
-    """The output layer and the loss at the target positions, ``OUTPUT_CHUNK`` positions at a time.
-
-    Per target position: ``-sum_k p(k) log softmax(h W^T + b)_k`` over the target's ids `k` (the teacher's top-k, or
-    the next token with ``p = 1``), times its weight; summed. The gradient with respect to the hidden states is
-    worked out in the same pass, so the ``[targets, vocab]`` logits never exist whole (in float32 with their
-    log-softmax and gradients they took about 1 GB more in a 2,048-token step). The layer is frozen: it gets no
-    gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, top_ids, top_p, weights):
-        need_grad = ctx.needs_input_grad[0]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad = torch.empty_like(hidden) if need_grad else None
-        for start in range(0, hidden.shape[0], OUTPUT_CHUNK):
-            rows = slice(start, start + OUTPUT_CHUNK)
-            logits = torch.nn.functional.linear(hidden[rows], weight, bias).float()
-            lse = logits.logsumexp(-1)
-            p, w = top_p[rows].float(), weights[rows].float()
-            mass = p.sum(-1)
-            total += (w * (mass * lse - (p * logits.gather(-1, top_ids[rows])).sum(-1))).sum()
-            if need_grad:  # d loss / d logits = w * (mass * softmax - p at the target ids)
-                g = (logits - lse[:, None]).exp_().mul_((w * mass)[:, None])
-                g.scatter_add_(-1, top_ids[rows], -(w[:, None] * p))
-                grad[rows] = g.to(weight.dtype) @ weight
-        if need_grad:
-            ctx.save_for_backward(grad)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_output.to(grad.dtype), None, None, None, None, None
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    """Peak memory since `_reset_peak_memory`: the accelerator's allocations, or on CPU the process's peak
-    resident memory (model and data included)."""
-    accelerator = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, ... expose the same counter
-    if device.type != "cpu" and hasattr(accelerator, "max_memory_allocated"):
-        return accelerator.max_memory_allocated(device) / 2**20
-    peak = process_memory_mb("VmHWM")
-    if peak is None:  # not Linux
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux; macOS reports bytes
-    return peak
-
-
-def process_memory_mb(field: str = "VmRSS") -> float | None:
-    """A memory figure of this process from Linux's ``/proc/self/status`` (``VmRSS`` now, ``VmHWM`` the peak), or
-    None where there is no such file."""
-    try:
-        return int(Path("/proc/self/status").read_text().split(f"{field}:")[1].split()[0]) / 1024  # KiB
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _reset_peak_memory(device: torch.device) -> None:
-    """Start the peak over, so training's figure is not synthesis's (on CPU, Linux only: elsewhere it stays the
-    process's peak so far)."""
-    accelerator = getattr(torch, device.type, None)
-    if device.type != "cpu" and hasattr(accelerator, "reset_peak_memory_stats"):
-        accelerator.reset_peak_memory_stats(device)
-        return
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
-
-
 def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -326,10 +159,11 @@ class TorchTrainer(Trainer):
     capabilities = TrainerCapabilities(distributed=True)
 
     def __init__(self, model: LM | None = None, *, resume: bool = True, shard_model: bool = False):
-        if shard_model:
+        super().__init__(model, resume=resume, shard_model=shard_model)
+        if self.options.shard_model:
             check_shardable(ranks_in_env())
-        self.resume = resume
-        self.shard_model = shard_model
+        self.resume = self.options.resume
+        self.shard_model = self.options.shard_model
         self.config = TrainConfig()
         self.history: list[dict[str, Any]] = []
         self.rank, self.world = 0, 1
@@ -377,163 +211,172 @@ class TorchTrainer(Trainer):
         finally:  # the group is gone: later calls (evaluate) run as one process again
             self.rank, self.world, self.student = 0, 1, None
 
-    def _resume(self, ckpt: Path, run: dict[str, Any], params: list[torch.nn.Parameter],
-                opt: torch.optim.Optimizer) -> int:
-        """Load the checkpoint into `params` and `opt` (refusing one of another run); the step it reached."""
-        state = torch.load(ckpt, map_location=params[0].device, weights_only=True)
-        if "grad_accum" in state.get("run", {}).get("config", {}):  # recorded by one process, before ranks
-            config_then = dict(state["run"]["config"])
-            config_then["micro_batches_per_step"] = config_then.pop("grad_accum")
-            state["run"] = {**state["run"], "config": config_then}
-        if state.get("run") != run:
-            changes = describe_changes(state["run"], run) if "run" in state else "made by an older version"
-            raise ConfigError(
-                f"The checkpoint in {str(ckpt.parent)!r} was made with other settings or data ({changes}); start "
-                "over with restart=True (--restart), or use another folder."
-            )
-        with torch.no_grad():
-            for mine, saved in zip(params, state["params"]):
-                mine.copy_(saved)
-        opt.load_state_dict(state["optimizer"])
-        self.history = state.get("history", [])
-        return state["step"]
-
     def _fit(self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM, config: TrainConfig,
              output_dir: Path | None, progress: bool) -> Cartridge:
-        from tqdm.auto import tqdm
-
         self.config = cfg = config
         lm = model
         if self.shard_model:
             check_shardable(self.world)
             self.student = sharded_student(lm)
+        conversations = self._conversations(dataset)
+        train, held_out = split_eval(conversations, cfg.eval_fraction, cfg.seed)
+        steps = optimizer_steps(train, cfg)
+        if self.rank == 0:
+            warn_idle_ranks(cfg.grad_accum, self.world)
+        cart = TrainableCartridge(init).to(lm.device)
+        opt = torch.optim.Adam(list(cart.keys) + list(cart.values), lr=cfg.lr)
+        if output_dir and self.rank == 0:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        run = run_settings(cfg, init, conversations)
+        step = self._start(cart, opt, run, output_dir / CHECKPOINT if output_dir else None)
+        step = self._train(lm, cart, opt, steps, step, held_out, run, output_dir, progress)
+        return self._finish(init, cart, step, train, held_out)
+
+    def _conversations(self, dataset: SelfStudyDataset | Sequence[Conversation]) -> list[Conversation]:
+        """The conversations to train on: all of them, or the document windows alone when conversations weigh 0."""
         conversations = list(dataset)
         if not conversations:
             raise ConfigError("The self-study dataset has no conversations to train on.")
-        if cfg.conversation_weight == 0:  # weightless conversations would only cost time (and empty batches)
+        if self.config.conversation_weight == 0:  # weightless conversations would only cost time (and empty batches)
             conversations = [c for c in conversations if c.seed_kind == SEED_KIND_DOCUMENT]
             if not conversations:
                 raise ConfigError("conversation_weight=0 but the dataset has no document windows to train on; "
                                   "give conversations a weight > 0 or synthesize with document_windows > 0.")
-        train, held_out = split_eval(conversations, cfg.eval_fraction, cfg.seed)
-        steps = optimizer_steps(train, cfg)
-        total_steps = len(steps)
-        if self.rank == 0:
-            warn_idle_ranks(cfg.grad_accum, self.world)
+        return conversations
 
-        cart = TrainableCartridge(init).to(lm.device)
+    def _start(self, cart: TrainableCartridge, opt: torch.optim.Optimizer, run: dict[str, Any],
+               ckpt: Path | None) -> int:
+        """The step to start from: the checkpoint's when resuming, else 0; under torchrun every rank starts from
+        rank 0's state."""
         params = list(cart.keys) + list(cart.values)
-        opt = torch.optim.Adam(params, lr=cfg.lr)
-        ckpt = output_dir / CHECKPOINT if output_dir else None
-        lead = self.rank == 0
-        if output_dir and lead:
-            output_dir.mkdir(parents=True, exist_ok=True)
-        # everything that shapes the result: a checkpoint made otherwise is refused, naming what differs. The ranks do
-        # not shape it, so a run resumes on any number of them. grad_accum keeps the name checkpoints gave the
-        # micro-batches per step when N ranks took N x grad_accum: those resume with grad_accum set to what they say
-        shaping = {k: v for k, v in attrs.asdict(cfg).items() if k not in NOT_SHAPING and k != "grad_accum"}
-        run = {
-            "config": {**shaping, "micro_batches_per_step": cfg.grad_accum},
-            "start": {"init": init.meta.init, "num_tokens": init.num_tokens, "num_frozen": init.num_frozen,
-                      "content": init.fingerprint},
-            "data": {"sequences": len(conversations),
-                     "content": token_fingerprint([x for c in conversations for x in (c.conv_id, c.num_tokens)])},
-        }
 
         def resume() -> int:  # the step reached, or 0; rank 0 alone reads the folder, and its failure stops all
-            return self._resume(ckpt, run, params, opt) if ckpt and ckpt.is_file() and self.resume else 0
+            if not (ckpt and ckpt.is_file() and self.resume):
+                return 0
+            step, self.history = load_checkpoint(ckpt, run, params, opt)
+            return step
 
         step = lead_does(resume) or 0
-        if self.world > 1:  # every rank starts from rank 0's state, whatever files or start each one had
-            told = gather_from_ranks((
-                {k: run[k] for k in ("config", "data")},  # not the start: only rank 0's is real
-                on_cpu({"params": list(params), "optimizer": opt.state_dict(), "step": step, "history": self.history,
-                        "frozen": [*cart.frozen_keys, *cart.frozen_values]}) if lead else None,
-            ))
-            differ = [f"rank {r}: {describe_changes(told[0][0], theirs)}" for r, (theirs, _) in enumerate(told)
-                      if theirs != told[0][0]]
-            if differ:
-                raise ConfigError(f"The ranks were given other training data or settings than rank 0 "
-                                  f"({'; '.join(differ)}); give every rank the same dataset and settings.")
-            start_state = told[0][1]
-            self.history = start_state["history"]
-            with torch.no_grad():
-                for mine, given in zip([*params, *cart.frozen_keys, *cart.frozen_values],
-                                       [*start_state["params"], *start_state["frozen"]], strict=True):
-                    mine.copy_(given)
-            opt.load_state_dict(start_state["optimizer"])
-            step = start_state["step"]
+        if self.world > 1:
+            step = self._adopt_lead_state(cart, opt, run, step)
+        return step
 
+    def _adopt_lead_state(self, cart: TrainableCartridge, opt: torch.optim.Optimizer, run: dict[str, Any],
+                          step: int) -> int:
+        """Every rank takes rank 0's cartridge, optimizer, step and history, whatever files or start each one had
+        (refusing ranks given other data or settings); the step."""
+        params = list(cart.keys) + list(cart.values)
+        told = gather_from_ranks((
+            {k: run[k] for k in ("config", "data")},  # not the start: only rank 0's is real
+            on_cpu({"params": list(params), "optimizer": opt.state_dict(), "step": step, "history": self.history,
+                    "frozen": [*cart.frozen_keys, *cart.frozen_values]}) if self.rank == 0 else None,
+        ))
+        differ = [f"rank {r}: {describe_changes(told[0][0], theirs)}" for r, (theirs, _) in enumerate(told)
+                  if theirs != told[0][0]]
+        if differ:
+            raise ConfigError(f"The ranks were given other training data or settings than rank 0 "
+                              f"({'; '.join(differ)}); give every rank the same dataset and settings.")
+        start_state = told[0][1]
+        self.history = start_state["history"]
+        with torch.no_grad():
+            for mine, given in zip([*params, *cart.frozen_keys, *cart.frozen_values],
+                                   [*start_state["params"], *start_state["frozen"]], strict=True):
+                mine.copy_(given)
+        opt.load_state_dict(start_state["optimizer"])
+        return start_state["step"]
+
+    def _train(self, lm: LM, cart: TrainableCartridge, opt: torch.optim.Optimizer,
+               steps: list[list[list[Conversation]]], step: int, held_out: list[Conversation], run: dict[str, Any],
+               output_dir: Path | None, progress: bool) -> int:
+        """Take the optimizer steps from `step` on, logging each and checkpointing when due; the step reached."""
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        params = list(cart.keys) + list(cart.values)
+        total_steps = len(steps)
+        lead = self.rank == 0
+        ckpt = output_dir / CHECKPOINT if output_dir else None
         log = (output_dir / RUN_LOG).open("a") if output_dir and lead else None
         bar = tqdm(total=total_steps, initial=step, desc="training cartridge", unit="step", disable=not progress)
         start, tokens_seen = time.perf_counter(), 0
         saved_at = start
-        _reset_peak_memory(lm.device)
+        reset_peak_memory(lm.device)
         try:
             while step < total_steps:
                 lr = _lr_at(step, total_steps, cfg)
-                for group in opt.param_groups:
-                    group["lr"] = lr
-                chunk = steps[step]
-                n_targets = sum(float(target_weights(b, cfg.conversation_weight).sum()) for b in chunk)
-                for p in params:  # zeros rather than None: a rank with no share still adds its (zero) gradient
-                    p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
-                loss_sum, step_tokens = 0.0, 0
-                for batch, weight in self._share(chunk):  # this rank's share of the step
-                    with self._autocast(lm):
-                        loss, _ = student_loss(lm, cart, batch, cfg.objective, cfg.conversation_weight, self.student)
-                    (loss * (weight / n_targets)).backward()
-                    loss_sum += weight * float(loss.detach())
-                    step_tokens += round(weight) * sum(c.num_tokens for c in batch)
-                if self.world > 1:  # every rank now holds the gradient of the whole step, and takes the same step
-                    sum_across_ranks([p.grad for p in params])
-                    loss_sum, step_tokens = sum_numbers_across_ranks([loss_sum, step_tokens], params[0].device)
-                    step_tokens = int(step_tokens)
+                loss, step_tokens, grad_norm = self._step(lm, cart, opt, steps[step], lr)
                 tokens_seen += step_tokens
-                grad_norm = None
-                if cfg.max_grad_norm:
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-                opt.step()
                 step += 1
                 elapsed = time.perf_counter() - start
                 record = {
                     "step": step,
-                    "loss": loss_sum / n_targets,
+                    "loss": loss,
                     "lr": lr,
                     "grad_norm": grad_norm,
                     "tokens_per_s": tokens_seen / elapsed,
                     "elapsed_s": elapsed,
-                    "peak_memory_mb": _peak_memory_mb(lm.device),
+                    "peak_memory_mb": peak_memory_mb(lm.device),
                 }
                 if held_out and (step % cfg.eval_every == 0 or step == total_steps):
                     record["eval_loss"] = self.evaluate(lm, cart, held_out)
-                self.history.append(record)
-                if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                bar.set_postfix(
-                    loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                    mem=f"{record['peak_memory_mb']:.0f}MB", **({"eval": f"{record['eval_loss']:.3f}"} if "eval_loss" in record else {}),
-                )
-                bar.update(1)
+                self._record(record, log, bar)
                 due = time.perf_counter() - saved_at >= cfg.checkpoint_seconds
                 if ckpt and lead and (step % cfg.checkpoint_every == 0 or step == total_steps or due):
                     saved_at = time.perf_counter()
-                    atomic_write(ckpt, lambda tmp, state={
-                        "step": step,
-                        "params": [p.detach().cpu() for p in params],
-                        "optimizer": opt.state_dict(),
-                        "run": run,
-                        "history": self.history,
-                    }: torch.save(state, tmp))
+                    save_checkpoint(ckpt, step, params, opt, run, self.history)
         finally:
             bar.close()
             if log:
                 log.close()
+        return step
+
+    def _step(self, lm: LM, cart: TrainableCartridge, opt: torch.optim.Optimizer, chunk: list[list[Conversation]],
+              lr: float) -> tuple[float, int, float | None]:
+        """One optimizer step on `chunk`'s micro-batches (this rank's share of them); the step's mean loss, the
+        tokens it went through (all ranks) and the gradient norm before clipping (None without clipping)."""
+        cfg = self.config
+        params = list(cart.keys) + list(cart.values)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        n_targets = sum(float(target_weights(b, cfg.conversation_weight).sum()) for b in chunk)
+        for p in params:  # zeros rather than None: a rank with no share still adds its (zero) gradient
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        loss_sum, step_tokens = 0.0, 0
+        for batch, weight in self._share(chunk):  # this rank's share of the step
+            with self._autocast(lm):
+                loss, _ = student_loss(lm, cart, batch, cfg.objective, cfg.conversation_weight, self.student)
+            (loss * (weight / n_targets)).backward()
+            loss_sum += weight * float(loss.detach())
+            step_tokens += round(weight) * sum(c.num_tokens for c in batch)
+        if self.world > 1:  # every rank now holds the gradient of the whole step, and takes the same step
+            sum_across_ranks([p.grad for p in params])
+            loss_sum, step_tokens = sum_numbers_across_ranks([loss_sum, step_tokens], params[0].device)
+            step_tokens = int(step_tokens)
+        grad_norm = None
+        if cfg.max_grad_norm:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        opt.step()
+        return loss_sum / n_targets, step_tokens, grad_norm
+
+    def _record(self, record: dict[str, Any], log, bar) -> None:
+        """Keep a step's record in the history and the run log, and show it on the progress bar."""
+        self.history.append(record)
+        if log:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+        bar.set_postfix(
+            loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}",
+            mem=f"{record['peak_memory_mb']:.0f}MB", **({"eval": f"{record['eval_loss']:.3f}"} if "eval_loss" in record else {}),
+        )
+        bar.update(1)
+
+    def _finish(self, init: Cartridge, cart: TrainableCartridge, step: int, train: list[Conversation],
+                held_out: list[Conversation]) -> Cartridge:
+        """The trained cartridge, its metadata recording how it was trained."""
         final = self.history[-1] if self.history else {}
         training = {
             "trainer": "torch",
-            "config": attrs.asdict(cfg),
+            "config": attrs.asdict(self.config),
             "steps": step,
             "conversations": len(train),
             "held_out_conversations": len(held_out),

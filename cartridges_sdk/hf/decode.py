@@ -13,15 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import ConfigError
-from ..kv import rows_prefix_cache
-from ..requests import Completion, GenerationParams
-from ..sampling import ends_answer, sample_next
+from ..kit import Completion, ConfigError, ends_answer, GenerationParams, Layers, rows_prefix_cache, sample_next
 
 if TYPE_CHECKING:
-    from ..lm import LM
+    from ..kit import LM
 
-Layers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 class DecodeState:

@@ -9,15 +9,12 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from ..checks import at_least_one
-from ..kv import concat_layers, refuse_foreign
-from ..plugins import ContinuousRuntime
-from ..requests import Completion, GenerationParams, GenerationRequest
-from .decode import DecodeState, Layers, decode, row_completion
+from ..kit import (at_least_one, check_fits, Completion, concat_layers, ContinuousRuntime, GenerationParams,
+    GenerationRequest, join_layers, Layers, Recent, refuse_foreign)
+from .decode import DecodeState, decode, row_completion
 
 if TYPE_CHECKING:
-    from ..cartridge import Cartridge
-    from ..lm import LM
+    from ..kit import LM, Cartridge
 
 
 @attrs.frozen
@@ -49,55 +46,36 @@ class HFRuntime(ContinuousRuntime):
     Options = HFRuntimeOptions
 
     def __init__(self, lm: LM, *, max_installed: int = 64):
-        self.lm = lm
-        self.max_installed = max_installed
-        self._installed: OrderedDict[str, Layers] = OrderedDict()
-        self.installs = 0  # cartridges moved into the model's device and dtype (each content once while it stays)
+        super().__init__(lm, max_installed=max_installed)
+        self._installed: Recent[Layers] = Recent(self.options.max_installed)  # on the model's device and dtype, by content
         self._handles = itertools.count()
         self._waiting: OrderedDict[str, tuple[GenerationRequest, list[int]]] = OrderedDict()  # added, not started
         self._running: _Decoding | None = None
         self.widest_batch = 0  # the most requests add/step decoded together so far
 
+    @property
+    def installs(self) -> int:
+        """Cartridges moved into the model's device and dtype so far (each content once while it stays)."""
+        return self._installed.made
+
     def _install(self, cartridge: Cartridge) -> Layers:
-        key = cartridge.fingerprint
-        if key in self._installed:
-            self._installed.move_to_end(key)
-        else:
-            self._installed[key] = concat_layers(self.lm, [cartridge])
-            self.installs += 1
-            while len(self._installed) > self.max_installed:
-                self._installed.popitem(last=False)
-        return self._installed[key]
+        return self._installed.get(cartridge.fingerprint, lambda: concat_layers(self.lm, [cartridge]))
 
     def _prefix(self, request: GenerationRequest) -> Layers | None:
         parts = [self._install(c) for c in request.cartridges]
-        if not parts:
-            return None
-        if len(parts) == 1:
-            return parts[0]
-        import torch
-
-        return [(torch.cat([p[i][0] for p in parts], dim=1), torch.cat([p[i][1] for p in parts], dim=1))
-                for i in range(len(parts[0]))]
+        return join_layers(parts) if parts else None
 
     def _prompt(self, request: GenerationRequest) -> list[int]:
-        """Plain prefix tokens, then the chat turn by the one rule for what follows a cartridge or a document."""
-        after = bool(request.cartridges or request.prefix_ids)
-        return list(request.prefix_ids) + self.lm.chat_ids(request.messages, after_cartridge=after)
+        return self.lm.prompt_ids(request.messages, prefix_ids=request.prefix_ids, after_cartridge=bool(request.cartridges))
 
     def _check(self, requests: Sequence[GenerationRequest]) -> list[list[int]]:
         """The whole batch, before any decoding: every cartridge fits the model, every request fits the context.
         Returns each request's prompt ids, rendered once here for the check and for decoding."""
         refuse_foreign(self.lm, [c for r in requests for c in r.cartridges])
         prompts = [self._prompt(r) for r in requests]
+        limit = self.lm.max_context
         for i, (r, prompt) in enumerate(zip(requests, prompts)):
-            p = sum(c.num_tokens for c in r.cartridges)
-            self.lm.check_context(
-                p + len(prompt) + r.params.max_new_tokens,
-                f"Request {i} ({p} cartridge tokens + {len(prompt)} prompt tokens + "
-                f"max_new_tokens={r.params.max_new_tokens})",
-                "shorten the conversation, lower max_new_tokens or use a smaller cartridge",
-            )
+            check_fits(r, len(prompt), limit, f"the {limit}-token context of {self.lm.name!r}", index=i)
         return prompts
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:

@@ -8,17 +8,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from ..checks import one_of
-from ..identity import ModelIdentity
-from ..kv import concat_layers
-from ..lm import autocast, resolve_dtype
-from ..plugins import Synthesizer, SynthesizerCapabilities
-from ..requests import Completion, GenerationParams, SynthesisRequest
+from ..kit import (autocast, Cartridge, Completion, concat_layers, GenerationParams, ModelIdentity, one_of,
+    resolve_dtype, SynthesisRequest, Synthesizer, SynthesizerCapabilities)
 from .decode import decode, prefill_rows, row_completion
 
 if TYPE_CHECKING:
-    from ..cartridge import Cartridge
-    from ..lm import LM
+    from ..kit import LM
 
 
 @attrs.frozen
@@ -35,10 +30,11 @@ class HFSynthesizer(Synthesizer):
     Options = HFSynthesizerOptions
     capabilities = SynthesizerCapabilities(max_top_logprobs=1024, score=True, prefix_reuse=True)
 
-    def __init__(self, lm: LM, *, autocast_dtype: str | torch.dtype | None = None):
-        self.lm = lm
-        self.autocast_dtype = resolve_dtype(autocast_dtype)
-        self.capabilities = attrs.evolve(type(self).capabilities, max_top_logprobs=lm.identity.architecture["vocab_size"])
+    def __init__(self, lm: LM, *, autocast_dtype: str | None = None):
+        super().__init__(lm, autocast_dtype=autocast_dtype)
+        self.autocast_dtype = resolve_dtype(self.options.autocast_dtype)
+        # it returns top-k up to the whole vocabulary: the class says 1024 (known before the model), the instance more
+        self.capabilities = attrs.evolve(self.capabilities, max_top_logprobs=lm.identity.architecture["vocab_size"])
         self._prefix: tuple[tuple[int, ...], Cartridge] | None = None
 
     def identity(self) -> ModelIdentity:
@@ -46,8 +42,6 @@ class HFSynthesizer(Synthesizer):
 
     def _prefix_cartridge(self, ids: Sequence[int]) -> Cartridge:
         """The KV of a shared prompt as an (unfrozen) cartridge; the last one is kept, since A and B share the chunk."""
-        from ..cartridge import Cartridge
-
         key = tuple(ids)
         if self._prefix is None or self._prefix[0] != key:
             self._prefix = (key, Cartridge.from_prefix(self.lm, list(ids), len(ids), num_frozen=0))

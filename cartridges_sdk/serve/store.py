@@ -27,22 +27,15 @@ from typing import Any
 import attrs
 
 from ..cartridge import Cartridge
-from ..errors import CartridgeError, ConfigError, IncompatibleCartridgeError
+from ..errors import CartridgeError, ConfigError, NotInStoreError
 from ..files import atomic_write
 from ..lm import LM
 
-log = logging.getLogger("cartridges_sdk.serve.store")
+log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed
 
 SUFFIX = ".safetensors"
 CORPUS_SUFFIX = ".corpus.txt"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-class NotInStoreError(CartridgeError, KeyError):
-    """A name the store does not hold (the message lists the ones it does)."""
-
-    def __str__(self) -> str:  # KeyError would print the message in quotes
-        return str(self.args[0])
 
 
 @attrs.frozen
@@ -167,10 +160,7 @@ class CartridgeStore:
                               "or digit (it becomes a file name and the API's model name).")
         if name == "auto":
             raise ConfigError("name='auto' is taken by routing (model='auto' picks cartridges per question).")
-        problem = cartridge.misfit(self.model)
-        if problem:
-            raise IncompatibleCartridgeError(f"The cartridge is for model {cartridge.meta.model.name!r}, not the store's "
-                              f"{self.model.name!r} ({problem}).")
+        cartridge.check_model(self.model, whose="the store's")
         with self._lock:
             path = self.root / f"{name}{SUFFIX}"
             if name in self._entries and not replace:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
+import torch
 from cartridges_example.runtime import LoggingRuntime
 from cartridges_example.synthesizer import LoggingSynthesizer
 
-from cartridges_sdk import Cartridge, ConfigError, load_model, testing
+from cartridges_sdk import (Cartridge, CartridgeStore, ConfigError, GenerationParams, GenerationRequest,
+                            SynthesisRequest, UnsupportedModelError, load_model, testing)
 from cartridges_sdk.plugins import runtimes, synthesizers
 
 
@@ -83,3 +86,67 @@ def test_chosen_by_name_from_the_cli(tmp_path, capsys):
     assert via_plugin == capsys.readouterr().out and json.loads(log.read_text())["event"] == "generate"
     assert main(args + ["--runtime", "example", "--backend-option", "colour=red"]) == 2
     assert "valid options: ['log_file']" in capsys.readouterr().err
+
+
+# ---- the engine is the plugin's own
+
+def test_engine_logits_equal_the_models_own_forward(lm):
+    from cartridges_example.engine import Engine
+
+    engine, ids = Engine(lm.model), lm.encode(testing.CONTRACT_TEXTS[1])[:40]
+    reference = lm.logits(ids)
+    cache = engine.new_cache(len(ids))
+    got = torch.cat([engine.forward(ids[:30], cache, all_logits=True),  # a prefill, then more tokens after it
+                     engine.forward(ids[30:], cache, all_logits=True)])
+    assert (got - reference).abs().max() < 1e-4  # float32: ~2e-7 here
+    cartridge = Cartridge.from_prefix(lm, ids, 20)  # keys post-RoPE for positions 0..19, installed as they are
+    cache = engine.new_cache(len(ids))
+    cache.install(list(zip(cartridge.keys, cartridge.values)))
+    assert cache.length == 20 and (engine.forward(ids[20:], cache, all_logits=True) - reference[20:]).abs().max() < 1e-4
+
+
+def test_runtime_and_synthesizer_never_call_the_transformers_model(lm, monkeypatch):
+    cartridge = Cartridge.from_prefix(lm, testing.CONTRACT_TEXTS[0], 16)  # made by the student's forward
+    want = lm.ask("Who built it?", [cartridge], max_new_tokens=6)  # the HF runtime's answer
+    runtime, synthesizer = runtimes.create("example", lm), synthesizers.create("example", lm)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the example backend called the transformers model")
+
+    monkeypatch.setattr(lm.model, "forward", refuse)
+    monkeypatch.setattr(lm.model.base_model, "forward", refuse)
+    assert runtime.generate([GenerationRequest([{"role": "user", "content": "Who built it?"}], [cartridge],
+                                               GenerationParams(max_new_tokens=6))])[0].text == want
+    assert synthesizer.complete([SynthesisRequest(lm.encode("The lamp"), max_tokens=4, top_logprobs=2)])[0].token_ids
+    assert len(synthesizer.score(lm.encode("The"), [lm.encode("lamp burned")], 2)) == 1
+
+
+def test_refuses_what_the_engine_does_not_implement():
+    from cartridges_example.engine import Engine
+
+    model = testing.tiny_model("llama", vocab_size=32)
+    model.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(UnsupportedModelError, match=r"rope_type='linear'.*runtime='hf'"):
+        Engine(model)
+    model = testing.tiny_model("qwen2", vocab_size=32)
+    model.config.model_type = "mistral"
+    with pytest.raises(UnsupportedModelError, match=r"not 'mistral'"):
+        Engine(model)
+
+
+def test_one_request_fails_alone_behind_the_server(tmp_path):
+    lm = testing.tiny_lm("llama")
+    store = CartridgeStore(tmp_path / "store", lm)
+    for i, text in enumerate(testing.CONTRACT_TEXTS):
+        store.add(f"c{i}", Cartridge.from_prefix(lm, text, 8 + i), corpus=text)
+    with runtimes.create("example", lm) as runtime:
+        testing.check_one_request_fails_alone(runtime, store, store.names())
+
+
+def test_a_request_too_long_fails_the_batch_before_any_compute(lm, monkeypatch):
+    runtime = runtimes.create("example", lm)
+    monkeypatch.setattr(runtime.engine, "forward", lambda *a, **k: pytest.fail("computed before the check"))
+    ok = GenerationRequest([{"role": "user", "content": "Hi"}], [], GenerationParams(max_new_tokens=4))
+    long = attrs.evolve(ok, params=GenerationParams(max_new_tokens=lm.max_context))
+    with pytest.raises(ConfigError, match=r"Request 1 .* needs \d+ tokens, more than the 2048-token context"):
+        runtime.generate([ok, long])

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, UnsupportedModelError
-from cartridges_sdk.files import atomic_write
+from cartridges_sdk.kit import atomic_write
 
 from .runtime import PAIRING, PLACEHOLDER_ID, _blob
 from .state import Layout

@@ -7,7 +7,7 @@ from pathlib import Path
 import attrs
 
 from cartridges_sdk import ConfigError
-from cartridges_sdk.checks import at_least_one, boolean
+from cartridges_sdk.kit import at_least_one, boolean
 
 
 def _gguf(_inst, attribute, value) -> None:

@@ -27,10 +27,8 @@ from cartridges_sdk import (
     Runtime,
     UnsupportedModelError,
 )
-from cartridges_sdk.cartridge import CartridgeMeta
-from cartridges_sdk.kv import refuse_foreign
-from cartridges_sdk.requests import text_deltas
-from cartridges_sdk.rope import INTERLEAVED, ROTATE_HALF, key_layout
+from cartridges_sdk.kit import (CartridgeMeta, check_fits, ends_answer, INTERLEAVED, key_layout, refuse_foreign,
+    ROTATE_HALF, sample_next, text_deltas)
 
 from .options import LlamaCppOptions
 from .state import Layout, read
@@ -48,8 +46,7 @@ class LlamaCppRuntime(Runtime):
     Options = LlamaCppOptions
 
     def __init__(self, model, **options: Any):
-        self.lm = model
-        self.options = LlamaCppOptions(**options)
+        super().__init__(model, **options)
         self.gguf = Path(self.options.gguf) if self.options.gguf else _default_gguf()
         try:
             from llama_cpp import Llama
@@ -86,7 +83,7 @@ class LlamaCppRuntime(Runtime):
 
     def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
         refuse_foreign(self.lm, list(request.cartridges))
-        self._check_length(0, request)
+        self._check_length(None, request)
         return (yield from text_deltas((Completion.from_ids(self.lm, ids, reason, stop=request.params.stop),
                                         reason is not None) for ids, _, reason in self._decode(request)))
 
@@ -226,12 +223,12 @@ class LlamaCppRuntime(Runtime):
         self.llm.n_tokens = p  # the cells 0..p-1 hold the cartridge; the next eval keeps them and removes the rest
         return p
 
-    def _check_length(self, i: int, request: GenerationRequest) -> None:
-        need = (sum(c.num_tokens for c in request.cartridges) + len(request.prefix_ids)
-                + len(self.lm.chat_ids(request.messages, after_cartridge=bool(request.cartridges or request.prefix_ids)))
-                + request.params.max_new_tokens)
-        self._check_fits(need, f"Request {i} (cartridges + prompt + max_new_tokens={request.params.max_new_tokens})",
-                         "lower max_new_tokens, or ")
+    def _prompt(self, request: GenerationRequest) -> list[int]:
+        return self.lm.prompt_ids(request.messages, prefix_ids=request.prefix_ids, after_cartridge=bool(request.cartridges))
+
+    def _check_length(self, i: int | None, request: GenerationRequest) -> None:
+        check_fits(request, len(self._prompt(request)), self.max_positions, f"the runtime's n_ctx={self.max_positions}",
+                   index=i, fix=", or start the runtime with a larger n_ctx")
 
     def _check_fits(self, need: int, what: str, fix: str = "") -> None:
         if need > self.max_positions:
@@ -244,11 +241,8 @@ class LlamaCppRuntime(Runtime):
         import torch
         from llama_cpp import llama_cpp as C
 
-        from cartridges_sdk.hf.decode import sample_next
-
         params = request.params
-        after = bool(request.cartridges or request.prefix_ids)
-        prompt = self.lm.chat_ids(request.messages, after_cartridge=after)
+        prompt = self._prompt(request)[len(request.prefix_ids):]  # the document goes in first, on its own (below)
         self._load(request.cartridges)
         if request.prefix_ids:
             # the document first, in a batch of its own, as llama.cpp's prompt cache holds a prefix: llama.cpp's
@@ -306,6 +300,6 @@ def _blob(layout: Layout, cartridge: Cartridge, pairing: str) -> bytes:
 
 
 def _default_gguf() -> Path:
-    from cartridges_sdk.models import default_model_gguf
+    from cartridges_sdk.kit import default_model_gguf
 
     return default_model_gguf()

@@ -13,22 +13,15 @@ from cartridges_sdk import (
     GenerationParams,
     GenerationRequest,
     IncompatibleCartridgeError,
-    load_model,
     testing,
 )
 from cartridges_sdk.cli import main
+from cartridges_sdk.testing.fixtures import lm  # noqa: F401  (the module's model, a pytest fixture)
 
 pytestmark = pytest.mark.default_model
 
 QUESTION = [{"role": "user", "content": "Who built the lighthouse, and when?"}]
 TEXT = " ".join(testing.CONTRACT_TEXTS)
-
-
-@pytest.fixture(scope="module")
-def lm():
-    lm = load_model()
-    yield lm
-    lm.close()  # closes the runtimes get_runtime started
 
 
 @pytest.fixture(scope="module")

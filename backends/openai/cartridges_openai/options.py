@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from cartridges_sdk import ConfigError
-from cartridges_sdk.checks import at_least_one, boolean, count, positive
+from cartridges_sdk.kit import at_least_one, boolean, count, positive
 
 
 def _urls(value: Any) -> tuple[str, ...] | None:

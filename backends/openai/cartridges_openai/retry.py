@@ -21,7 +21,7 @@ from typing import Any
 import openai
 
 from cartridges_sdk import BackendError
-from cartridges_sdk.errors import RateLimitedError, TransientBackendError
+from cartridges_sdk.kit import RateLimitedError, TransientBackendError
 
 TRANSIENT_STATUS = frozenset({408, 409, 429})
 LONGEST_RETRY_AFTER = 120.0

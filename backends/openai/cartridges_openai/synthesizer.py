@@ -24,9 +24,8 @@ import attrs
 
 from cartridges_sdk import (BackendError, BackendUnavailableError, Completion, ConfigError, SynthesisRequest,
                             Synthesizer, SynthesizerCapabilities)
-from cartridges_sdk.checks import is_loopback
-from cartridges_sdk.errors import IncompatibleCartridgeError, TransientBackendError
-from cartridges_sdk.probe import PROBE_TOLERANCE, PROBE_TOP_K, probe_gap, probe_request
+from cartridges_sdk.kit import (IncompatibleCartridgeError, is_loopback, probe_gap, probe_request, PROBE_TOLERANCE,
+    PROBE_TOP_K, TransientBackendError)
 
 from .logprobs import TokenReader, positions, topk
 from .options import OpenAIOptions, shown
@@ -91,9 +90,7 @@ class OpenAISynthesizer(Synthesizer):
         return attrs.evolve(cls.capabilities, max_top_logprobs=options.max_logprobs)
 
     def __init__(self, student, /, **options: Any):  # positional: `model` is an option (the served model's name)
-        self.lm = student
-        self.options = OpenAIOptions(**options)
-        self.capabilities = self.capabilities_with(self.options)
+        super().__init__(student, **options)
         self.urls = self.options.urls()
         self.names = tuple(shown(u) for u in self.urls)  # URLs as messages show them (no user:password)
         self.reader = TokenReader(student.tokenizer)

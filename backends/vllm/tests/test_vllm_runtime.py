@@ -6,18 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cartridges_sdk import Cartridge, GenerationParams, GenerationRequest, load_model, testing
+from cartridges_sdk import Cartridge, GenerationParams, GenerationRequest, testing
+from cartridges_sdk.testing.fixtures import lm  # noqa: F401  (the module's model, a pytest fixture)
 
 pytestmark = pytest.mark.default_model
 
 QUESTION = [{"role": "user", "content": "Who built the lighthouse, and when?"}]
-
-
-@pytest.fixture(scope="module")
-def lm():
-    lm = load_model()
-    yield lm
-    lm.close()  # stops the engine get_runtime started
 
 
 @pytest.fixture(scope="module")

@@ -5,20 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cartridges_sdk import Cartridge, ConfigError, IncompatibleCartridgeError, load_model, testing
+from cartridges_sdk import Cartridge, ConfigError, IncompatibleCartridgeError, testing
 from cartridges_sdk.plugins import synthesizers
 from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.testing.fixtures import lm  # noqa: F401  (the module's model, a pytest fixture)
 
 pytestmark = pytest.mark.default_model
 
 TEXT = " ".join(testing.CONTRACT_TEXTS) * 3
 CONFIG = dict(num_conversations=4, conversations_per_chunk=4, min_chunk=64, max_chunk=128, max_tokens_a=12,
               max_tokens_b=16, top_k=5, document_windows=4, windows_per_chunk=2, window_tokens=24, seed=2)
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load_model()
 
 
 @pytest.fixture(scope="module")

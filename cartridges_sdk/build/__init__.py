@@ -1,0 +1,1 @@
+"""Making cartridges: corpus -> seed prompts -> synthesis -> dataset -> training (or compaction) -> Cartridge."""

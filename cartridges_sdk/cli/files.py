@@ -1,0 +1,98 @@
+"""The commands on cartridge files that need no self-study: ``init``, ``compact``, ``inspect`` and ``compose``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import attrs
+
+from ..build.compaction import CompactionConfig
+from ..cartridge import SHAPE_FIELDS, Cartridge
+from ..errors import CartridgeError
+from . import common  # common.model_for is looked up at each call, so tests can replace it
+from .common import bind_all, human_bytes, output_file, parse_settings, read_corpus, text_file
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    text = text_file(args.text) if args.init == "prefix" else None
+    Cartridge.check_size(args.tokens, args.num_frozen)
+    output_file(args.output)
+    lm = common.model_for(args.model, device=args.device)
+    if text is not None:
+        c = Cartridge.from_prefix(lm, text, args.tokens, num_frozen=args.num_frozen)
+    elif args.init == "random_text":
+        c = Cartridge.from_random_text(lm, args.tokens, seed=args.seed, num_frozen=args.num_frozen)
+    else:
+        c = Cartridge.random(lm, args.tokens, seed=args.seed, num_frozen=args.num_frozen)
+    c.save(args.output)
+    print(f"wrote {args.output}: {c.num_tokens} tokens, {human_bytes(c.nbytes)}, init={c.meta.init}")
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    corpus = read_corpus(args)
+    known = {f.name for f in attrs.fields(CompactionConfig)}
+    settings = parse_settings(args.set)
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise CartridgeError(f"--set {unknown[0]!r} is not a compaction setting; known: {sorted(known)}.")
+    config = CompactionConfig(**settings)
+    Cartridge.check_size(args.tokens, args.num_frozen)
+    output_file(args.output)
+    lm = common.model_for(args.model, device=args.device)
+    start = time.perf_counter()
+    c = Cartridge.compact(lm, corpus, args.tokens, num_frozen=args.num_frozen, config=config)
+    seconds = time.perf_counter() - start
+    c.save(args.output)
+    info = c.meta.extra["compaction"]
+    print(f"wrote {args.output}: {c.num_tokens} tokens standing in for {info['corpus_tokens']} "
+          f"({info['corpus_tokens'] / c.num_tokens:.1f}x fewer, {len(info['chunks'])} chunk(s)), "
+          f"{human_bytes(c.nbytes)}, in {seconds:.0f} s")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    c = Cartridge.load(args.path)
+    meta = c.meta.to_dict()
+    if args.json:
+        print(json.dumps({**meta, "nbytes": c.nbytes, "num_layers": c.num_layers}, indent=2))
+        return 0
+    m = c.meta.model
+    kv_heads, _, head_dim = c.keys[0].shape
+    rows = [
+        ("file", str(args.path)),
+        ("model", f"{m.name}" + (f" (source: {m.source})" if m.source and m.source != m.name else "")
+         + ("" if all(f in m.architecture for f in SHAPE_FIELDS) else " (architecture not reported: no model will "
+            "take it)")),
+        ("model fingerprint", m.fingerprint),
+        ("tokens", f"{c.num_tokens} ({c.num_frozen} frozen)"),
+        ("shape", f"{c.num_layers} layers x [{kv_heads} kv heads, {c.num_tokens} tokens, {head_dim} head dim]"),
+        ("dtype", c.meta.dtype),
+        ("size", human_bytes(c.nbytes)),
+        ("init", c.meta.init),
+    ]
+    if c.meta.corpus:
+        rows.append(("corpus", ", ".join(f"{k}={v}" for k, v in c.meta.corpus.items())))
+    if c.meta.parts:
+        spans = [f"[{p['offset']}:{p['offset'] + p['num_tokens']}]" for p in c.meta.parts]
+        rows.append(("parts", f"{len(c.meta.parts)}: " + " ".join(spans)))
+    if c.meta.training:
+        rows.append(("training", json.dumps(c.meta.training)))
+    rows += [("created", c.meta.created), ("sdk version", c.meta.sdk_version), ("format version", str(c.meta.format_version))]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_compose(args: argparse.Namespace) -> int:
+    parts = [Cartridge.load(p) for p in args.paths]
+    lm = common.model_for(args.model, device=args.device) if args.reposition else None
+    if lm is not None:
+        parts = bind_all(parts, lm)
+    c = Cartridge.compose(parts, reposition=args.reposition, model=lm)
+    c.save(args.output)
+    print(f"wrote {args.output}: {len(parts)} parts, {c.num_tokens} tokens, {human_bytes(c.nbytes)}")
+    return 0

@@ -1,0 +1,198 @@
+"""The ``cartridges`` argument parser: a table of the commands, and one function per command that adds its arguments."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from .files import cmd_compact, cmd_compose, cmd_init, cmd_inspect
+from .selfstudy import cmd_build, cmd_merge, cmd_synthesize, cmd_train
+from .use import cmd_ask, cmd_backends, cmd_serve
+
+DESCRIPTION = "The ``cartridges`` command: make, inspect, compose and query cartridge files from a shell."
+INITS = ["compact", "prefix", "random_text", "random"]
+INIT_HELP = "where training starts (default compact: the corpus compacted, see docs/compaction.md)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cartridges", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text, run, add_arguments in COMMANDS:
+        p = sub.add_parser(name, help=help_text)
+        add_arguments(p)
+        p.set_defaults(func=run)
+    return parser
+
+
+# ---- the arguments several commands share
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model id, directory or .gguf (default: the embedded default model; a file's "
+                   "metadata never chooses it)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+
+
+def _corpus_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("corpus", nargs="+" if required else "*", help="a directory, or files / glob patterns")
+    p.add_argument("--include", action="append", help="glob for files in a directory (repeatable; default all)")
+    p.add_argument("--exclude", action="append", help="glob for files to leave out (repeatable)")
+    p.add_argument("--description", help="text placed before every chunk the teacher reads")
+
+
+def _study_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--restart", action="store_true",
+                   help="start over: delete this command's earlier work in its folder instead of resuming it")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="any synthesis or training setting, e.g. --set lr=0.01 --set max_chunk=2048 (repeatable)")
+    _model_args(p)
+
+
+def _nproc_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--nproc", type=int, default=1,
+                   help=f"{what} this many processes on this machine (torchrun; default 1)")
+
+
+def _backend_args(p: argparse.ArgumentParser, *roles: str) -> None:
+    defaults = {"synthesizer": "hf", "trainer": "torch", "runtime": "hf"}
+    for role in roles:
+        p.add_argument(f"--{role}", default=defaults[role],
+                       help=f"{role} backend by name (default {defaults[role]}; `cartridges backends` lists them)")
+    p.add_argument("--backend-option", action="append", metavar="[ROLE.]KEY=VALUE",
+                   help="an option of the chosen backend, e.g. --backend-option autocast_dtype=bfloat16 (repeatable)")
+    if "synthesizer" in roles:
+        p.add_argument("--allow-unverified-model", action="store_true",
+                       help="synthesize even if the synthesizer cannot show it serves the student's model (recorded)")
+
+
+def _cartridge_output(p: argparse.ArgumentParser, output_help: str = "cartridge file to write (.safetensors)") -> None:
+    p.add_argument("-o", "--output", required=True, help=output_help)
+    p.add_argument("--tokens", type=int, required=True, help="cartridge size p in tokens")
+
+
+# ---- the commands
+
+def _init(p: argparse.ArgumentParser) -> None:
+    p.add_argument("text", nargs="?", help="text file whose first tokens become the cartridge (for --init prefix)")
+    _cartridge_output(p)
+    p.add_argument("--init", choices=["prefix", "random_text", "random"], default="prefix")
+    p.add_argument("--num-frozen", type=int, default=1, help="leading tokens that never train (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    _model_args(p)
+
+
+def _compact(p: argparse.ArgumentParser) -> None:
+    _corpus_args(p)
+    _cartridge_output(p)
+    p.add_argument("--num-frozen", type=int, default=1, help="leading tokens that never train later (default 1)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="a CompactionConfig setting, e.g. --set corpus_queries=2048 (repeatable)")
+    _model_args(p)
+
+
+def _build(p: argparse.ArgumentParser) -> None:
+    _corpus_args(p)
+    _cartridge_output(p, "cartridge file to write")
+    p.add_argument("--conversations", type=int, default=128)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--init", choices=INITS, default="compact", help=INIT_HELP)
+    p.add_argument("--work-dir", help="where data and checkpoints go (default OUTPUT.work); a re-run resumes")
+    _nproc_arg(p, "synthesize and train (data-parallel) in")
+    _study_args(p)
+    _backend_args(p, "synthesizer", "trainer")
+
+
+def _synthesize(p: argparse.ArgumentParser) -> None:
+    _corpus_args(p)
+    p.add_argument("-o", "--output", required=True, help="dataset folder (e.g. data.parquet); a re-run resumes")
+    p.add_argument("--conversations", type=int, default=128)
+    _nproc_arg(p, "share the synthesis among")
+    p.add_argument("--shard", metavar="I/N", help="make only shard I of N (from 0) in this process, e.g. one per "
+                   "machine; `cartridges merge` gathers them into the dataset one process makes")
+    _study_args(p)
+    _backend_args(p, "synthesizer")
+
+
+def _merge(p: argparse.ArgumentParser) -> None:
+    p.add_argument("sources", nargs="+", help="dataset folders made with the same settings")
+    p.add_argument("-o", "--output", required=True, help="dataset folder to write (new, or one to add to)")
+
+
+def _train(p: argparse.ArgumentParser) -> None:
+    p.add_argument("data", help="dataset folder")
+    p.add_argument("-o", "--output", required=True, help="cartridge file to write")
+    p.add_argument("--tokens", type=int, required=True)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--init", choices=INITS, default="compact", help=INIT_HELP)
+    p.add_argument("--corpus", nargs="*", default=None,
+                   help="the corpus, checked against the one the dataset was made from (the dataset keeps its corpus; "
+                        "only a dataset made before it kept one needs this for the default init=compact)")
+    p.add_argument("--include", action="append")
+    p.add_argument("--exclude", action="append")
+    p.add_argument("--description")
+    p.add_argument("--work-dir", help="where checkpoints go (default OUTPUT.work); a re-run resumes")
+    _nproc_arg(p, "train data-parallel in")
+    _study_args(p)
+    _backend_args(p, "trainer")
+
+
+def _inspect(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path")
+    p.add_argument("--json", action="store_true", help="print the metadata as JSON")
+
+
+def _compose(p: argparse.ArgumentParser) -> None:
+    p.add_argument("paths", nargs="+", help="cartridge files, in order")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--reposition", action="store_true", help="rotate later parts' keys to the positions they occupy")
+    _model_args(p)
+
+
+def _ask(p: argparse.ArgumentParser) -> None:
+    p.add_argument("cartridge", nargs="+", help="cartridge file(s); several are used one after another")
+    p.add_argument("question")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stream", action="store_true", help="print the answer as it is generated")
+    _model_args(p)
+    _backend_args(p, "runtime")
+
+
+def _serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", required=True, help="folder of NAME.safetensors (and NAME.corpus.txt for routing)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="bearer token clients must send (default: CARTRIDGES_API_KEY, else none)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting before 429 (default 256)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests answered together at most (default 16)")
+    p.add_argument("--memory-mb", type=int, default=1024,
+                   help="cartridges kept loaded, in MiB; least recently used out first (default 1024)")
+    p.add_argument("--allowed-host", action="append", metavar="NAME",
+                   help="a name clients reach the server by, accepted in the Host header (repeatable). On a loopback "
+                        "address only loopback names are answered (against DNS rebinding); elsewhere any name, unless "
+                        "some are given. '*': any name")
+    _model_args(p)
+    _backend_args(p, "runtime")
+
+
+def _backends(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the listing as JSON")
+
+
+# every command, in the order `cartridges --help` lists them: name, help, what runs it, what adds its arguments
+Command = tuple[str, str, Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None]]
+COMMANDS: list[Command] = [
+    ("init", "make an untrained cartridge (KV of a text's first tokens, unrelated text, or random)", cmd_init, _init),
+    ("compact", "make a cartridge in seconds, with no training, by KV compaction of a corpus", cmd_compact, _compact),
+    ("build", "self-study: synthesize conversations about a corpus, then train a cartridge", cmd_build, _build),
+    ("synthesize", "self-study data only: write conversations to a dataset folder", cmd_synthesize, _synthesize),
+    ("merge", "gather the shards of one synthesis (`synthesize --shard I/N`) into one dataset", cmd_merge, _merge),
+    ("train", "train a cartridge on a dataset made by `cartridges synthesize`", cmd_train, _train),
+    ("inspect", "show what a cartridge file holds", cmd_inspect, _inspect),
+    ("compose", "concatenate cartridges into one", cmd_compose, _compose),
+    ("ask", "answer a question with one or more cartridges as context", cmd_ask, _ask),
+    ("serve", "serve a folder of cartridges over an OpenAI-compatible HTTP API", cmd_serve, _serve),
+    ("backends", "list installed runtimes, synthesizers and trainers, and whether each imports", cmd_backends,
+     _backends),
+]

@@ -1,0 +1,99 @@
+"""Using cartridges from a shell: ``ask`` and ``serve``; and ``backends``, what is installed to run them."""
+
+# The imports inside cmd_serve keep the web stack (uvicorn, fastapi, starlette) out of `cartridges --help`.
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from ..cartridge import Cartridge
+from ..checks import is_loopback
+from ..plugins import REGISTRIES
+from ..serve.store import CartridgeStore
+from . import common  # common.model_for is looked up at each call, so tests can replace it
+from .common import backend_options, bind_all
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    cartridges = [Cartridge.load(p) for p in args.cartridge]
+    options = backend_options(args, {"runtime": args.runtime})["runtime"]
+    lm = common.model_for(args.model, device=args.device)
+    cartridges = bind_all(cartridges, lm)
+    gen = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    if args.seed is not None:
+        gen["seed"] = args.seed
+    try:
+        if args.stream:
+            pieces = lm.chat([{"role": "user", "content": args.question}], cartridges, stream=True,
+                             runtime=args.runtime, runtime_options=options, **gen)
+            for piece in pieces:
+                print(piece, end="", flush=True)
+            print()
+        else:
+            print(lm.ask(args.question, cartridges=cartridges, runtime=args.runtime, runtime_options=options, **gen))
+    finally:
+        lm.close()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..serve.guard import allowed_hosts
+    from ..serve.server import ServeConfig, create_app
+
+    options = backend_options(args, {"runtime": args.runtime})["runtime"]
+    key = args.api_key or os.environ.get("CARTRIDGES_API_KEY") or None
+    config = ServeConfig(api_key=key, max_queue=args.max_queue, max_batch=args.max_batch,
+                         allowed_hosts=allowed_hosts(args.host, args.allowed_host))  # checked before the model loads
+    lm = common.model_for(args.model, device=args.device)
+    store = CartridgeStore(args.store, lm, memory_budget=args.memory_mb * 2**20)
+    if key is None and not is_loopback(args.host):
+        print(f"warning: serving on {args.host} with no API key; anyone who can reach it can use it "
+              "(--api-key or CARTRIDGES_API_KEY)", file=sys.stderr)
+    runtime = lm.get_runtime(args.runtime, **options)
+    refused = store.refused()
+    hosts = "any Host" if config.allowed_hosts is None else "Host " + ", ".join(config.allowed_hosts)
+    print(f"serving {len(store)} cartridge(s) from {args.store} on http://{args.host}:{args.port}/v1 "
+          f"(runtime {args.runtime}; answering {hosts}{'; left out: ' + ', '.join(refused) if refused else ''})",
+          file=sys.stderr)
+    try:
+        uvicorn.run(create_app(store, runtime, config), host=args.host, port=args.port, log_level="warning")
+    finally:
+        lm.close()
+    return 0
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    report = {group: registry.describe() for group, registry in REGISTRIES.items()}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for group, rows in report.items():
+        print(f"{group}:")
+        for row in rows or [{"name": "(none installed)"}]:
+            if "ok" not in row:
+                print(f"  {row['name']}")
+                continue
+            origin = row["distribution"] or "registered at run time"
+            if not row["ok"]:
+                print(f"  {row['name']:<12} BROKEN  {row['target']} ({origin})\n      {row['error']}")
+                continue
+            extra = f"  options: {', '.join(row['options']) or 'none'}"
+            if "capabilities" in row:
+                extra += "; " + ", ".join(CAPABILITY_WORDS.get(k, k + ": {}").format(_yes(v))
+                                          for k, v in row["capabilities"].items())
+            print(f"  {row['name']:<12} ok      {row['target']} ({origin}){extra}")
+    return 0
+
+
+# how `cartridges backends` says each capability (one it does not know is shown by its field name)
+CAPABILITY_WORDS = {"max_top_logprobs": "top-k up to {}", "score": "scores sequences: {}",
+                    "prefix_reuse": "prefix reuse: {}", "distributed": "joins torchrun: {}"}
+
+
+def _yes(value: Any) -> str:
+    return ("yes" if value else "no") if isinstance(value, bool) else str(value)

@@ -1,0 +1,99 @@
+"""Who may ask the server anything: the Host and Origin checks (DNS rebinding, other sites' web pages) and the API
+key, in one plain ASGI middleware (`Guard`) in front of every path but ``/health`` (docs/security.md)."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from starlette.datastructures import Headers
+
+from ..checks import is_loopback
+from ..errors import ConfigError
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+class BadRequest(Exception):
+    """A request the server refuses: its HTTP status, and a message naming the field and the fix."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+
+class Guard:
+    """A plain ASGI middleware that answers a request `check` refuses, and passes the rest through untouched
+    (Starlette's BaseHTTPMiddleware would hide a client's disconnect from the endpoint, so a dropped request
+    would decode on)."""
+
+    def __init__(self, app: Any, check) -> None:
+        self.app, self.check = app, check
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (refused := self.check(scope)) is not None:
+            await refused(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header, without its port: ``[::1]:8000`` -> ``::1``, ``Example.com:80`` -> ``example.com``."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def host_names(value: Any) -> Any:
+    """Host names as a Host header gives them (lower case, no port or brackets); anything else is left for the
+    validator to refuse."""
+    if value is None or isinstance(value, str) or not isinstance(value, (list, tuple, set)):
+        return value
+    return tuple(host_name(h) if isinstance(h, str) else h for h in value)
+
+
+def check_host_names(_inst, _attr, value: Any) -> None:
+    if value is not None and (not isinstance(value, tuple) or not all(isinstance(h, str) and h for h in value)):
+        raise ConfigError(f"allowed_hosts={value!r:.80} must be a list of host names or addresses, or None for any.")
+
+
+def allowed_hosts(bind: str, named: Sequence[str] | None) -> tuple[str, ...] | None:
+    """The Host names a server bound to `bind` answers: the `named` ones ('*' for any) and, on a loopback address,
+    the loopback names. A server bound elsewhere is reachable by whatever names the network gives it, so it checks
+    only when names are given (as Jupyter does)."""
+    named = [host_name(n) for n in named or ()]
+    if "*" in named:
+        return None
+    if is_loopback(bind):
+        return tuple(dict.fromkeys([*LOOPBACK_HOSTS, host_name(bind), *named]))
+    return tuple(dict.fromkeys(named)) or None
+
+
+def check_host(allowed: tuple[str, ...] | None, host: str | None, origin: str | None) -> None:
+    """Refuse (403) a request addressed to a name the server does not answer (DNS rebinding) or sent by a web page
+    from another site; `allowed` None: any."""
+    if allowed is None:
+        return
+    name = host_name(host) if host is not None else None  # no Host header: not a browser, not a rebinding
+    if name is not None and name not in allowed:
+        raise BadRequest(403, f"This server does not answer requests addressed to {name[:100]!r} (Host header); "
+                         f"it answers {', '.join(allowed)}. If clients reach it by that name, start it "
+                         "with --allowed-host NAME.", "host")
+    # a web page's request carries its Origin: one from a page not served under an allowed name is another
+    # site's, which may not make this server work (it could not read the answer, but it would spend the engine)
+    if origin is not None and host_name(urlsplit(origin).netloc or origin) not in allowed:
+        raise BadRequest(403, f"Requests from web pages at {origin[:100]!r} (Origin header) are refused; start the "
+                         "server with --allowed-host NAME for pages served under NAME.", "origin")
+
+
+def authorize(api_key: str | None, headers: Headers) -> None:
+    """Refuse (401) a request without the bearer `api_key` (compared in constant time); None: no key needed."""
+    if api_key is None:
+        return
+    given = headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(token.encode(), api_key.encode()):
+        raise BadRequest(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")

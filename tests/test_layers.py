@@ -1,0 +1,184 @@
+"""The package's layers (docs/architecture.md): imports run one way, down the data flow, and backends use the kit.
+
+Every module is placed in ORDER, lowest first. A module imports, at run time (at import or inside a function),
+only modules placed before it; a type-checking-only import may name its own layer or a lower one (annotations of
+the nouns name each other). The one way up is the facade: Cartridge's constructors that need the build layer.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PACKAGE = ROOT / "cartridges_sdk"
+LAYERS = {
+    # the nouns and the contract: what a cartridge is, a model, the file, requests, backend ABCs, the kit
+    "core": ["errors", "checks", "files", "net", "identity", "rope", "requests", "plugins", "kv", "lm", "models",
+             "sampling", "fileformat", "interop", "cartridge", "probe", "kit"],
+    # the built-in backend, a plugin like any other (it imports the kit alone)
+    "hf": ["hf.decode", "hf.runtime", "hf.synthesizer", "hf"],
+    # making cartridges: corpus -> seeds -> synthesis -> dataset -> training (or compaction)
+    "build": ["build.corpus", "build.dataset", "build.seeds", "build.distributed", "build.conversations",
+              "build.windows", "build.synthesis", "build.memory", "build.checkpoint", "build.loss", "build.training",
+              "build.compaction", "build.evaluation", "build.selfstudy", "build"],
+    # serving them
+    "serve": ["serve.background", "serve.store", "serve.guard", "serve.engine", "serve.server", "serve"],
+    # for plugin authors' tests
+    "testing": ["testing.fakes", "testing.contract", "testing.isolation", "testing.fixtures", "testing"],
+    # the entry points: the command line and the public API
+    "top": ["cli.common", "cli.files", "cli.selfstudy", "cli.use", "cli.parser", "cli", "cli.__main__", ""],
+}
+ORDER = [m for group in LAYERS.values() for m in group]
+LAYER_OF = {m: name for name, group in LAYERS.items() for m in group}
+RANK = {name: i for i, name in enumerate(LAYERS)}
+# the facade (DESIGN.md, docs/architecture.md): Cartridge.from_corpus and Cartridge.compact hand off to the build
+# layer, imported inside the method, so `Cartridge` is the one front door and cartridge.py depends on nothing above
+FACADE = {("cartridge", "build.selfstudy"), ("cartridge", "build.compaction")}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _targets(module: str, node: ast.ImportFrom | ast.Import) -> list[str]:
+    """The package modules an import statement loads, as names relative to the package ("" is the package)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif node.level:
+        base = module.split(".") if module else []
+        if MODULES[module].name != "__init__.py":
+            base = base[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        stem = ".".join(base + ([node.module] if node.module else []))
+        names = ["cartridges_sdk" + ("." + stem if stem else "") + "." + a.name for a in node.names]
+        names = [n if n.removeprefix("cartridges_sdk.") in MODULES else n.rsplit(".", 1)[0] for n in names]
+    else:
+        names = [f"{node.module}.{a.name}" for a in node.names]
+        names = [n if n.removeprefix("cartridges_sdk.") in MODULES else node.module for n in names]
+    out = []
+    for n in names:
+        if n == "cartridges_sdk" or n.startswith("cartridges_sdk."):
+            rel = n.removeprefix("cartridges_sdk").removeprefix(".")
+            while rel and rel not in MODULES:
+                rel = rel.rpartition(".")[0]
+            out.append(rel)
+    return out
+
+
+def _imports(tree: ast.AST, *, typing_only: bool = False):
+    """(is it type-checking only, node) for every import, at any depth: module level, in functions, in classes."""
+    for node in ast.iter_child_nodes(tree):
+        guarded = isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield typing_only, node
+        yield from _imports(node, typing_only=typing_only or guarded)
+
+
+def _edges() -> list[tuple[str, str, bool]]:
+    edges = []
+    for module, path in MODULES.items():
+        for typing_only, node in _imports(ast.parse(path.read_text())):
+            edges += [(module, t, typing_only) for t in _targets(module, node) if t != module]
+    return edges
+
+
+def test_every_module_has_a_place():
+    unplaced = sorted(set(MODULES) - set(ORDER))
+    assert not unplaced, f"place {unplaced} in tests/test_layers.py LAYERS (and docs/architecture.md)"
+    assert not set(ORDER) - set(MODULES), f"LAYERS names modules that do not exist: {sorted(set(ORDER) - set(MODULES))}"
+
+
+def test_imports_run_down_the_layers():
+    wrong = []
+    for module, target, typing_only in _edges():
+        if typing_only:
+            if RANK[LAYER_OF[target]] > RANK[LAYER_OF[module]]:
+                wrong.append(f"{module or '__init__'} names {target} (layer {LAYER_OF[target]}) for type checking")
+        elif ORDER.index(target) > ORDER.index(module) and (module, target) not in FACADE:
+            wrong.append(f"{module or '__init__'} imports {target}, placed above it")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle():
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for module, target, typing_only in _edges():
+        if not typing_only and (module, target) not in FACADE:
+            graph[module].add(target)
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(t):] + [t]))
+            if t not in state:
+                visit(t, path + [t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_the_facade_is_the_only_way_up_and_is_lazy():
+    for module, target, typing_only in _edges():
+        if (module, target) in FACADE:
+            assert not typing_only
+    top_level = [t for n in ast.parse(MODULES["cartridge"].read_text()).body if isinstance(n, ast.ImportFrom)
+                 for t in _targets("cartridge", n)]
+    assert not {t for _, t in FACADE} & set(top_level), "the facade's imports must sit inside the methods"
+
+
+KIT = {"cartridges_sdk", "cartridges_sdk.kit"}
+
+
+def _sdk_imports(path: Path) -> list[str]:
+    names = []
+    for _, node in _imports(ast.parse(path.read_text())):
+        mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        names += [m for m in mods if m == "cartridges_sdk" or m.startswith("cartridges_sdk.")]
+    return names
+
+
+@pytest.mark.parametrize("path", sorted(p for p in (ROOT / "backends").glob("*/cartridges_*/**/*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_backends_import_the_public_api_and_the_kit_only(path):
+    others = sorted(set(_sdk_imports(path)) - KIT)
+    assert not others, f"{path.relative_to(ROOT)} imports {others}; backends use cartridges_sdk and cartridges_sdk.kit only"
+
+
+def test_the_builtin_backend_keeps_the_same_rule():
+    for module, target, _ in _edges():
+        if LAYER_OF[module] == "hf":
+            assert target == "kit" or target.startswith("hf"), f"{module} imports {target}; hf/ uses the kit alone"
+
+
+def test_long_modules_say_why():
+    for module, path in MODULES.items():
+        lines = path.read_text().count("\n")
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert lines <= 400 or "Longer than 400 lines because" in doc, f"{path.relative_to(ROOT)} has {lines} lines"
+
+
+def test_the_architecture_page_and_the_readme_draw_these_layers():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):readme.index("## Tests")]
+    for folder in ("hf/", "build/", "serve/", "testing/"):
+        assert folder in page and folder in layout, f"{folder} is missing from docs/architecture.md or the README"
+    for module in LAYERS["core"]:
+        assert module in page, f"docs/architecture.md does not place the core module {module}"
+    for module in [m.rpartition(".")[2] for m in LAYERS["build"] + LAYERS["serve"] if "." in m]:
+        assert module in page, f"docs/architecture.md does not name {module}"
