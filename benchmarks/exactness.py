@@ -42,7 +42,7 @@ def main() -> None:
                 continue
             c = Cartridge.from_prefix(lm, ids, p)
             for question in doc["instructions"][: args.questions]:
-                q = lm.chat_ids([{"role": "user", "content": question}])
+                q = lm.prompt_ids([{"role": "user", "content": question}], after_cartridge=True)
                 diff = (lm.logits(q, [c]) - lm.logits(ids[:p] + q)[p:]).abs().max().item()
                 rows.append({"doc": d, "p": p, "question_tokens": len(q), "max_abs_diff": diff})
     diffs = torch.tensor([r["max_abs_diff"] for r in rows])

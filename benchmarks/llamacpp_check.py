@@ -40,7 +40,7 @@ def main() -> None:
     lm = load_model(args.model) if args.model else load_model()
     runtime = lm.get_runtime("llamacpp", **({"gguf": args.model} if args.model else {}))
     ids = lm.encode(" ".join(testing.CONTRACT_TEXTS))
-    prompt = lm.chat_ids(QUESTION, after_cartridge=True)
+    prompt = lm.prompt_ids(QUESTION, after_cartridge=True)
     seq = prompt + lm.tokenizer(ANSWER, add_special_tokens=False)["input_ids"]
     params = GenerationParams(max_new_tokens=16, top_logprobs=5)
     rows = []

@@ -170,4 +170,4 @@ def throughput_curve(lm: LM, cache_kv: Cartridge, prompt: Sequence[int], tokens:
 
 def throughput_prompt(lm: LM, question: str) -> list[int]:
     """The chat turn a user sends after their document or cartridge (which already began the sequence)."""
-    return lm.chat_ids([{"role": "user", "content": question}], after_cartridge=True)
+    return lm.prompt_ids([{"role": "user", "content": question}], after_cartridge=True)

@@ -18,6 +18,7 @@ import torch
 
 from .checks import PATH, require
 from .errors import CartridgeFormatError, ConfigError, IncompatibleCartridgeError
+from .fileformat import FORMAT_NAME, FORMAT_VERSION, INITS  # noqa: F401  (importable from here, as before)
 from .fileformat import SHAPE_FIELDS, CartridgeMeta, read_file, write_file
 from .identity import content_fingerprint, token_fingerprint
 from .interop import load_authors_pt, load_peft, save_peft
@@ -129,14 +130,15 @@ class Cartridge:
         wrong = [f"{f}: tensors have {have[f]}, the model {want[f]}" for f in SHAPE_FIELDS if have[f] != want[f]]
         return "; ".join(wrong) or None
 
-    def check_model(self, lm: LM, whose: str = "the model") -> None:
-        """The wrong-model check, the one every loader, store and runtime makes: raise `IncompatibleCartridgeError`
-        naming both models and why (`misfit`) when this cartridge cannot run on `lm` (`whose` names it in the
-        message, e.g. "the store's")."""
+    def check_model(self, lm: LM, whose: str = "model", what: str = "The cartridge") -> None:
+        """The wrong-model check, the one every loader, store, import and runtime makes: raise
+        `IncompatibleCartridgeError` naming both models and why (`misfit`) when this cartridge cannot run on `lm`.
+        `what` names the cartridge in the message (e.g. the file it was imported from), `whose` the model (e.g.
+        "the store's")."""
         problem = self.misfit(lm)
         if problem:
             raise IncompatibleCartridgeError(
-                f"The cartridge is for model {self.meta.model.name!r}, not {whose} {lm.name!r}, and does not fit it: "
+                f"{what} is for model {self.meta.model.name!r}, not {whose} {lm.name!r}, and does not fit it: "
                 f"{problem}. Use it with the model it was made for, or make it again for this one."
             )
 
@@ -285,10 +287,11 @@ class Cartridge:
         cartridge = cls(*parts)  # shapes checked against the file's own description first
         if model is None:
             return cartridge
-        cartridge.check_model(model)
-        if cartridge.meta.init == "imported":  # the file knew only its shapes: it is now known to be for `model`
-            return cls(cartridge.keys, cartridge.values, attrs.evolve(cartridge.meta, model=model.identity), lm=model)
-        return cartridge.bind(model)
+        if cartridge.meta.init != "imported":  # written by this SDK: its metadata names its model
+            return cartridge.bind(model)
+        # the file knew only its shapes: checked against `model`'s, it is then known to be for `model`
+        cartridge.check_model(model, what=cartridge.meta.extra["imported_from"])
+        return cls(cartridge.keys, cartridge.values, attrs.evolve(cartridge.meta, model=model.identity), lm=model)
 
     # -- composition -----------------------------------------------------------------------------------
     @classmethod

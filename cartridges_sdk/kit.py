@@ -22,7 +22,7 @@ from .lm import LM, autocast, resolve_dtype
 from .models import default_model_gguf
 from .net import free_port
 from .plugins import (Backend, ContinuousRuntime, NoOptions, Runtime, Synthesizer, SynthesizerCapabilities, Trainer,
-                      TrainerCapabilities)
+                      TrainerCapabilities, runtimes, synthesizers, trainers)
 from .probe import PROBE_TOLERANCE, PROBE_TOP_K, check_probe, probe_gap, probe_request
 from .requests import (Completion, GenerationParams, GenerationRequest, Message, SynthesisRequest, check_fits,
                        settled_delta, text_deltas)
@@ -33,6 +33,8 @@ __all__ = [
     # the contract: what a backend implements and what flows through it
     "Backend", "Runtime", "ContinuousRuntime", "Synthesizer", "Trainer", "NoOptions", "SynthesizerCapabilities",
     "TrainerCapabilities",
+    # the registries, by name (a plugin's tests build their backend as users do)
+    "runtimes", "synthesizers", "trainers",
     "GenerationRequest", "GenerationParams", "SynthesisRequest", "Completion", "Message",
     # the nouns
     "LM", "Cartridge", "CartridgeMeta", "ModelIdentity", "architecture_of", "tokenizer_fingerprint", "autocast",

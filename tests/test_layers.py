@@ -34,7 +34,7 @@ LAYERS = {
 ORDER = [m for group in LAYERS.values() for m in group]
 LAYER_OF = {m: name for name, group in LAYERS.items() for m in group}
 RANK = {name: i for i, name in enumerate(LAYERS)}
-# the facade (DESIGN.md, docs/architecture.md): Cartridge.from_corpus and Cartridge.compact hand off to the build
+# the facade (docs/architecture.md): Cartridge.from_corpus and Cartridge.compact hand off to the build
 # layer, imported inside the method, so `Cartridge` is the one front door and cartridge.py depends on nothing above
 FACADE = {("cartridge", "build.selfstudy"), ("cartridge", "build.compaction")}
 

@@ -57,7 +57,7 @@ def test_a_cartridge_of_another_model_is_refused(store, tiny_qwen):
 def test_bad_files_dropped_in_are_left_out_with_a_log_line_and_the_rest_is_served(store, tiny_qwen, caplog):
     (store.root / "damaged.safetensors").write_bytes(b"\x00garbage" * 100)
     Cartridge.from_prefix(tiny_qwen, CORPORA["railway"], 12).save(store.root / "foreign.safetensors")
-    with caplog.at_level(logging.WARNING, logger="cartridges_sdk.serve.store"):
+    with caplog.at_level(logging.WARNING, logger="cartridges_sdk.store"):
         changes = store.refresh()
         assert changes == {"added": [], "removed": [], "refused": ["damaged", "foreign"]}
         assert store.refresh()["refused"] == []  # said once, not at every refresh

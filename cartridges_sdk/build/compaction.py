@@ -126,7 +126,8 @@ def compact(lm: LM, ids: Sequence[int], num_tokens: int, *, num_frozen: int = 1,
 
 def _chunk_limit(lm: LM, config: CompactionConfig, total: int) -> int:
     """The longest chunk whose forward pass, and each probe question and answer after it, fits the model."""
-    room = max((len(lm.chat_ids([{"role": "user", "content": q}])) for q in config.probe_questions), default=0)
+    room = max((len(lm.prompt_ids([{"role": "user", "content": q}], after_cartridge=True))
+                for q in config.probe_questions), default=0)
     room += config.answer_tokens if config.probe_questions else 0
     limit = min(lm.max_context or total + room, MAX_CHUNK) - room
     if config.max_chunk_tokens is not None:
@@ -250,12 +251,13 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
         rec.queries.clear()
         rec.select = None
         for question in config.probe_questions:
-            _probe(lm, cache, n, lm.chat_ids([{"role": "user", "content": question}]), config.answer_tokens)
+            _probe(lm, cache, n, lm.prompt_ids([{"role": "user", "content": question}], after_cartridge=True),
+                   config.answer_tokens)
             cache.crop(n - cache.get_seq_length())
         probe_q = {i: torch.cat(qs, dim=1) for i, qs in rec.queries.items()}
     layers = range(len(kv))
     if sorted(corpus_q) != list(layers) and sorted(probe_q) != list(layers):
-            raise UnsupportedModelError(
+        raise UnsupportedModelError(
             f"Model {lm.name!r}: queries were read from layers {sorted(corpus_q)} of {len(kv)}; compaction needs an "
             "attention layer that calls transformers' attention interface in every layer."
         )

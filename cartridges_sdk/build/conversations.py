@@ -52,7 +52,7 @@ def student_sequence(lm: LM, turns: Turns) -> tuple[list[int], list[int], list[i
         user_text, _ = turns[i]
         _, b_ids = turns[i + 1]
         messages.append({"role": "user", "content": user_text})
-        full = lm.chat_ids(messages, after_cartridge=True)
+        full = lm.prompt_ids(messages, after_cartridge=True)
         if full[: len(ids)] != ids:
             return "the chat template re-tokenizes earlier turns differently"
         roles += [ROLE_USER] * (len(full) - len(ids))

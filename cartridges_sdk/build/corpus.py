@@ -29,7 +29,7 @@ class Document:
     text: str
 
 
-def _read_text(path: Path) -> str | None:
+def read_text(path: Path) -> str | None:
     """The file's text, or None if it is binary or not UTF-8."""
     data = path.read_bytes()
     if b"\x00" in data[:8192]:
@@ -105,7 +105,7 @@ class Corpus:
                     found.append(p)
         docs, skipped = [], []
         for p in found:
-            text = _read_text(p)
+            text = read_text(p)
             if text is None:
                 skipped.append(str(p))
             else:
@@ -143,7 +143,7 @@ class Corpus:
                 continue
             if not matches(rel, include) or matches(rel, exclude):
                 continue
-            text = _read_text(path)
+            text = read_text(path)
             if text is None:
                 skipped.append(rel)
             else:

@@ -27,9 +27,8 @@ def question_prompt(
     lm: LM, question: str, *, document: str | Sequence[int] | None = None, cartridges: Sequence[Cartridge] | None = None
 ) -> list[int]:
     """Token ids every method is asked with: the document's tokens (if in context), then the question's chat turn."""
-    has_prefix = bool(document) or bool(cartridges)
     doc_ids = (lm.encode(document) if isinstance(document, str) else list(document)) if document else []
-    return doc_ids + lm.chat_ids([{"role": "user", "content": question}], after_cartridge=has_prefix)
+    return lm.prompt_ids([{"role": "user", "content": question}], prefix_ids=doc_ids, after_cartridge=bool(cartridges))
 
 
 def answer_logprobs(

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import models
-from ..build.corpus import Corpus, _read_text
+from ..build.corpus import Corpus, read_text
 from ..errors import CartridgeError, IncompatibleCartridgeError
 from ..plugins import REGISTRIES
 
@@ -55,7 +55,7 @@ def text_file(name: str) -> str:
         raise CartridgeError(f"{name!r} is a folder; give one text file (`cartridges build` learns a whole folder).")
     if not path.is_file():
         raise CartridgeError(f"No file at {name!r}; check the path.")
-    text = _read_text(path)
+    text = read_text(path)
     if text is None:
         raise CartridgeError(f"{name!r} is not UTF-8 text (binary, or another encoding); convert it to UTF-8 text.")
     return text

@@ -120,8 +120,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     dataset = SelfStudyDataset(args.data)
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     check_whole(dataset)
-    # the start is rank 0's to make (the built-in trainer sends it to the others): they need not read the corpus
-    needs_corpus = args.corpus and (is_lead() or args.trainer != "torch")
+    # the start is rank 0's to make (a distributed trainer sends it to the others): they need not read the corpus
+    needs_corpus = args.corpus and (is_lead() or not trainers.get(args.trainer).capabilities_for(options).distributed)
     corpus = read_corpus(args) if needs_corpus else None
     # before the model loads: a corpus given must be the dataset's; without one, the start comes from the corpus the
     # dataset keeps (checked here), and a dataset made before datasets kept it cannot be compacted

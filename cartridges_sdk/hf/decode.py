@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from ..kit import LM
 
 
-
 class DecodeState:
     """What a batch decode has produced so far; `top_ids`/`top_logprobs` hold per-token top-k when asked for."""
 

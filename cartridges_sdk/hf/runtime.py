@@ -54,9 +54,9 @@ class HFRuntime(ContinuousRuntime):
         self.widest_batch = 0  # the most requests add/step decoded together so far
 
     @property
-    def installs(self) -> int:
-        """Cartridges moved into the model's device and dtype so far (each content once while it stays)."""
-        return self._installed.made
+    def max_installed(self) -> int:
+        """How many distinct cartridges stay installed before the least recently used goes (the option)."""
+        return self.options.max_installed
 
     def _install(self, cartridge: Cartridge) -> Layers:
         return self._installed.get(cartridge.fingerprint, lambda: concat_layers(self.lm, [cartridge]))
@@ -64,6 +64,11 @@ class HFRuntime(ContinuousRuntime):
     def _prefix(self, request: GenerationRequest) -> Layers | None:
         parts = [self._install(c) for c in request.cartridges]
         return join_layers(parts) if parts else None
+
+    @property
+    def installs(self) -> int:
+        """Cartridges moved into the model's device and dtype so far (each content once while it stays)."""
+        return self._installed.made
 
     def _prompt(self, request: GenerationRequest) -> list[int]:
         return self.lm.prompt_ids(request.messages, prefix_ids=request.prefix_ids, after_cartridge=bool(request.cartridges))

@@ -16,11 +16,19 @@ if TYPE_CHECKING:
     from ..kit import LM
 
 
+def _dtype_name(value: Any) -> Any:
+    """A torch dtype or an alias ("bf16") as its name; anything else is left for the validator to refuse."""
+    if isinstance(value, torch.dtype) or value in ("bf16", "fp16"):
+        return str(resolve_dtype(value)).removeprefix("torch.")
+    return value
+
+
 @attrs.frozen
 class HFSynthesizerOptions:
     # compute dtype for sampling (bf16 pays where its matrix products are faster: GPUs, CPUs with AMX); None keeps
     # the model's dtype
-    autocast_dtype: str | None = attrs.field(default=None, validator=one_of(None, "bfloat16", "float16"))
+    autocast_dtype: str | None = attrs.field(default=None, converter=_dtype_name,
+                                             validator=one_of(None, "bfloat16", "float16"))
 
 
 class HFSynthesizer(Synthesizer):
@@ -30,7 +38,7 @@ class HFSynthesizer(Synthesizer):
     Options = HFSynthesizerOptions
     capabilities = SynthesizerCapabilities(max_top_logprobs=1024, score=True, prefix_reuse=True)
 
-    def __init__(self, lm: LM, *, autocast_dtype: str | None = None):
+    def __init__(self, lm: LM, *, autocast_dtype: str | torch.dtype | None = None):
         super().__init__(lm, autocast_dtype=autocast_dtype)
         self.autocast_dtype = resolve_dtype(self.options.autocast_dtype)
         # it returns top-k up to the whole vocabulary: the class says 1024 (known before the model), the instance more

@@ -23,7 +23,7 @@ log = logging.getLogger("cartridges_sdk.server")  # the name operators configure
 
 
 @attrs.define(eq=False)
-class _Job:
+class Job:
     request: GenerationRequest
     stream: bool
     loop: asyncio.AbstractEventLoop
@@ -41,7 +41,7 @@ class Engine:
     def __init__(self, runtime: Runtime, max_queue: int, max_batch: int):
         self.runtime = runtime
         self.max_batch = max_batch
-        self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queue)
+        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._stopping = threading.Event()
         self.largest_batch = 0  # the most requests answered together so far
         self.replayed = 0  # requests answered again, in smaller batches, because their batch failed
@@ -60,7 +60,7 @@ class Engine:
     def alive(self) -> bool:
         return self.thread.is_alive()
 
-    def submit(self, job: _Job) -> bool:
+    def submit(self, job: Job) -> bool:
         if self._stopping.is_set():
             return False
         try:
@@ -78,7 +78,7 @@ class Engine:
         self.thread.join(timeout=60)
 
     def _run(self) -> None:
-        held: _Job | None = None  # a stream met while gathering a batch: it goes next
+        held: Job | None = None  # a stream met while gathering a batch: it goes next
         while not self._stopping.is_set() or held is not None:
             job = held or self.jobs.get()
             held = None
@@ -112,7 +112,7 @@ class Engine:
             if job is not None:
                 _deliver(job, None, BackendError("The server is shutting down."))
 
-    def _guarded(self, batch: list[_Job], work) -> None:
+    def _guarded(self, batch: list[Job], work) -> None:
         try:
             work(batch)
         except Exception as err:
@@ -120,7 +120,7 @@ class Engine:
             for j in batch:
                 _deliver(j, None, err)
 
-    def _answer(self, batch: list[_Job]) -> None:
+    def _answer(self, batch: list[Job]) -> None:
         self.largest_batch = max(self.largest_batch, len(batch))
         try:
             outs = self.runtime.generate([j.request for j in batch])
@@ -139,7 +139,7 @@ class Engine:
         for j, out in zip(batch, outs):
             _deliver(j, out, None)
 
-    def _stream(self, batch: list[_Job]) -> None:
+    def _stream(self, batch: list[Job]) -> None:
         (job,) = batch
         pieces = self.runtime.stream(job.request)
         final = None
@@ -262,7 +262,7 @@ class Engine:
 class _Running:
     """A request a continuous runtime holds, and the text its stream has shown so far."""
 
-    job: _Job
+    job: Job
     shown: str = ""
     replayed: bool = False  # run again after its batch failed: its new text must agree with what was shown
 
@@ -296,7 +296,7 @@ def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         pass
 
 
-def _deliver(job: _Job, value: Any, error: BaseException | None) -> None:
+def _deliver(job: Job, value: Any, error: BaseException | None) -> None:
     if job.stream:
         _call(job.loop, job.out.put_nowait, error if error is not None else None)
         if error is not None:

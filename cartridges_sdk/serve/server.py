@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import queue
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,7 +29,7 @@ from ..checks import at_least_one
 from ..errors import ConfigError, IncompatibleCartridgeError
 from ..plugins import Runtime
 from ..requests import Completion, GenerationParams, GenerationRequest
-from .engine import Engine, _Job
+from .engine import Engine, Job
 from .guard import LOOPBACK_HOSTS, BadRequest, Guard, authorize, check_host, check_host_names, host_names
 from .store import SUFFIX, CartridgeStore, NotInStoreError
 
@@ -150,7 +149,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
                                  "model") from None
             cartridges = [store.get(n) for n in names]
         try:
-            prompt_tokens = len(lm.chat_ids(messages, after_cartridge=bool(cartridges)))
+            prompt_tokens = len(lm.prompt_ids(messages, after_cartridge=bool(cartridges)))
         except Exception as err:  # noqa: BLE001 - e.g. a template that wants alternating turns or no system turn
             raise BadRequest(400, f"The model's chat template refuses these messages: {type(err).__name__}: "
                              f"{str(err)[:300]}", "messages") from None
@@ -186,7 +185,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
         names, cartridges, prompt_tokens, used = await asyncio.to_thread(resolve, body, names, messages, params)
         job_request = GenerationRequest(messages, cartridges, params)
         loop = asyncio.get_running_loop()
-        job = _Job(job_request, stream, loop, asyncio.Queue() if stream else loop.create_future())
+        job = Job(job_request, stream, loop, asyncio.Queue() if stream else loop.create_future())
         if not state["engine"].submit(job):
             raise BadRequest(429, f"The server is busy ({config.max_queue} requests waiting); retry shortly.",
                              headers={"retry-after": "1"})
@@ -212,7 +211,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     return app
 
 
-async def _wait(job: _Job, request: Any) -> Completion:
+async def _wait(job: Job, request: Any) -> Completion:
     """The job's answer; a client that disconnects meanwhile cancels it (it is not run, or its answer dropped)."""
     try:
         while True:
@@ -227,7 +226,7 @@ async def _wait(job: _Job, request: Any) -> Completion:
             job.cancelled.set()
 
 
-async def _events(job: _Job, rid: str, model: str, names: list[str], usage: dict[str, int],
+async def _events(job: Job, rid: str, model: str, names: list[str], usage: dict[str, int],
                   include_usage: bool, scrub) -> AsyncIterator[str]:
     """Server-sent events in the OpenAI chunk format, then usage (if asked for, as OpenAI does: a last chunk with no
     choices); a client that goes away cancels its decoding."""

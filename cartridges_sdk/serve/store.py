@@ -19,7 +19,6 @@ import logging
 import os
 import re
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import attrs
 from ..cartridge import Cartridge
 from ..errors import CartridgeError, ConfigError, NotInStoreError
 from ..files import atomic_write
+from ..kv import Recent
 from ..lm import LM
 
 log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed
@@ -86,7 +86,7 @@ class CartridgeStore:
         self._entries: dict[str, _Entry] = {}
         self._refused: dict[Path, tuple[tuple[int, int], str]] = {}  # said once per version of a bad file
         self._linked_out: set[Path] = set()  # refused because they (or their corpus) link out of the folder
-        self._memory: OrderedDict[str, Cartridge] = OrderedDict()
+        self._memory: Recent[Cartridge] = Recent(budget=memory_budget, cost=lambda c: c.nbytes)  # loaded, by name
         self._index: Any = None  # (bm25 retriever, name of each corpus), built when first routed after a change
         self._lock = threading.RLock()
         self.refresh()
@@ -115,7 +115,7 @@ class CartridgeStore:
             if entry is None:
                 shown = ", ".join(self.names()[:20]) or "none"
                 raise NotInStoreError(f"No cartridge {name!r} in the store at {self.root}; it holds: {shown}.")
-            cartridge = self._memory.pop(name, None)
+            cartridge = self._memory.pop(name)
             if cartridge is None:
                 cartridge, why = self._load(entry.path)
                 if cartridge is None:  # replaced or deleted since the folder was read: left out
@@ -127,9 +127,7 @@ class CartridgeStore:
 
     def _remember(self, name: str, cartridge: Cartridge) -> None:
         """Keep `cartridge` in memory as the most recently used, within the budget."""
-        self._memory[name] = cartridge
-        while len(self._memory) > 1 and sum(c.nbytes for c in self._memory.values()) > self.memory_budget:
-            self._memory.popitem(last=False)
+        self._memory.put(name, cartridge)
 
     def _load(self, path: Path) -> tuple[Cartridge | None, str | None]:
         """The file's cartridge, bound to the model; or None and why, said once in the log and remembered."""
@@ -168,7 +166,7 @@ class CartridgeStore:
             if corpus is not None:
                 atomic_write(self.root / f"{name}{CORPUS_SUFFIX}", lambda tmp: Path(tmp).write_text(corpus, "utf-8"))
             cartridge.save(path)
-            self._memory.pop(name, None)
+            self._memory.pop(name)
             self.refresh()
             return path
 
@@ -228,7 +226,7 @@ class CartridgeStore:
                     changes["added"].append(name)
             changes["removed"] = sorted(set(self._entries) - set(seen))
             for name in changes["removed"]:
-                self._memory.pop(name, None)
+                self._memory.pop(name)
             self._refused = {p: v for p, v in self._refused.items() if p.exists()}
             def routing(entries):
                 return {n: (e.corpus, e.corpus_stamp) for n, e in entries.items()}

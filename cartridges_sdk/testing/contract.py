@@ -121,7 +121,7 @@ def check_runtime_exactness(runtime: Runtime, lm: LM, *, sizes: Sequence[int] = 
         for c in (with_cart, in_context):
             _has_topk(check, c, top_k)
         _compare_completions(check, f"p={p}, cartridge vs the same tokens in context", with_cart, in_context, tolerance)
-        prompt = ids[:p] + lm.chat_ids(messages, after_cartridge=True)
+        prompt = lm.prompt_ids(messages, prefix_ids=ids[:p])
         diff, gap = _topk_gap(_reference_logp(lm, prompt, with_cart.token_ids), with_cart.top_ids, with_cart.top_logprobs)
         if diff > reference_tolerance or gap > reference_tolerance:
             fail(check, f"p={p}: with the cartridge, top-k log-probs differ from the model's own forward pass with the "

@@ -9,7 +9,6 @@ or its next ``eval`` would wipe them.
 from __future__ import annotations
 
 import ctypes
-from collections import OrderedDict
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,8 @@ from cartridges_sdk import (
     Runtime,
     UnsupportedModelError,
 )
-from cartridges_sdk.kit import (CartridgeMeta, check_fits, ends_answer, INTERLEAVED, key_layout, refuse_foreign,
-    ROTATE_HALF, sample_next, text_deltas)
+from cartridges_sdk.kit import (CartridgeMeta, check_fits, ends_answer, INTERLEAVED, key_layout, Recent,
+    refuse_foreign, ROTATE_HALF, sample_next, text_deltas)
 
 from .options import LlamaCppOptions
 from .state import Layout, read
@@ -60,9 +59,9 @@ class LlamaCppRuntime(Runtime):
         # llama.cpp rounds its context up to a multiple of 256; llama-cpp-python's token list keeps the size asked for
         self.max_positions = min(self.llm.n_ctx(), len(self.llm.input_ids))
         self._loaded: str | None = None  # fingerprint of the cartridge the sequence's first cells hold
-        self._blobs: OrderedDict[str, bytes] = OrderedDict()  # recent cartridges, ready to load
+        self._blobs: Recent[bytes] = Recent(budget=MAX_BLOB_BYTES)  # recent cartridges in llama.cpp's layout, by content
+        self._composed: Recent[Cartridge] = Recent(64)  # recent compositions, by their parts
         self._turn = 0  # counts uses of the one sequence, so a paused stream notices another request took it
-        self.installs = 0  # cartridge contents turned into llama.cpp's layout (each once while it stays)
         self.loads = 0  # cartridges written into the sequence (not again while they are still there)
         try:
             self.arch = self._check_model()
@@ -129,7 +128,9 @@ class LlamaCppRuntime(Runtime):
         return _blob(self.layout, cartridge, self.pairing)
 
     def close(self) -> None:
-        self._blobs = OrderedDict()
+        for held in (getattr(self, "_blobs", None), getattr(self, "_composed", None)):  # None: __init__ failed early
+            if held is not None:
+                held.clear()
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.close()
@@ -198,17 +199,12 @@ class LlamaCppRuntime(Runtime):
             self._reset()
             return 0
         self._turn += 1
-        whole = cartridges[0] if len(cartridges) == 1 else Cartridge.compose(list(cartridges))
+        whole = cartridges[0] if len(cartridges) == 1 else self._composed.get(
+            tuple(c.fingerprint for c in cartridges), lambda: Cartridge.compose(list(cartridges)))
         key = whole.fingerprint
         p = whole.num_tokens
         if self._loaded != key:
-            blob = self._blobs.pop(key, None)
-            if blob is None:
-                blob = _blob(self.layout, whole, self.pairing)
-                self.installs += 1
-            self._blobs[key] = blob
-            while len(self._blobs) > 1 and sum(map(len, self._blobs.values())) > MAX_BLOB_BYTES:
-                self._blobs.popitem(last=False)
+            blob = self._blobs.get(key, lambda: _blob(self.layout, whole, self.pairing))
             from llama_cpp import llama_cpp as C
 
             self._loaded = None
@@ -222,6 +218,11 @@ class LlamaCppRuntime(Runtime):
             self.loads += 1
         self.llm.n_tokens = p  # the cells 0..p-1 hold the cartridge; the next eval keeps them and removes the rest
         return p
+
+    @property
+    def installs(self) -> int:
+        """Cartridge contents turned into llama.cpp's layout so far (each once while it stays)."""
+        return self._blobs.made
 
     def _prompt(self, request: GenerationRequest) -> list[int]:
         return self.lm.prompt_ids(request.messages, prefix_ids=request.prefix_ids, after_cartridge=bool(request.cartridges))

@@ -52,10 +52,12 @@ class VLLMRuntime(ContinuousRuntime):
     def _install(self, cartridges: Sequence[Cartridge]) -> Cartridge:
         """The request's cartridges as one (composed in order, rotate-half keys), written to the store once."""
         # vLLM's neox RoPE for Llama and Qwen2 pairs dims as rotate-half; composing (and hashing the result) happens
-        # once per combination, not once per request
-        whole = self._composed.get(tuple(c.fingerprint for c in cartridges),
-                                   lambda: (cartridges[0] if len(cartridges) == 1 else Cartridge.compose(list(cartridges)))
-                                   .in_key_pairing(ROTATE_HALF))
+        # once per combination, not once per request; a single cartridge is the store's to keep or drop
+        if len(cartridges) == 1:
+            whole = cartridges[0].in_key_pairing(ROTATE_HALF)
+        else:
+            whole = self._composed.get(tuple(c.fingerprint for c in cartridges),
+                                       lambda: Cartridge.compose(list(cartridges)).in_key_pairing(ROTATE_HALF))
         path = Path(self._store.name) / f"{whole.fingerprint}.safetensors"
         if not path.exists():
             from safetensors.torch import save_file
