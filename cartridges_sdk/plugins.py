@@ -93,8 +93,8 @@ class Backend(ABC):
 
     @classmethod
     def capabilities_with(cls, options: Any) -> Any:
-        """Override when an option changes what it can do (e.g. how many log-probs a server returns); an instance
-        whose options do sets ``self.capabilities = self.capabilities_with(options)`` once when built."""
+        """Override when an option changes what it can do (e.g. how many log-probs a server returns); `__init__` sets
+        the instance's ``capabilities`` from it, so the instance says what `capabilities_for` said."""
         return getattr(cls, "capabilities", None)
 
     @classmethod

@@ -43,7 +43,6 @@ class LoggingRuntime(Runtime):
     def __init__(self, model: LM, *, log_file: str | None = None):
         super().__init__(model, log_file=log_file)  # keeps self.lm and the validated self.options
         self.engine = Engine(model.model)  # reads the weights once; refuses a model it does not implement
-        self.log_file = self.options.log_file
         self.installed: Recent = Recent(MAX_INSTALLED)  # cartridge fingerprint -> its per-layer KV, ready to copy
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
@@ -51,7 +50,7 @@ class LoggingRuntime(Runtime):
         prompts = self._check(requests)
         answers = []
         for request, prompt in zip(requests, prompts):
-            record(self.log_file, {"event": "generate", **_describe(request)})
+            record(self.options.log_file, {"event": "generate", **_describe(request)})
             for completion, _ in self._decode(request, prompt):
                 pass
             answers.append(completion)
@@ -59,11 +58,11 @@ class LoggingRuntime(Runtime):
 
     def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
         (prompt,) = self._check([request])
-        record(self.log_file, {"event": "stream", **_describe(request)})
+        record(self.options.log_file, {"event": "stream", **_describe(request)})
         return (yield from text_deltas(self._decode(request, prompt)))
 
     def close(self) -> None:
-        self.installed = Recent(MAX_INSTALLED)
+        self.installed.clear()
 
     def _check(self, requests: Sequence[GenerationRequest]) -> list[list[int]]:
         """Every rule that can refuse a request, for the whole batch, before any compute; the prompts' ids."""

@@ -25,13 +25,12 @@ class LoggingSynthesizer(Synthesizer):
     def __init__(self, model: LM, *, log_file: str | None = None):
         super().__init__(model, log_file=log_file)
         self.engine = Engine(model.model)
-        self.log_file = self.options.log_file
 
     def identity(self):
         return self.lm.identity  # the student's own weights, so its identity field by field
 
     def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]:
-        record(self.log_file, {"event": "complete", "requests": len(requests),
+        record(self.options.log_file, {"event": "complete", "requests": len(requests),
                                "groups": sorted({r.group for r in requests if r.group is not None}),
                                "prompt_tokens": sum(len(r.prompt_ids) for r in requests)})
         answers = []
@@ -47,7 +46,7 @@ class LoggingSynthesizer(Synthesizer):
         return answers
 
     def score(self, prefix_ids, sequences, top_k):
-        record(self.log_file, {"event": "score", "prefix_tokens": len(prefix_ids), "sequences": len(sequences)})
+        record(self.options.log_file, {"event": "score", "prefix_tokens": len(prefix_ids), "sequences": len(sequences)})
         cache = self.engine.new_cache(len(prefix_ids) + max((len(s) for s in sequences), default=0))
         if prefix_ids:
             self.engine.forward(list(prefix_ids), cache)  # the prefix once, for every sequence
