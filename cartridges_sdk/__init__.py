@@ -28,6 +28,7 @@ from .models import default_cache_dir, load_model
 from .plugins import Backend, ContinuousRuntime, Runtime, Synthesizer, SynthesizerCapabilities, Trainer, TrainerCapabilities
 from .requests import Completion, GenerationParams, GenerationRequest, SynthesisRequest
 from .serve.store import CartridgeStore
+from .serve.sync import SyncConfig, SyncReport
 
 __all__ = [
     "LM",
@@ -54,6 +55,8 @@ __all__ = [
     "PluginError",
     "RateLimitedError",
     "Runtime",
+    "SyncConfig",
+    "SyncReport",
     "SynthesisRequest",
     "Synthesizer",
     "SynthesizerCapabilities",

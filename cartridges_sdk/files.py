@@ -59,21 +59,23 @@ def _sync_folder(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def folder_lock(folder: str | os.PathLike) -> Iterator[None]:
-    """Hold `folder` for this process; a second process on the same folder fails at once instead of mixing its work
-    in. The lock is the operating system's, so it is released even when the holder is killed."""
+def folder_lock(folder: str | os.PathLike, *, name: str = ".lock", timeout: float = 0,
+                busy: str | None = None) -> Iterator[None]:
+    """Hold `folder` for this process; a second process on the same folder fails (after `timeout` seconds of
+    waiting) instead of mixing its work in. The lock is the operating system's, so it is released even when the
+    holder is killed. `busy` replaces the refusal's message."""
     from filelock import FileLock, Timeout
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(folder / ".lock"), timeout=0)
+    lock = FileLock(str(folder / name), timeout=timeout)
     try:
         lock.acquire()
     except Timeout:
-        raise ConfigError(
+        raise ConfigError(busy or (
             f"{str(folder)!r} is in use by another process (two runs on one folder would mix their work); wait for "
             "it to finish, or use another folder."
-        ) from None
+        )) from None
     try:
         yield
     finally:

@@ -91,7 +91,7 @@ SUBSTITUTIONS = [
     Sub(".*", SH, r"--tokens 2048\b", "--tokens 256", "the sample my_repo/ holds about 900 tokens; a compacted "
         "start needs at least p"),
     Sub(".*", SH, r"\bcartridges ask ", "cartridges ask --max-new-tokens 24 ", "short answers"),
-    Sub(r"docs/(store|openai)\.md", PY | SH, r"\b8000\b", "{port}", "the server listens on a free port"),
+    Sub(r"docs/(store|openai|sync)\.md", PY | SH, r"\b8000\b", "{port}", "the server listens on a free port"),
     Sub(r"docs/openai\.md", SH, r"\bMODEL_DIR\b", "{model_dir}", "the folder the SDK loads the default model from"),
     Sub(r"docs/llamacpp\.md", SH, r"/models/my-model\.Q4_K_M\.gguf", "{gguf}",
         "a GGUF of the student's model: the embedded one"),
@@ -158,6 +158,7 @@ AROUND: dict[tuple[str, str], tuple[str, str]] = {
 # -- blocks that start a server: (page, text unique to the block) -> the path that answers once it is up ------------
 SERVERS: dict[tuple[str, str], str] = {
     ("docs/store.md", "cartridges serve"): "/health",
+    ("docs/sync.md", "cartridges serve"): "/health",
     ("docs/openai.md", "vllm.entrypoints.openai.api_server"): "/v1/models",
 }
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from .files import cmd_compact, cmd_compose, cmd_init, cmd_inspect
 from .selfstudy import cmd_build, cmd_merge, cmd_synthesize, cmd_train
-from .use import cmd_ask, cmd_backends, cmd_serve
+from .use import cmd_ask, cmd_backends, cmd_serve, cmd_sync
 
 DESCRIPTION = "The ``cartridges`` command: make, inspect, compose and query cartridge files from a shell."
 INITS = ["compact", "prefix", "random_text", "random"]
@@ -172,8 +172,31 @@ def _serve(p: argparse.ArgumentParser) -> None:
                    help="a name clients reach the server by, accepted in the Host header (repeatable). On a loopback "
                         "address only loopback names are answered (against DNS rebinding); elsewhere any name, unless "
                         "some are given. '*': any name")
+    p.add_argument("--watch", metavar="FOLDER", help="keep the store in step with this folder of documents while "
+                   "serving (as `cartridges sync`; several servers may watch one store: one syncs at a time)")
+    p.add_argument("--watch-every", type=float, default=2.0, metavar="SECONDS",
+                   help="how often the watched folder is looked at (default 2)")
+    _sync_settings(p)
     _model_args(p)
     _backend_args(p, "runtime")
+
+
+def _sync_settings(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=256,
+                   help="cartridge tokens per document; shorter documents are kept whole (default 256)")
+    p.add_argument("--unit", choices=["file", "folder"], default="file",
+                   help="one cartridge per file, or per entry at the top of the folder (a patient, a module)")
+    p.add_argument("--max-bytes", type=int, default=8 * 2**20, help="larger files are skipped (default 8 MiB)")
+
+
+def _sync(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folder", help="the documents: one cartridge per file (hidden files and folders are passed over)")
+    p.add_argument("--store", required=True, help="the store's folder (created if missing)")
+    _sync_settings(p)
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait this long for another sync writing to the store (default: fail at once)")
+    p.add_argument("--json", action="store_true", help="print what was done as JSON")
+    _model_args(p)
 
 
 def _backends(p: argparse.ArgumentParser) -> None:
@@ -192,6 +215,8 @@ COMMANDS: list[Command] = [
     ("inspect", "show what a cartridge file holds", cmd_inspect, _inspect),
     ("compose", "concatenate cartridges into one", cmd_compose, _compose),
     ("ask", "answer a question with one or more cartridges as context", cmd_ask, _ask),
+    ("sync", "keep a store in step with a folder of documents: one cartridge per document, only changes rebuilt",
+     cmd_sync, _sync),
     ("serve", "serve a folder of cartridges over an OpenAI-compatible HTTP API", cmd_serve, _serve),
     ("backends", "list installed runtimes, synthesizers and trainers, and whether each imports", cmd_backends,
      _backends),

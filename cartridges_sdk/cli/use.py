@@ -11,6 +11,7 @@ from typing import Any
 
 from ..cartridge import Cartridge
 from ..checks import is_loopback
+from ..errors import ConfigError
 from ..plugins import REGISTRIES
 from ..serve.store import CartridgeStore
 from . import common  # common.model_for is looked up at each call, so tests can replace it
@@ -49,6 +50,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     key = args.api_key or os.environ.get("CARTRIDGES_API_KEY") or None
     config = ServeConfig(api_key=key, max_queue=args.max_queue, max_batch=args.max_batch,
                          allowed_hosts=allowed_hosts(args.host, args.allowed_host))  # checked before the model loads
+    sync_config = _sync_config(args) if args.watch else None
+    if args.watch and not os.path.isdir(args.watch):
+        raise ConfigError(f"--watch {args.watch!r} is not a folder; give the folder of documents to keep in step.")
     lm = common.model_for(args.model, device=args.device)
     store = CartridgeStore(args.store, lm, memory_budget=args.memory_mb * 2**20)
     if key is None and not is_loopback(args.host):
@@ -60,10 +64,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"serving {len(store)} cartridge(s) from {args.store} on http://{args.host}:{args.port}/v1 "
           f"(runtime {args.runtime}; answering {hosts}{'; left out: ' + ', '.join(refused) if refused else ''})",
           file=sys.stderr)
+    watcher = None
+    if args.watch:
+        from ..serve.watch import Watcher
+
+        watcher = Watcher(store, args.watch, sync_config, every=args.watch_every,
+                          on_sync=lambda report: print(f"sync of {args.watch}: {report}", file=sys.stderr)).start()
     try:
         uvicorn.run(create_app(store, runtime, config), host=args.host, port=args.port, log_level="warning")
     finally:
+        if watcher is not None:
+            watcher.close()
         lm.close()
+    return 0
+
+
+def _sync_config(args: argparse.Namespace):
+    from ..serve.sync import SyncConfig
+
+    return SyncConfig(tokens=args.tokens, unit=args.unit, max_bytes=args.max_bytes)
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    config = _sync_config(args)  # checked before the model loads
+    lm = common.model_for(args.model, device=args.device)
+    try:
+        store = CartridgeStore(args.store, lm)
+        report = store.sync(args.folder, config, timeout=args.wait, progress=not args.json)
+    finally:
+        lm.close()
+    if args.json:
+        print(json.dumps({**report.counts(), "seconds": report.seconds, "added": report.added,
+                          "updated": report.updated, "deleted": report.deleted,
+                          "rejected": {r.path: r.why for r in report.rejected}}, indent=2))
+    else:
+        print(f"{args.store}: {report}")
     return 0
 
 

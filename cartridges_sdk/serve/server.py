@@ -31,7 +31,7 @@ from ..plugins import Runtime
 from ..requests import Completion, GenerationParams, GenerationRequest
 from .engine import Engine, Job
 from .guard import LOOPBACK_HOSTS, BadRequest, Guard, authorize, check_host, check_host_names, host_names
-from .store import SUFFIX, CartridgeStore, NotInStoreError
+from .store import SUFFIX, CartridgeStore, NotInStoreError, versions
 
 
 ROLES = ("system", "user", "assistant")
@@ -190,10 +190,12 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
             raise BadRequest(429, f"The server is busy ({config.max_queue} requests waiting); retry shortly.",
                              headers={"retry-after": "1"})
         rid = f"chatcmpl-{next(ids)}-{int(time.time())}"
+        # which cartridges answered, and the version (SHA-256) of the document each stands for, if sync made it
+        sources = {"cartridges": names, "versions": list(versions(cartridges))}
         model = body["model"]
         usage = {"prompt_tokens": prompt_tokens, "cartridge_tokens": used}
         if stream:
-            return StreamingResponse(_events(job, rid, model, names, usage, include_usage, scrub),
+            return StreamingResponse(_events(job, rid, model, sources, usage, include_usage, scrub),
                                      media_type="text/event-stream")
         try:
             out: Completion = await _wait(job, request)
@@ -206,7 +208,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
                              "finish_reason": out.finish_reason}],
-                "usage": _usage(usage, len(out.token_ids)), "cartridges": names}
+                "usage": _usage(usage, len(out.token_ids)), **sources}
 
     return app
 
@@ -226,14 +228,14 @@ async def _wait(job: Job, request: Any) -> Completion:
             job.cancelled.set()
 
 
-async def _events(job: Job, rid: str, model: str, names: list[str], usage: dict[str, int],
+async def _events(job: Job, rid: str, model: str, sources: dict[str, list], usage: dict[str, int],
                   include_usage: bool, scrub) -> AsyncIterator[str]:
     """Server-sent events in the OpenAI chunk format, then usage (if asked for, as OpenAI does: a last chunk with no
     choices); a client that goes away cancels its decoding."""
     def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
         choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
         body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                "choices": choices, "cartridges": names, **extra}
+                "choices": choices, **sources, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
     try:

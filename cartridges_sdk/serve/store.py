@@ -5,7 +5,8 @@ The folder holds ``NAME.safetensors`` (a cartridge) and, for routing, ``NAME.cor
 A file that does not load, or was made for another model, is left out with one log line naming it and why; it is never
 served, and it never stops the store (a server keeps answering from the others). `refresh` re-reads the folder, so
 files dropped in or removed take effect without a restart. Loaded cartridges are kept within a memory budget, least
-recently used first out; a cartridge left out of memory is read again from its file when asked for.
+recently used first out; a cartridge left out of memory is read again from its file when asked for. `sync` keeps the
+store in step with a folder of documents, one cartridge per document (`serve/sync.py`).
 
 Routing (`route`, `ask`) ranks cartridges by BM25 with each cartridge's whole corpus as one document (the ``bm25s``
 library; install the ``serve`` extra). Scoring whole corpora rather than passages is deliberate: a word's weight then
@@ -17,9 +18,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,13 @@ from ..errors import CartridgeError, ConfigError, NotInStoreError
 from ..files import atomic_write
 from ..kv import Recent
 from ..lm import LM
+from .documents import NAME
+from .sync import SyncConfig, SyncReport, document_record, sync
 
 log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed
 
 SUFFIX = ".safetensors"
 CORPUS_SUFFIX = ".corpus.txt"
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @attrs.frozen
@@ -48,10 +49,12 @@ class Route:
 
 @attrs.frozen
 class StoreAnswer:
-    """An answer from the store, and which cartridges gave it (composed in this order)."""
+    """An answer from the store, which cartridges gave it (composed in this order), and for each the version of the
+    document it stands for (its SHA-256; None for a cartridge that sync did not make)."""
 
     text: str
     cartridges: tuple[str, ...]
+    versions: tuple[str | None, ...] = ()
 
 
 @attrs.frozen
@@ -60,6 +63,7 @@ class _Entry:
     stamp: tuple[int, int]  # size and mtime: a file replaced in place is read again
     corpus: Path | None
     corpus_stamp: tuple[int, int] | None = None  # an edited corpus text rebuilds the routing index
+    document: dict[str, Any] | None = None  # what sync recorded in the file: the document and its hash
 
 
 def _link_out_reason(name: str) -> str:
@@ -179,6 +183,26 @@ class CartridgeStore:
                 (self.root / f"{name}{suffix}").unlink(missing_ok=True)
             self.refresh()
 
+    def sync(self, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None, *,
+             timeout: float = 0, progress: bool = True) -> SyncReport:
+        """Bring the store in step with `source`, a folder (one document per file, or per top-level entry with
+        ``SyncConfig(unit="folder")``) or a mapping of name to text: one cartridge per document, built only when the
+        document is new or changed, deleted when the document is gone. Bad files are skipped with one log line each
+        and lose nothing already stored. Waits `timeout` seconds for another sync holding the store's lock (then
+        raises `ConfigError`). See docs/sync.md."""
+        return sync(self, source, config, timeout=timeout, progress=progress)
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """The document each synced cartridge stands for (``name``, ``origin``, ``sha256``, ...), by name."""
+        with self._lock:
+            return {n: e.document for n, e in sorted(self._entries.items()) if e.document is not None}
+
+    def corpus_path(self, name: str) -> Path | None:
+        """The corpus text routing reads for `name`, if it has one."""
+        with self._lock:
+            entry = self._entries.get(name)
+            return entry.corpus if entry is not None else None
+
     def refresh(self) -> dict[str, list[str]]:
         """Re-read the folder: new and replaced files are checked and served, removed ones dropped. Returns the
         names added, removed and refused."""
@@ -221,7 +245,7 @@ class CartridgeStore:
                     continue
                 self._refused.pop(path, None)
                 self._remember(name, cartridge)  # it was read to check it: keep it for the first request
-                seen[name] = _Entry(path, stamp, corpus, corpus_stamp)
+                seen[name] = _Entry(path, stamp, corpus, corpus_stamp, document_record(cartridge))
                 if old is None:
                     changes["added"].append(name)
             changes["removed"] = sorted(set(self._entries) - set(seen))
@@ -288,4 +312,10 @@ class CartridgeStore:
         names = list(cartridges) if cartridges is not None else [r.name for r in self.route(question, k)]
         parts = [self.get(n) for n in names]
         text = self.model.ask(question, cartridges=parts, runtime=runtime, runtime_options=runtime_options, **gen)
-        return StoreAnswer(text=text, cartridges=tuple(names))
+        return StoreAnswer(text=text, cartridges=tuple(names), versions=versions(parts))
+
+
+def versions(cartridges: Sequence[Cartridge]) -> tuple[str | None, ...]:
+    """The document version (SHA-256) each cartridge stands for, read from the cartridge itself so that it names
+    exactly what answered, even when the file was replaced since."""
+    return tuple((document_record(c) or {}).get("sha256") for c in cartridges)

@@ -1,0 +1,177 @@
+"""Per-document cartridges kept in step with a folder: what an edit costs, and how one document's cartridge holds up
+when composed with others.
+
+``incremental``: the dev documents of the given files (default QASPER and QuALITY: 20 documents, about 105k tokens)
+written one per file into a folder and synced into a store; then one document is edited and the store synced
+again. Reports both times, the counts, and whether the answers about the untouched documents stayed the same, bit for
+bit (same files, same greedy answers).
+
+``composition``: on that store, each question's own cartridge composed (repositioned) with k - 1 others, k = 1, 2,
+4, 8, 16: the others drawn at random (the right one at a random place among them), and the top k that BM25 routing
+picks (the right one may be missing). Gap closure of gold-answer NLL against the document in context, pooled over
+questions whose document fits the context beside them.
+
+    python -m benchmarks.sync incremental --store /tmp/sync-bench
+    python -m benchmarks.sync composition --store /tmp/sync-bench
+    python -m benchmarks.sync composition --store /tmp/sync-bench --variant off-topic
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+from cartridges_sdk import Cartridge, load_model
+from cartridges_sdk.build.evaluation import answer_logprobs, nll
+from cartridges_sdk.serve.store import CartridgeStore
+from cartridges_sdk.build.compaction import CompactionConfig
+from cartridges_sdk.serve.sync import SyncConfig
+
+from . import provenance
+from .data import EVALDATA, load_corpora
+
+DATA = [EVALDATA / "scientific_qa_dev.jsonl", EVALDATA / "quality_dev.jsonl"]
+ROOM = 512  # positions kept for a question and its answer beside a document in context
+KS = (1, 2, 4, 8, 16)
+# questions no document here is about: their queries, as reference queries, ask compaction to match what the whole
+# document does when a question is about something else (what a distractor in a composition sees)
+OFF_TOPIC = (
+    "What is the boiling point of water at sea level?",
+    "How do I reverse a list in Python?",
+    "Who wrote the novel Pride and Prejudice?",
+    "What is the capital city of Australia?",
+    "How many legs does a spider have?",
+    "What is 17 multiplied by 23?",
+)
+VARIANTS = {"default": CompactionConfig(), "off-topic": CompactionConfig(probe_questions=OFF_TOPIC)}
+
+
+def corpora(files: list[Path]):
+    """(file name, corpus) for every document of every file."""
+    out = []
+    for path in files:
+        count = sum(1 for line in path.read_text("utf-8").splitlines() if line.strip())
+        for corpus in load_corpora(path, list(range(count))):
+            out.append((f"{corpus.name}.txt", corpus))
+    return out
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def incremental(lm, docs, store_dir: Path, tokens: int) -> dict:
+    folder = store_dir / "documents"
+    shutil.rmtree(store_dir, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for name, corpus in docs:
+        (folder / name).write_text(corpus.text, "utf-8")
+    store = CartridgeStore(store_dir / "store", lm)
+    config = SyncConfig(tokens=tokens)
+    full = store.sync(folder, config)
+    again = store.sync(folder, config)
+    questions = {name: corpus.questions[0].question for name, corpus in docs}
+    before = {name: store.ask(q, cartridges=[name], max_new_tokens=32).text for name, q in questions.items()}
+    files_before = {p.name: _digest(p) for p in (store_dir / "store").glob("*.safetensors")}
+    edited = docs[0][0]
+    with open(folder / edited, "a", encoding="utf-8") as f:
+        f.write("\n\nAddendum: this document was revised after publication.\n")
+    edit = store.sync(folder, config)
+    after = {name: store.ask(q, cartridges=[name], max_new_tokens=32).text for name, q in questions.items()}
+    files_after = {p.name: _digest(p) for p in (store_dir / "store").glob("*.safetensors")}
+    untouched = [name for name, _ in docs if name != edited]
+    return {
+        "documents": len(docs), "corpus_tokens": sum(len(lm.encode(c.text)) for _, c in docs), "tokens": tokens,
+        "full_sync": {"seconds": full.seconds, **full.counts()},
+        "unchanged_sync": {"seconds": again.seconds, **again.counts()},
+        "one_edit_sync": {"seconds": edit.seconds, **edit.counts(), "updated": list(edit.updated)},
+        "speedup": round(full.seconds / edit.seconds, 1),
+        "untouched_files_identical": all(files_before[f"{n}.safetensors"] == files_after[f"{n}.safetensors"]
+                                         for n in untouched),
+        "untouched_answers_identical": all(before[n] == after[n] for n in untouched),
+        "edited_file_changed": files_before[f"{edited}.safetensors"] != files_after[f"{edited}.safetensors"],
+    }
+
+
+def composition(lm, docs, store_dir: Path, per_doc: int, seed: int, variant: str, tokens: int) -> dict:
+    names = [name for name, _ in docs]
+    if variant == "default":
+        store = CartridgeStore(store_dir / "store", lm)
+        built = None
+    else:  # the same documents compacted another way, in a store of their own
+        store = CartridgeStore(store_dir / f"store-{variant}", lm)
+        built = store.sync(store_dir / "documents", SyncConfig(tokens=tokens, compaction=VARIANTS[variant])).seconds
+    missing = [n for n in names if n not in store]
+    if missing:
+        raise SystemExit(f"the store lacks {missing[:3]}...; run `python -m benchmarks.sync incremental` first")
+    limit = lm.max_context or 10**9
+    rows = []
+    for name, corpus in docs:
+        doc_ids = lm.encode(corpus.text)
+        if len(doc_ids) + ROOM > limit:
+            continue  # no in-context reference to close the gap to
+        for i, q in enumerate(corpus.questions[:per_doc]):
+            rng = random.Random(f"{seed}-{name}-{i}")
+            row = {"doc": name, "none": nll(answer_logprobs(lm, q.question, q.answer), lm, q.answer),
+                   "icl": nll(answer_logprobs(lm, q.question, q.answer, document=doc_ids), lm, q.answer)}
+            others = [n for n in names if n != name]
+            for k in KS:
+                chosen = rng.sample(others, k - 1)
+                chosen.insert(rng.randrange(k), name)
+                routed = [r.name for r in store.route(q.question, k=k)]
+                for kind, picked in (("random", chosen), ("routed", routed)):
+                    parts = [store.get(n) for n in picked]
+                    cart = parts[0] if len(parts) == 1 else Cartridge.compose(parts, reposition=True, model=lm)
+                    row[f"{kind}_{k}"] = nll(answer_logprobs(lm, q.question, q.answer, cartridges=[cart]), lm, q.answer)
+                row[f"routed_{k}_has_own"] = name in routed
+            rows.append(row)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+
+    def closure(key: str) -> float:
+        gap = sum(r["none"] - r["icl"] for r in rows)
+        return round(sum(r["none"] - r[key] for r in rows) / gap, 3)
+
+    curve = {kind: {k: closure(f"{kind}_{k}") for k in KS} for kind in ("random", "routed")}
+    return {"variant": variant, "build_seconds": built, "questions": len(rows),
+            "documents": len({r["doc"] for r in rows}), "closure": curve,
+            "kept_at_8": {kind: round(curve[kind][8] / curve[kind][1], 3) for kind in curve},
+            "routed_has_own": {k: round(sum(r[f"routed_{k}_has_own"] for r in rows) / len(rows), 3) for k in KS},
+            "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["incremental", "composition"])
+    parser.add_argument("--data", type=Path, action="append", help="L-Eval JSONL files (default QASPER + QuALITY dev)")
+    parser.add_argument("--store", type=Path, required=True, help="a scratch folder (incremental replaces it)")
+    parser.add_argument("--tokens", type=int, default=256, help="cartridge tokens per document")
+    parser.add_argument("--questions-per-doc", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="default",
+                        help="composition: how the cartridges are compacted (off-topic: with off-topic probe questions)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    docs = corpora(args.data or DATA)
+    lm = load_model()
+    start = time.perf_counter()
+    if args.mode == "incremental":
+        result = incremental(lm, docs, args.store, args.tokens)
+    else:
+        result = composition(lm, docs, args.store, args.questions_per_doc, args.seed, args.variant, args.tokens)
+    result.update({"mode": args.mode, "model": lm.name, "seconds": round(time.perf_counter() - start, 1),
+                   "commit": provenance.commit(), "dirty": provenance.dirty(), "machine": provenance.machine()})
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
+    suffix = f"-{args.variant}" if args.mode == "composition" else ""
+    out = args.out or Path("benchmarks/results") / f"sync-{args.mode}{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

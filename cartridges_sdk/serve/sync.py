@@ -1,0 +1,175 @@
+"""Keeping a store in step with a folder of documents: one cartridge per document, rebuilt only when it changed.
+
+Each synced cartridge records, inside its own file (``meta.extra["document"]``), the document it stands for, the
+SHA-256 of that document's text and how it was built. A sync reads the folder, skips every document whose record
+matches, builds the new and changed ones, and deletes the cartridges (with their corpus text) of documents that are
+gone. Cartridges the store got some other way (`store.add`) are never touched.
+
+Why this is crash-safe without a journal: the record travels in the cartridge file, which is replaced by one atomic
+rename, so a store killed at any point holds, for each document, the old cartridge or the new one, each saying which
+version it is. The next sync sees what is stale and finishes the job. One writer at a time holds ``.sync.lock`` in
+the store's folder (the operating system's lock, released when its holder dies); readers never need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ..build.compaction import CompactionConfig
+from ..cartridge import Cartridge
+from ..checks import at_least_one
+from ..errors import ConfigError
+from ..files import folder_lock
+from .documents import MAX_BYTES, UNITS, Document, NotADocument, content_hash, read_documents, store_name
+
+if TYPE_CHECKING:
+    from .store import CartridgeStore
+
+log = logging.getLogger("cartridges_sdk.store")
+
+LOCK = ".sync.lock"
+STALE_SECONDS = 60  # a temporary file this old was left by a writer that died
+
+
+@attrs.frozen
+class SyncConfig:
+    """How each document becomes a cartridge. Changing `tokens` rebuilds every document at the next sync."""
+
+    # cartridge tokens per document; a document no longer than this is kept whole (its exact KV, no compaction)
+    tokens: int = attrs.field(default=256, validator=at_least_one)
+    unit: str = attrs.field(default="file")  # one cartridge per file, or per entry at the top of the folder
+    max_bytes: int = attrs.field(default=MAX_BYTES, validator=at_least_one)  # larger files are skipped
+    compaction: CompactionConfig = attrs.field(factory=CompactionConfig,
+                                               validator=attrs.validators.instance_of(CompactionConfig))
+
+    @unit.validator
+    def _check_unit(self, _attr, value: str) -> None:
+        if value not in UNITS:
+            raise ConfigError(f"unit={value!r} must be one of {', '.join(map(repr, UNITS))}.")
+
+
+@attrs.frozen
+class SyncReport:
+    """What a sync did, by cartridge name (LangChain's indexing counts are `counts()`)."""
+
+    added: tuple[str, ...]
+    updated: tuple[str, ...]
+    skipped: tuple[str, ...]  # unchanged
+    deleted: tuple[str, ...]
+    rejected: tuple[NotADocument, ...]  # paths that are not documents, or failed to build; the store kept theirs
+    seconds: float
+
+    def counts(self) -> dict[str, int]:
+        return {"num_added": len(self.added), "num_updated": len(self.updated), "num_skipped": len(self.skipped),
+                "num_deleted": len(self.deleted), "num_rejected": len(self.rejected)}
+
+    def __str__(self) -> str:
+        return (f"added {len(self.added)}, updated {len(self.updated)}, skipped {len(self.skipped)} (unchanged), "
+                f"deleted {len(self.deleted)}, rejected {len(self.rejected)} in {self.seconds:.1f} s")
+
+
+def document_record(cartridge: Cartridge) -> dict[str, Any] | None:
+    """The document a synced cartridge stands for (name, origin, sha256, how it was built), or None."""
+    record = cartridge.meta.extra.get("document")
+    return record if isinstance(record, dict) and isinstance(record.get("sha256"), str) else None
+
+
+def sync(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None, *,
+         timeout: float = 0, progress: bool = True) -> SyncReport:
+    """`CartridgeStore.sync`: see the module docstring."""
+    config = config or SyncConfig()
+    start = time.perf_counter()
+    busy = (f"Another sync is writing to the store at {store.root} (it holds {LOCK}); wait for it to finish, or pass "
+            "a timeout to wait. Only one sync writes at a time; servers keep reading meanwhile.")
+    with folder_lock(store.root, name=LOCK, timeout=timeout, busy=busy):
+        _clear_stale(store.root)
+        store.refresh()
+        documents, rejected = read_documents(source, unit=config.unit, max_bytes=config.max_bytes)
+        records = store.records()
+        todo: list[tuple[Document, bool]] = []  # (document, whether it replaces one)
+        skipped = []
+        for doc in documents:
+            record = records.get(doc.name)
+            if doc.name in store and record is None:
+                rejected.append(NotADocument(doc.origin, f"the store holds a cartridge {doc.name!r} that sync did not "
+                                                         "make; remove it from the store or rename the document"))
+            elif record is not None and _current(store, doc, record, config):
+                skipped.append(doc.name)
+            else:
+                todo.append((doc, doc.name in records))
+        for line in rejected:
+            log.warning("sync %s: skipping %s: %s", store.root, line.path, line.why)
+        added, updated = [], []
+        for doc, replaces in _bar(todo, progress):
+            try:
+                cartridge = build(store.model, doc, config)
+            except Exception as err:  # noqa: BLE001 - one document that fails to build must not stop the sync
+                why = f"it failed to build ({type(err).__name__}: {err}); the store keeps what it had"
+                log.warning("sync %s: skipping %s: %s", store.root, doc.origin, why)
+                rejected.append(NotADocument(doc.origin, why))
+                continue
+            store.add(doc.name, cartridge, corpus=doc.text, replace=True)
+            (updated if replaces else added).append(doc.name)
+        kept = {store_name(r.path.split("/", 1)[0] if config.unit == "folder" else r.path) for r in rejected}
+        present = {doc.name for doc in documents}
+        deleted = sorted(n for n in records if n not in present and n not in kept)
+        for name in deleted:  # a document that could not be read this time keeps its cartridge: nothing is lost
+            store.remove(name)
+        store.refresh()
+    return SyncReport(tuple(added), tuple(updated), tuple(skipped), tuple(deleted),
+                      tuple(sorted(rejected, key=lambda r: r.path)), round(time.perf_counter() - start, 3))
+
+
+def build(lm: Any, doc: Document, config: SyncConfig) -> Cartridge:
+    """One document's cartridge, its record inside: the whole text's KV when it fits in `tokens`, else compacted
+    (per chunk and composed when the document is longer than the model's context)."""
+    ids = lm.encode(doc.text)
+    if len(ids) <= config.tokens:
+        lm.check_context(len(ids), f"The {len(ids)}-token document {doc.origin!r}", "raise --tokens no further")
+        cartridge = Cartridge.from_prefix(lm, ids, len(ids), num_frozen=1 if len(ids) > 1 else 0)
+        method = "whole"
+    else:
+        cartridge = Cartridge.compact(lm, ids, config.tokens, config=config.compaction, progress=False)
+        method = "compact"
+    record = {"name": doc.name, "origin": doc.origin, "sha256": doc.sha256, "tokens": len(ids),
+              "method": method, "size": config.tokens}
+    meta = attrs.evolve(cartridge.meta, extra={**cartridge.meta.extra, "document": record})
+    return Cartridge(cartridge.keys, cartridge.values, meta, lm=lm)
+
+
+def _current(store: CartridgeStore, doc: Document, record: dict[str, Any], config: SyncConfig) -> bool:
+    """Whether the stored cartridge stands for this version of the document, built at this size, and its corpus
+    text (what routing reads) is this version too."""
+    if record.get("sha256") != doc.sha256 or record.get("size") != config.tokens:
+        return False
+    corpus = store.corpus_path(doc.name)
+    try:
+        return corpus is not None and content_hash(corpus.read_text("utf-8")) == doc.sha256
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _clear_stale(root: Path) -> None:
+    """Temporary files of atomic writes whose writer died (killed mid-write): never served, but never cleaned up."""
+    now = time.time()
+    for tmp in root.glob(".*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime > STALE_SECONDS:
+                tmp.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _bar(todo: list, progress: bool):
+    if not progress or not todo:
+        return todo
+    from tqdm.auto import tqdm
+
+    return tqdm(todo, desc="building cartridges", unit="doc")

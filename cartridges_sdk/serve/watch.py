@@ -1,0 +1,78 @@
+"""A thread that keeps a store in step with a folder while the store is served (`cartridges serve --watch`).
+
+It looks at the folder every few seconds (sizes and modification times only, so it also works on network
+folders where change notifications do not) and syncs when something changed. Several servers may watch one store:
+the one that takes the store's sync lock does the work, the others find the lock held, leave it, and serve the new
+files as they land (the store re-reads its folder).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import math
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+from .documents import snapshot
+from .sync import SyncConfig, SyncReport
+
+if TYPE_CHECKING:
+    from .store import CartridgeStore
+
+log = logging.getLogger("cartridges_sdk.store")
+
+
+class Watcher:
+    """Syncs `source` into `store` at start and whenever it changes, in a daemon thread, until `close()`;
+    `on_sync` hears of every sync that changed something."""
+
+    def __init__(self, store: CartridgeStore, source: str | os.PathLike | Mapping[str, str],
+                 config: SyncConfig | None = None, *, every: float = 2.0,
+                 on_sync: Callable[[SyncReport], object] | None = None):
+        if isinstance(every, bool) or not isinstance(every, (int, float)) or not math.isfinite(every) or every <= 0:
+            raise ConfigError(f"every={every!r} must be a positive number of seconds between looks at the folder.")
+        if not isinstance(source, Mapping) and not os.path.isdir(source):
+            raise ConfigError(f"{str(source)!r} is not a folder; --watch takes the folder of documents to sync.")
+        self.store, self.source, self.config, self.every = store, source, config or SyncConfig(), float(every)
+        self.last: SyncReport | None = None  # the last sync this watcher ran
+        self.syncs = 0
+        self.on_sync = on_sync
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cartridges-watch", daemon=True)
+
+    def start(self) -> Watcher:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> Watcher:
+        return self.start()
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        synced = None
+        while True:
+            seen = snapshot(self.source)
+            if seen != synced:
+                try:
+                    self.last = self.store.sync(self.source, self.config, progress=False)
+                    self.syncs += 1
+                    synced = seen
+                    log.info("watch %s: %s", self.source, self.last)
+                    if self.on_sync is not None and any((self.last.added, self.last.updated, self.last.deleted)):
+                        self.on_sync(self.last)
+                except ConfigError as err:  # another server holds the sync lock: it does the work, we read it
+                    log.info("watch %s: %s", self.source, err)
+                except Exception:  # noqa: BLE001 - the server goes on serving what it has; the next look tries again
+                    log.exception("watch %s: the sync failed; trying again at the next change", self.source)
+                    synced = seen
+            if self._stop.wait(self.every):
+                return

@@ -1,0 +1,277 @@
+"""Syncing a store with a folder of documents: one cartridge per document keyed by its content hash, only changes
+rebuilt, removed documents deleted, bad files skipped with one line each and nothing lost; one writer at a time;
+a sync killed with SIGKILL leaves a store that serves and that the next sync completes; servers watching a folder
+pick up changes and name the document versions that answered."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cartridges_sdk import Cartridge, ConfigError
+from cartridges_sdk.cli import main
+from cartridges_sdk.files import folder_lock
+from cartridges_sdk.serve import documents
+from cartridges_sdk.serve.store import CartridgeStore
+from cartridges_sdk.serve.sync import LOCK, SyncConfig, content_hash
+from cartridges_sdk.serve.watch import Watcher
+
+TEXTS = {
+    "lighthouse.txt": "The Harrow Point lighthouse was built in 1871 by the engineer Margaret Ellison. " * 3,
+    "orchard.md": "The orchard at Fenwick grows seven kinds of apple; the cider press runs every October. " * 3,
+    "railway.txt": "The branch railway to Colby opened in 1889 and hauled slate down the valley. " * 3,
+}
+SMALL = SyncConfig(tokens=48)
+
+
+def _write(folder: Path, texts: dict[str, str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in texts.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text, "utf-8")
+    return folder
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file() and not p.name.startswith(".")}
+
+
+def test_only_what_changed_is_rebuilt_and_what_is_gone_is_deleted(tmp_path, tiny_llama):
+    folder = _write(tmp_path / "docs", {**TEXTS, "notes/keepers.txt": "Keepers lived below."})
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    first = store.sync(folder, SMALL, progress=False)
+    assert first.added == ("lighthouse.txt", "notes.keepers.txt", "orchard.md", "railway.txt")
+    assert first.counts() == {"num_added": 4, "num_updated": 0, "num_skipped": 0, "num_deleted": 0, "num_rejected": 0}
+    records = store.records()
+    assert records["notes.keepers.txt"]["origin"] == "notes/keepers.txt"
+    assert records["orchard.md"]["sha256"] == content_hash(TEXTS["orchard.md"])
+    assert records["orchard.md"]["method"] == "compact" and records["notes.keepers.txt"]["method"] == "whole"
+    assert (store.root / "orchard.md.corpus.txt").read_text("utf-8") == TEXTS["orchard.md"]
+    # a document kept whole is exactly the document in context
+    whole = store.get("notes.keepers.txt")
+    assert whole.num_tokens == len(tiny_llama.encode("Keepers lived below."))
+
+    before = _files(store.root)
+    assert store.sync(folder, SMALL, progress=False).counts()["num_skipped"] == 4
+    assert _files(store.root) == before  # nothing rewritten
+
+    (folder / "orchard.md").write_text("The orchard at Fenwick was sold in 1990 and is now a park. " * 3, "utf-8")
+    (folder / "railway.txt").unlink()
+    (folder / "harbour.txt").write_text("The harbour at Colby shipped slate to Liverpool. " * 3, "utf-8")
+    third = store.sync(folder, SMALL, progress=False)
+    assert (third.added, third.updated, third.deleted) == (("harbour.txt",), ("orchard.md",), ("railway.txt",))
+    assert set(third.skipped) == {"lighthouse.txt", "notes.keepers.txt"}
+    after = _files(store.root)
+    for name in ("lighthouse.txt.safetensors", "notes.keepers.txt.safetensors"):
+        assert after[name] == before[name]  # untouched documents: the same bytes
+    assert "railway.txt.safetensors" not in after and "railway.txt.corpus.txt" not in after
+    assert store.records()["orchard.md"]["sha256"] == content_hash((folder / "orchard.md").read_text("utf-8"))
+    answer = store.ask("Where did the harbour ship slate?", k=1, max_new_tokens=4)
+    assert answer.cartridges == ("harbour.txt",) and answer.versions == (store.records()["harbour.txt"]["sha256"],)
+
+    # another size rebuilds everything; a mapping is a source too, and sync never touches what it did not make
+    store.add("manual", Cartridge.from_prefix(tiny_llama, "A cartridge added by hand.", 8))
+    resized = store.sync({"alpha": "First unit of text, long enough to compact. " * 3}, SyncConfig(tokens=32),
+                         progress=False)
+    assert resized.added == ("alpha",) and len(resized.deleted) == 4 and "manual" in store
+    assert store.names() == ["alpha", "manual"]
+
+
+def test_changing_the_size_rebuilds_and_a_hand_added_name_is_refused(tmp_path, tiny_llama):
+    folder = _write(tmp_path / "docs", TEXTS)
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    store.add("orchard.md", Cartridge.from_prefix(tiny_llama, "hand made", 6))
+    report = store.sync(folder, SMALL, progress=False)
+    assert report.added == ("lighthouse.txt", "railway.txt")
+    assert [r.path for r in report.rejected] == ["orchard.md"]
+    assert "sync did not make; remove it from the store or rename the document" in report.rejected[0].why
+    assert store.get("orchard.md").num_tokens == 6  # untouched
+    assert store.sync(folder, SyncConfig(tokens=40), progress=False).updated == ("lighthouse.txt", "railway.txt")
+
+
+def test_bad_files_are_skipped_with_one_line_each_and_nothing_is_lost(tmp_path, tiny_llama, caplog, monkeypatch):
+    folder = _write(tmp_path / "docs", TEXTS)
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    store.sync(folder, SMALL, progress=False)
+    kept = _files(store.root)
+    (folder / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    (folder / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (folder / "huge.txt").write_text("x" * 5000)
+    (folder / "a name with spaces.txt").write_text("spaces are not served")
+    (folder / "auto").write_text("the name routing uses")
+    (folder / "empty.txt").write_text("  \n")
+    (folder / ".hidden").write_text("passed over silently")
+    os.symlink("loop", folder / "loop")
+    os.symlink(".", folder / "here")
+    os.mkfifo(folder / "pipe")
+    real_open = open
+
+    def unreadable(path, *args, **kwargs):  # root reads any file, so the refusal is staged
+        if str(path).endswith(("lighthouse.txt", "secret.txt")):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    (folder / "secret.txt").write_text("no access")
+    monkeypatch.setattr(documents, "open", unreadable, raising=False)
+    with caplog.at_level(logging.WARNING, logger="cartridges_sdk.store"):
+        report = store.sync(folder, SyncConfig(tokens=48, max_bytes=4096), progress=False)
+    why = {r.path: r.why for r in report.rejected}
+    assert why == {
+        "a name with spaces.txt": why["a name with spaces.txt"], "auto": why["auto"], "empty.txt": "it is empty",
+        "here": why["here"], "huge.txt": why["huge.txt"], "image.png": "it is binary (it holds NUL bytes), not text",
+        "latin1.txt": "it is not UTF-8 text (byte 3 is not UTF-8)", "lighthouse.txt": why["lighthouse.txt"],
+        "loop": why["loop"], "pipe": "it is not a regular file (a socket, a device or a pipe)",
+        "secret.txt": why["secret.txt"]}
+    assert "cannot be a cartridge's" in why["a name with spaces.txt"] and "taken by routing" in why["auto"]
+    assert "already read" in why["here"] and "cannot be followed" in why["loop"]
+    assert "5,000 bytes, over the limit of 4,096" in why["huge.txt"]
+    assert "cannot be read (Permission denied)" in why["lighthouse.txt"]
+    lines = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(lines) == len(why) and all(len(line.splitlines()) == 1 for line in lines)
+    # the unreadable document keeps its cartridge: a sync never loses what it cannot read this time
+    assert report.deleted == () and _files(store.root)["lighthouse.txt.safetensors"] == kept["lighthouse.txt.safetensors"]
+    assert store.names() == ["lighthouse.txt", "orchard.md", "railway.txt"]
+
+
+def test_a_document_longer_than_the_context_is_compacted_in_parts_that_compose(tmp_path, tiny_llama):
+    text = "".join(f"Entry {i}: the tide rose {i % 7} feet at the Harrow quay. " for i in range(80))
+    assert len(tiny_llama.encode(text)) > tiny_llama.max_context
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    store.sync({"tides": text}, SyncConfig(tokens=64), progress=False)
+    cart = store.get("tides")
+    assert cart.num_tokens == 64 and len(cart.meta.parts) >= 2
+    assert sum(p["num_tokens"] for p in cart.meta.parts) == 64
+
+
+def test_one_writer_at_a_time(tmp_path, tiny_llama):
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    with folder_lock(store.root, name=LOCK):
+        with pytest.raises(ConfigError, match="Another sync is writing to the store .* wait for it to finish"):
+            store.sync({"a": "some text here " * 5}, SMALL, progress=False)
+    assert store.sync({"a": "some text here " * 5}, SMALL, progress=False).added == ("a",)
+
+
+def test_a_folder_per_unit(tmp_path, tiny_llama):
+    folder = _write(tmp_path / "patients", {"p001/2026-01-03.txt": "Seen for a cough; prescribed rest. " * 2,
+                                             "p001/2026-02-10.txt": "Cough resolved. " * 2,
+                                             "p002/intake.txt": "New patient, allergic to penicillin. " * 2})
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    assert store.sync(folder, SyncConfig(tokens=48, unit="folder"), progress=False).added == ("p001", "p002")
+    corpus = (store.root / "p001.corpus.txt").read_text("utf-8")
+    assert "### p001/2026-01-03.txt" in corpus and "### p001/2026-02-10.txt" in corpus
+    with pytest.raises(ConfigError, match="unit='patient' must be one of 'file', 'folder'"):
+        SyncConfig(unit="patient")
+    with pytest.raises(ConfigError, match="is not a folder"):
+        store.sync(tmp_path / "nowhere", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tiny_llama):
+    """The tiny model as a folder, for the command (it loads the model it is given)."""
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_llama.model.save_pretrained(path)
+    tiny_llama.tokenizer.save_pretrained(path)
+    return path
+
+
+def test_the_command(tmp_path, tiny_dir, capsys):
+    folder = _write(tmp_path / "docs", {**TEXTS, "blob.bin": "\x00binary"})
+    args = ["sync", str(folder), "--store", str(tmp_path / "store"), "--model", str(tiny_dir), "--tokens", "48"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["num_added"], out["num_rejected"], out["rejected"]) == (3, 1, {"blob.bin": out["rejected"]["blob.bin"]})
+    (folder / "railway.txt").unlink()
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "added 0, updated 0, skipped 2 (unchanged), deleted 1, rejected 1 in" in captured.out
+    assert main(["sync", str(folder), "--store", str(tmp_path / "store"), "--tokens", "0"]) == 2
+    assert "tokens=0" in capsys.readouterr().err
+
+
+def test_a_sync_killed_at_random_points_leaves_a_store_that_serves_and_the_next_sync_completes(tmp_path, tiny_dir,
+                                                                                              tiny_llama):
+    texts = {f"doc{i:02d}.txt": f"Record {i}. " + f"The keeper logged {i} ships passing the point. " * 6
+             for i in range(24)}
+    versions = {name: {content_hash(text)} for name, text in texts.items()}  # every version ever written
+    folder = _write(tmp_path / "docs", texts)
+    store_dir = tmp_path / "store"
+    command = [sys.executable, "-m", "cartridges_sdk.cli", "sync", str(folder), "--store", str(store_dir),
+               "--model", str(tiny_dir), "--tokens", "48", "--json"]
+    rng = random.Random(0)
+    kills = 0
+    for round_ in range(4):
+        if round_:  # edit some documents between kills: each run has work to do, old and new
+            for name in rng.sample(sorted(texts), 8):
+                texts[name] += f" Revised in round {round_}."
+                versions[name].add(content_hash(texts[name]))
+            _write(folder, texts)
+        started = time.time()
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:  # wait until it is writing cartridges
+            if any(p.stat().st_mtime > started for p in store_dir.glob("*.safetensors")):
+                break
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, 0.2))
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait()
+        store = CartridgeStore(store_dir, tiny_llama)  # what a server would see now
+        assert store.refused() == {}, store.refused()
+        for name, record in store.records().items():  # every file whole, saying which version it is
+            assert record["sha256"] in versions[name]
+            assert store.get(name).ask("How many ships?", max_new_tokens=2) is not None
+    assert kills >= 3
+    store = CartridgeStore(store_dir, tiny_llama)
+    finished = store.sync(folder, SyncConfig(tokens=48), progress=False)
+    assert len(finished.added) + len(finished.updated) + len(finished.skipped) == 24 and finished.rejected == ()
+    assert store.sync(folder, SyncConfig(tokens=48), progress=False).counts()["num_skipped"] == 24
+    for name, text in texts.items():
+        assert store.records()[name]["sha256"] == content_hash(text)
+
+
+def test_servers_watching_one_store_pick_up_changes_and_name_the_versions(tmp_path, tiny_llama):
+    import httpx
+
+    from cartridges_sdk.serve.background import serving
+    from cartridges_sdk.serve.server import create_app
+
+    folder = _write(tmp_path / "docs", TEXTS)
+    served, other = (CartridgeStore(tmp_path / "store", tiny_llama) for _ in range(2))  # two servers, one folder
+    with Watcher(served, folder, SMALL, every=0.2) as first, Watcher(other, folder, SMALL, every=0.2) as second, \
+            serving(create_app(served, tiny_llama.get_runtime("hf"))) as url:
+        _until(lambda: len(served) == 3 and len(other) == 3)
+        (folder / "harbour.txt").write_text("The harbour at Colby shipped slate to Liverpool. " * 3, "utf-8")
+        version = content_hash((folder / "harbour.txt").read_text("utf-8"))
+        _until(lambda: all(s.records().get("harbour.txt", {}).get("sha256") == version for s in (served, other)))
+        body = {"model": "harbour.txt", "messages": [{"role": "user", "content": "Where?"}], "max_tokens": 3}
+        data = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
+        assert data["cartridges"] == ["harbour.txt"] and data["versions"] == [version]
+        assert other.ask("Where?", cartridges=["harbour.txt"], max_new_tokens=3).versions == (version,)
+
+        (folder / "harbour.txt").write_text("The harbour at Colby closed in 1962. " * 3, "utf-8")
+        new = content_hash((folder / "harbour.txt").read_text("utf-8"))
+        _until(lambda: all(s.records().get("harbour.txt", {}).get("sha256") == new for s in (served, other)))
+        body = {"model": "auto", "messages": [{"role": "user", "content": "When did the harbour close?"}],
+                "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert chunks[0]["cartridges"] == ["harbour.txt"] and chunks[0]["versions"] == [new]
+        assert first.syncs + second.syncs >= 3  # both looked, and each change was synced by one of them
+
+
+def _until(condition, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
