@@ -11,9 +11,14 @@ bit (same files, same greedy answers).
 picks (the right one may be missing). Gap closure of gold-answer NLL against the document in context, pooled over
 questions whose document fits the context beside them.
 
+``pairs``: two QASPER papers in one budget: one cartridge of their concatenation, against the two papers'
+half-size cartridges composed, and against each question routed to its paper's cartridge; closure against the pair
+in context.
+
     python -m benchmarks.sync incremental --store /tmp/sync-bench
     python -m benchmarks.sync composition --store /tmp/sync-bench
     python -m benchmarks.sync composition --store /tmp/sync-bench --variant off-topic
+    python -m benchmarks.sync pairs --store /tmp/sync-bench --questions-per-doc 4
 """
 
 from __future__ import annotations
@@ -144,14 +149,66 @@ def composition(lm, docs, store_dir: Path, per_doc: int, seed: int, variant: str
             "rows": rows}
 
 
+def pairs(lm, store_dir: Path, count: int, per_doc: int, tokens: int) -> dict:
+    """Two QASPER papers in one budget of `tokens`: one cartridge of the pair's concatenation, the two papers'
+    cartridges of half the size composed, and each question routed (BM25, between the two) to its paper's cartridge
+    of the full size; also the question's own paper's cartridge (what perfect routing gives). Closure against the
+    pair in context."""
+    docs = dict(corpora([EVALDATA / "scientific_qa_dev.jsonl"]))
+    limit = lm.max_context or 10**9
+    names = sorted(docs)
+    ids = {n: lm.encode(docs[n].text) for n in names}
+    chosen: list[tuple[str, str]] = []
+    used: set[str] = set()
+    for a in names:  # disjoint pairs, in order, whose two papers fit in context together beside a question
+        for b in names:
+            if a < b and not {a, b} & used and len(ids[a]) + len(ids[b]) + ROOM <= limit:
+                chosen.append((a, b))
+                used |= {a, b}
+                break
+    chosen = chosen[:count]
+    synced = CartridgeStore(store_dir / "store", lm)
+    synced = synced if all(r.get("size") == tokens for r in synced.records().values()) else {}
+    rows = []
+    for a, b in chosen:
+        pair_ids = lm.encode(docs[a].text + "\n\n" + docs[b].text)
+        whole = Cartridge.compact(lm, pair_ids, tokens, progress=False)
+        halves = [Cartridge.compact(lm, ids[n], tokens // 2, progress=False) for n in (a, b)]
+        composed = Cartridge.compose(halves, reposition=True, model=lm)
+        full = {n: synced.get(n) if n in synced else Cartridge.compact(lm, ids[n], tokens, progress=False)
+                for n in (a, b)}  # the store's, when `incremental` made them at this size
+        router = CartridgeStore(store_dir / f"pair-{a}-{b}", lm)
+        for n in (a, b):
+            router.add(n, full[n], corpus=docs[n].text, replace=True)
+        for own in (a, b):
+            for q in docs[own].questions[:per_doc]:
+                def at(**context) -> float:
+                    return nll(answer_logprobs(lm, q.question, q.answer, **context), lm, q.answer)
+
+                routed = router.route(q.question, k=1)[0].name
+                row = {"pair": [a, b], "none": at(), "icl": at(document=pair_ids), "whole": at(cartridges=[whole]),
+                       "composed": at(cartridges=[composed]), "routed": at(cartridges=[full[routed]]),
+                       "own": at(cartridges=[full[own]]), "routed_right": routed == own}
+                rows.append(row)
+                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+
+    def closure(key: str) -> float:
+        return round(sum(r["none"] - r[key] for r in rows) / sum(r["none"] - r["icl"] for r in rows), 3)
+
+    return {"pairs": chosen, "tokens": tokens, "questions": len(rows),
+            "closure": {k: closure(k) for k in ("whole", "composed", "routed", "own")},
+            "routed_right": round(sum(r["routed_right"] for r in rows) / len(rows), 3), "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["incremental", "composition"])
+    parser.add_argument("mode", choices=["incremental", "composition", "pairs"])
     parser.add_argument("--data", type=Path, action="append", help="L-Eval JSONL files (default QASPER + QuALITY dev)")
     parser.add_argument("--store", type=Path, required=True, help="a scratch folder (incremental replaces it)")
     parser.add_argument("--tokens", type=int, default=256, help="cartridge tokens per document")
     parser.add_argument("--questions-per-doc", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pairs", type=int, default=3, help="pairs: how many pairs of papers")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="default",
                         help="composition: how the cartridges are compacted (off-topic: with off-topic probe questions)")
     parser.add_argument("--out", type=Path, default=None)
@@ -161,6 +218,8 @@ def main() -> None:
     start = time.perf_counter()
     if args.mode == "incremental":
         result = incremental(lm, docs, args.store, args.tokens)
+    elif args.mode == "pairs":
+        result = pairs(lm, args.store, args.pairs, args.questions_per_doc, args.tokens)
     else:
         result = composition(lm, docs, args.store, args.questions_per_doc, args.seed, args.variant, args.tokens)
     result.update({"mode": args.mode, "model": lm.name, "seconds": round(time.perf_counter() - start, 1),

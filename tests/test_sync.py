@@ -195,6 +195,14 @@ def test_the_command(tmp_path, tiny_dir, capsys):
     assert "added 0, updated 0, skipped 2 (unchanged), deleted 1, rejected 1 in" in captured.out
     assert main(["sync", str(folder), "--store", str(tmp_path / "store"), "--tokens", "0"]) == 2
     assert "tokens=0" in capsys.readouterr().err
+    assert main([*args, "--set", "lr=0.1"]) == 2
+    assert "--set gives self-study settings; add --self-study" in capsys.readouterr().err
+    study = [f"--set={k}={v}" for k, v in {"num_conversations": 2, "conversations_per_chunk": 2, "min_chunk": 60,
+                                            "max_chunk": 100, "max_tokens_a": 6, "max_tokens_b": 6,
+                                            "document_windows": 2, "window_tokens": 16, "top_k": 4}.items()]
+    assert main([*args, "--json", "--self-study", *study]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_skipped"] == 2 and out["self_studied"] == ["lighthouse.txt", "orchard.md"]
 
 
 def test_a_sync_killed_at_random_points_leaves_a_store_that_serves_and_the_next_sync_completes(tmp_path, tiny_dir,
@@ -275,3 +283,47 @@ def _until(condition, timeout: float = 60) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.1)
+
+
+# self-study in seconds on the tiny model
+STUDY = dict(num_conversations=2, conversations_per_chunk=2, min_chunk=60, max_chunk=100, max_tokens_a=6,
+             max_tokens_b=6, document_windows=2, window_tokens=16, top_k=4)
+
+
+def test_self_study_replaces_a_compacted_cartridge_unless_its_document_changed(tmp_path, tiny_llama, monkeypatch):
+    texts = {"a": TEXTS["lighthouse.txt"], "b": TEXTS["railway.txt"], "tiny": "Short."}
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    config = SyncConfig(tokens=24)
+    store.sync(texts, config, progress=False)
+    compacted = (store.root / "a.safetensors").read_bytes()
+    assert store.self_study(texts, config, STUDY, limit=1, progress=False) == ("a",)
+    record = store.records()["a"]
+    assert record["method"] == "self-study" and record["sha256"] == content_hash(texts["a"])
+    assert (store.root / "a.safetensors").read_bytes() != compacted and store.get("a").meta.training is not None
+    assert not list((store.root / ".work").iterdir())  # its work folder is gone once it is swapped in
+    # a self-studied cartridge is current: sync leaves it, and self-study does not train it again
+    assert store.sync(texts, config, progress=False).skipped == ("a", "b", "tiny")
+
+    real = Cartridge.from_corpus
+
+    def edited_meanwhile(*args, **kwargs):  # another writer syncs a new version of b while b trains
+        trained = real(*args, **kwargs)
+        store.sync({**texts, "b": "The railway reopened in 2020 as a footpath. " * 3}, config, progress=False)
+        return trained
+
+    monkeypatch.setattr(Cartridge, "from_corpus", edited_meanwhile)
+    assert store.self_study(texts, config, STUDY, progress=False) == ()  # 'tiny' is kept whole: nothing to train
+    assert store.records()["b"]["method"] == "compact"
+    assert store.records()["b"]["sha256"] != content_hash(texts["b"])  # the newer version stayed
+    with pytest.raises(ConfigError, match=r"\['num_tokens'\] are set by sync"):
+        store.self_study(texts, config, {"num_tokens": 4})
+
+
+def test_a_watching_server_self_studies_in_the_background(tmp_path, tiny_llama):
+    folder = _write(tmp_path / "docs", {"a.txt": TEXTS["orchard.md"]})
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    with Watcher(store, folder, SyncConfig(tokens=24), every=0.1, self_study=STUDY) as watcher:
+        _until(lambda: store.records().get("a.txt", {}).get("method") == "self-study", timeout=120)
+        assert watcher.studied == ["a.txt"]
+        assert store.ask("What does the orchard grow?", cartridges=["a.txt"], max_new_tokens=2).versions == (
+            content_hash(TEXTS["orchard.md"]),)

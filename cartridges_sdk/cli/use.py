@@ -51,6 +51,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServeConfig(api_key=key, max_queue=args.max_queue, max_batch=args.max_batch,
                          allowed_hosts=allowed_hosts(args.host, args.allowed_host))  # checked before the model loads
     sync_config = _sync_config(args) if args.watch else None
+    study = _study_settings(args)
+    if study is not None and not args.watch:
+        raise ConfigError("--self-study trains the cartridges of a watched folder; add --watch FOLDER.")
     if args.watch and not os.path.isdir(args.watch):
         raise ConfigError(f"--watch {args.watch!r} is not a folder; give the folder of documents to keep in step.")
     lm = common.model_for(args.model, device=args.device)
@@ -69,7 +72,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ..serve.watch import Watcher
 
         watcher = Watcher(store, args.watch, sync_config, every=args.watch_every,
-                          on_sync=lambda report: print(f"sync of {args.watch}: {report}", file=sys.stderr)).start()
+                          on_sync=lambda report: print(f"sync of {args.watch}: {report}", file=sys.stderr),
+                          self_study=study).start()
     try:
         uvicorn.run(create_app(store, runtime, config), host=args.host, port=args.port, log_level="warning")
     finally:
@@ -85,20 +89,29 @@ def _sync_config(args: argparse.Namespace):
     return SyncConfig(tokens=args.tokens, unit=args.unit, max_bytes=args.max_bytes)
 
 
+def _study_settings(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.set and not args.self_study:
+        raise ConfigError("--set gives self-study settings; add --self-study, or drop --set.")
+    return common.parse_settings(args.set, example="num_conversations=256") if args.self_study else None
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
-    config = _sync_config(args)  # checked before the model loads
+    config, study = _sync_config(args), _study_settings(args)  # checked before the model loads
     lm = common.model_for(args.model, device=args.device)
     try:
         store = CartridgeStore(args.store, lm)
         report = store.sync(args.folder, config, timeout=args.wait, progress=not args.json)
+        if not args.json:
+            print(f"{args.store}: {report}", flush=True)
+        studied = store.self_study(args.folder, config, study, progress=not args.json) if study is not None else ()
     finally:
         lm.close()
     if args.json:
         print(json.dumps({**report.counts(), "seconds": report.seconds, "added": report.added,
                           "updated": report.updated, "deleted": report.deleted,
-                          "rejected": {r.path: r.why for r in report.rejected}}, indent=2))
-    else:
-        print(f"{args.store}: {report}")
+                          "rejected": {r.path: r.why for r in report.rejected}, "self_studied": studied}, indent=2))
+    elif study is not None:
+        print(f"{args.store}: self-studied {len(studied)}: {', '.join(studied) or 'none left to train'}")
     return 0
 
 

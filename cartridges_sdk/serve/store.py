@@ -31,7 +31,7 @@ from ..files import atomic_write
 from ..kv import Recent
 from ..lm import LM
 from .documents import NAME
-from .sync import SyncConfig, SyncReport, document_record, sync
+from .sync import SyncConfig, SyncReport, document_record, self_study, sync
 
 log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed
 
@@ -191,6 +191,14 @@ class CartridgeStore:
         and lose nothing already stored. Waits `timeout` seconds for another sync holding the store's lock (then
         raises `ConfigError`). See docs/sync.md."""
         return sync(self, source, config, timeout=timeout, progress=progress)
+
+    def self_study(self, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None,
+                   settings: Mapping[str, Any] | None = None, *, limit: int | None = None,
+                   progress: bool = True) -> tuple[str, ...]:
+        """Replace the compacted cartridges `sync` made with self-studied ones, one document at a time, each swapped in
+        when its training ends if its document is unchanged; `settings` go to `Cartridge.from_corpus`. Serving goes
+        on meanwhile. Returns the names replaced."""
+        return self_study(self, source, config, settings, limit=limit, progress=progress)
 
     def records(self) -> dict[str, dict[str, Any]]:
         """The document each synced cartridge stands for (``name``, ``origin``, ``sha256``, ...), by name."""

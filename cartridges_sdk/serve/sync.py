@@ -9,12 +9,17 @@ Why this is crash-safe without a journal: the record travels in the cartridge fi
 rename, so a store killed at any point holds, for each document, the old cartridge or the new one, each saying which
 version it is. The next sync sees what is stale and finishes the job. One writer at a time holds ``.sync.lock`` in
 the store's folder (the operating system's lock, released when its holder dies); readers never need it.
+
+`self_study` then trains, one document at a time, the cartridges sync compacted, and swaps each in when it is done
+if its document has not changed meanwhile. Training runs without the lock (it takes minutes to hours); only the swap
+takes it. Its work (the dataset and checkpoints) is kept in ``.work/NAME-HASH``, so a killed run resumes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +41,7 @@ log = logging.getLogger("cartridges_sdk.store")
 
 LOCK = ".sync.lock"
 STALE_SECONDS = 60  # a temporary file this old was left by a writer that died
+WORK = ".work"  # self-study's work folders, one per document version
 
 
 @attrs.frozen
@@ -122,6 +128,11 @@ def sync(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], c
         deleted = sorted(n for n in records if n not in present and n not in kept)
         for name in deleted:  # a document that could not be read this time keeps its cartridge: nothing is lost
             store.remove(name)
+        current = {doc.name: doc.sha256 for doc in documents}
+        for work in sorted((store.root / WORK).glob("*")):  # self-study work of versions that are gone
+            name, _, version = work.name.rpartition("-")
+            if name not in kept and current.get(name, "")[:16] != version:
+                shutil.rmtree(work, ignore_errors=True)
         store.refresh()
     return SyncReport(tuple(added), tuple(updated), tuple(skipped), tuple(deleted),
                       tuple(sorted(rejected, key=lambda r: r.path)), round(time.perf_counter() - start, 3))
@@ -138,8 +149,51 @@ def build(lm: Any, doc: Document, config: SyncConfig) -> Cartridge:
     else:
         cartridge = Cartridge.compact(lm, ids, config.tokens, config=config.compaction, progress=False)
         method = "compact"
-    record = {"name": doc.name, "origin": doc.origin, "sha256": doc.sha256, "tokens": len(ids),
-              "method": method, "size": config.tokens}
+    return _recorded(lm, cartridge, doc, method, len(ids), config)
+
+
+def self_study(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None,
+               settings: Mapping[str, Any] | None = None, *, limit: int | None = None,
+               progress: bool = True) -> tuple[str, ...]:
+    """Train by self-study the cartridge of each document that sync compacted (at most `limit` of them), replacing
+    the compacted one when its training ends, unless the document changed meanwhile. `settings` go to
+    `Cartridge.from_corpus` (``num_conversations``, ``lr``, ...). Returns the names replaced."""
+    config = config or SyncConfig()
+    settings = dict(settings or {})
+    taken = {"num_tokens", "output_dir", "progress"} & set(settings)
+    if taken:
+        raise ConfigError(f"self-study settings {sorted(taken)} are set by sync (the size is SyncConfig.tokens).")
+    documents, _ = read_documents(source, unit=config.unit, max_bytes=config.max_bytes)
+    improved: list[str] = []
+    for doc in documents:
+        if limit is not None and len(improved) >= limit:
+            break
+        store.refresh()
+        record = store.records().get(doc.name)
+        if record is None or record.get("method") != "compact" or not _current(store, doc, record, config):
+            continue
+        work = store.root / WORK / f"{doc.name}-{doc.sha256[:16]}"
+        trained = Cartridge.from_corpus(doc.text, store.model, num_tokens=config.tokens, output_dir=work,
+                                        progress=progress, **settings)
+        busy = f"Another sync holds the store at {store.root}; the self-studied {doc.name!r} waits for it."
+        with folder_lock(store.root, name=LOCK, timeout=-1, busy=busy):  # wait: the swap is quick
+            store.refresh()
+            now = store.records().get(doc.name)
+            if now is None or now.get("sha256") != doc.sha256 or now.get("size") != config.tokens:
+                log.warning("self-study %s: %s changed while it trained; its result is dropped", store.root, doc.name)
+                continue
+            tokens = int(record.get("tokens", 0))
+            store.add(doc.name, _recorded(store.model, trained, doc, "self-study", tokens, config), corpus=doc.text,
+                      replace=True)
+        shutil.rmtree(work, ignore_errors=True)
+        improved.append(doc.name)
+    return tuple(improved)
+
+
+def _recorded(lm: Any, cartridge: Cartridge, doc: Document, method: str, tokens: int, config: SyncConfig) -> Cartridge:
+    """`cartridge` carrying the record of the document version it stands for."""
+    record = {"name": doc.name, "origin": doc.origin, "sha256": doc.sha256, "tokens": tokens, "method": method,
+              "size": config.tokens}
     meta = attrs.evolve(cartridge.meta, extra={**cartridge.meta.extra, "document": record})
     return Cartridge(cartridge.keys, cartridge.values, meta, lm=lm)
 

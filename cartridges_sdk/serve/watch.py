@@ -4,6 +4,10 @@ It looks at the folder every few seconds (sizes and modification times only, so 
 folders where change notifications do not) and syncs when something changed. Several servers may watch one store:
 the one that takes the store's sync lock does the work, the others find the lock held, leave it, and serve the new
 files as they land (the store re-reads its folder).
+
+With self-study settings, the watcher trains the compacted cartridges between looks, one document at a time, and
+swaps each in when done (`CartridgeStore.self_study`). A change that lands during one document's training is synced
+when that training ends.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import threading
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
@@ -27,11 +32,13 @@ log = logging.getLogger("cartridges_sdk.store")
 
 class Watcher:
     """Syncs `source` into `store` at start and whenever it changes, in a daemon thread, until `close()`;
-    `on_sync` hears of every sync that changed something."""
+    `on_sync` hears of every sync that changed something. With `self_study` (settings for `Cartridge.from_corpus`,
+    ``{}`` for the defaults), compacted cartridges are then trained one by one and swapped in."""
 
     def __init__(self, store: CartridgeStore, source: str | os.PathLike | Mapping[str, str],
                  config: SyncConfig | None = None, *, every: float = 2.0,
-                 on_sync: Callable[[SyncReport], object] | None = None):
+                 on_sync: Callable[[SyncReport], object] | None = None,
+                 self_study: Mapping[str, Any] | None = None):
         if isinstance(every, bool) or not isinstance(every, (int, float)) or not math.isfinite(every) or every <= 0:
             raise ConfigError(f"every={every!r} must be a positive number of seconds between looks at the folder.")
         if not isinstance(source, Mapping) and not os.path.isdir(source):
@@ -40,6 +47,8 @@ class Watcher:
         self.last: SyncReport | None = None  # the last sync this watcher ran
         self.syncs = 0
         self.on_sync = on_sync
+        self.self_study = None if self_study is None else dict(self_study)
+        self.studied: list[str] = []  # the cartridges this watcher's self-study replaced
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cartridges-watch", daemon=True)
 
@@ -58,7 +67,7 @@ class Watcher:
         self.close()
 
     def _run(self) -> None:
-        synced = None
+        synced = studied = None
         while True:
             seen = snapshot(self.source)
             if seen != synced:
@@ -74,5 +83,19 @@ class Watcher:
                 except Exception:  # noqa: BLE001 - the server goes on serving what it has; the next look tries again
                     log.exception("watch %s: the sync failed; trying again at the next change", self.source)
                     synced = seen
+            if self.self_study is not None and seen == synced and studied != seen:
+                studied = self._study(seen)
             if self._stop.wait(self.every):
                 return
+
+    def _study(self, seen: object) -> object:
+        """Self-study one compacted cartridge; the snapshot once nothing is left to train (or training failed), so
+        that the next document waits for the next change; else None."""
+        try:
+            done = self.store.self_study(self.source, self.config, self.self_study, limit=1, progress=False)
+        except Exception:  # noqa: BLE001 - serving goes on with the compacted cartridge
+            log.exception("watch %s: self-study failed; the compacted cartridges stay until the next change",
+                          self.source)
+            return seen
+        self.studied.extend(done)
+        return None if done else seen
