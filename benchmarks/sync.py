@@ -15,10 +15,15 @@ questions whose document fits the context beside them.
 half-size cartridges composed, and against each question routed to its paper's cartridge; closure against the pair
 in context.
 
+``corpus``: the whole corpus behind each question within one budget: routed per-document cartridges composed up to
+it, one cartridge of the whole corpus compacted to it, BM25 RAG passages up to it, and the best truncation that fits
+the context; closure against the question's own document in context.
+
     python -m benchmarks.sync incremental --store /tmp/sync-bench
     python -m benchmarks.sync composition --store /tmp/sync-bench
     python -m benchmarks.sync composition --store /tmp/sync-bench --variant off-topic
     python -m benchmarks.sync pairs --store /tmp/sync-bench --questions-per-doc 4
+    python -m benchmarks.sync corpus --store /tmp/sync-bench --questions-per-doc 1 --budget 1024
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ def composition(lm, docs, store_dir: Path, per_doc: int, seed: int, variant: str
     if missing:
         raise SystemExit(f"the store lacks {missing[:3]}...; run `python -m benchmarks.sync incremental` first")
     limit = lm.max_context or 10**9
+    ks = [k for k in KS if k <= len(names)]
     rows = []
     for name, corpus in docs:
         doc_ids = lm.encode(corpus.text)
@@ -125,7 +131,7 @@ def composition(lm, docs, store_dir: Path, per_doc: int, seed: int, variant: str
             row = {"doc": name, "none": nll(answer_logprobs(lm, q.question, q.answer), lm, q.answer),
                    "icl": nll(answer_logprobs(lm, q.question, q.answer, document=doc_ids), lm, q.answer)}
             others = [n for n in names if n != name]
-            for k in KS:
+            for k in ks:
                 chosen = rng.sample(others, k - 1)
                 chosen.insert(rng.randrange(k), name)
                 routed = [r.name for r in store.route(q.question, k=k)]
@@ -141,11 +147,11 @@ def composition(lm, docs, store_dir: Path, per_doc: int, seed: int, variant: str
         gap = sum(r["none"] - r["icl"] for r in rows)
         return round(sum(r["none"] - r[key] for r in rows) / gap, 3)
 
-    curve = {kind: {k: closure(f"{kind}_{k}") for k in KS} for kind in ("random", "routed")}
+    curve = {kind: {k: closure(f"{kind}_{k}") for k in ks} for kind in ("random", "routed")}
     return {"variant": variant, "build_seconds": built, "questions": len(rows),
             "documents": len({r["doc"] for r in rows}), "closure": curve,
-            "kept_at_8": {kind: round(curve[kind][8] / curve[kind][1], 3) for kind in curve},
-            "routed_has_own": {k: round(sum(r[f"routed_{k}_has_own"] for r in rows) / len(rows), 3) for k in KS},
+            "kept_at_8": {kind: round(curve[kind][8] / curve[kind][1], 3) for kind in curve if 8 in ks},
+            "routed_has_own": {k: round(sum(r[f"routed_{k}_has_own"] for r in rows) / len(rows), 3) for k in ks},
             "rows": rows}
 
 
@@ -200,15 +206,76 @@ def pairs(lm, store_dir: Path, count: int, per_doc: int, tokens: int) -> dict:
             "routed_right": round(sum(r["routed_right"] for r in rows) / len(rows), 3), "rows": rows}
 
 
+def whole_corpus(lm, docs, store_dir: Path, per_doc: int, budget: int) -> dict:
+    """The whole corpus behind each question, in `budget` cartridge or prompt tokens: per-document cartridges routed
+    and composed up to the budget, one cartridge of the whole corpus compacted to the budget, BM25 RAG passages up to
+    the budget, and the best truncation of the corpus that fits the context (no budget: as much as fits). Closure
+    against the question's own document in context."""
+    import bm25s
+
+    store = CartridgeStore(store_dir / "store", lm)
+    ids = lm.encode("\n\n".join(c.text for _, c in docs))
+    cached = store_dir / f"whole-{budget}.safetensors"
+    start = time.perf_counter()
+    if cached.exists():
+        whole = Cartridge.load(cached, model=lm)
+    else:
+        whole = Cartridge.compact(lm, ids, budget)
+        whole.save(cached)
+    seconds = round(time.perf_counter() - start, 1)
+    fits = (lm.max_context or len(ids)) - ROOM
+    passages = [(name, " ".join(words[i: i + 64])) for name, c in docs for words in [c.text.split()]
+                for i in range(0, len(words), 64)]
+    retriever = bm25s.BM25()
+    retriever.index(bm25s.tokenize([t for _, t in passages], stopwords="en", show_progress=False), show_progress=False)
+    limit = lm.max_context or 10**9
+    rows = []
+    for name, corpus in docs:
+        doc_ids = lm.encode(corpus.text)
+        if len(doc_ids) + ROOM > limit:
+            continue
+        for q in corpus.questions[:per_doc]:
+            def at(**context) -> float:
+                return nll(answer_logprobs(lm, q.question, q.answer, **context), lm, q.answer)
+
+            routed = [r.name for r in store.within(q.question, budget)]
+            parts = [store.get(n) for n in routed]
+            found, _ = retriever.retrieve(bm25s.tokenize([q.question], stopwords="en", show_progress=False),
+                                          k=min(len(passages), 4 * budget // 64), show_progress=False)
+            rag: list[int] = []
+            for i in found[0].tolist():  # best first until the budget is spent (the last passage cut to fit)
+                rag += lm.encode(passages[i][1] + "\n\n")[: budget - len(rag)]
+                if len(rag) >= budget:
+                    break
+            composed = parts[0] if len(parts) == 1 else Cartridge.compose(parts, reposition=True, model=lm)
+            row = {"doc": name, "none": at(), "icl": at(document=doc_ids), "routed": at(cartridges=[composed]),
+                   "whole_cartridge": at(cartridges=[whole]), "rag": at(document=rag),
+                   "truncated_first": at(document=ids[:fits]), "truncated_last": at(document=ids[-fits:]),
+                   "routed_names": routed, "routed_has_own": name in routed}
+            rows.append(row)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+
+    def closure(key: str) -> float:
+        return round(sum(r["none"] - r[key] for r in rows) / sum(r["none"] - r["icl"] for r in rows), 3)
+
+    figures = {k: closure(k) for k in ("routed", "whole_cartridge", "rag", "truncated_first", "truncated_last")}
+    figures["truncated_best"] = max(figures.pop("truncated_first"), figures.pop("truncated_last"))
+    return {"corpus_tokens": len(ids), "budget": budget, "truncation_tokens": fits, "questions": len(rows),
+            "whole_cartridge_seconds": seconds, "closure": figures,
+            "routed_has_own": round(sum(r["routed_has_own"] for r in rows) / len(rows), 3),
+            "routed_cartridges_mean": round(sum(len(r["routed_names"]) for r in rows) / len(rows), 2), "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["incremental", "composition", "pairs"])
+    parser.add_argument("mode", choices=["incremental", "composition", "pairs", "corpus"])
     parser.add_argument("--data", type=Path, action="append", help="L-Eval JSONL files (default QASPER + QuALITY dev)")
     parser.add_argument("--store", type=Path, required=True, help="a scratch folder (incremental replaces it)")
     parser.add_argument("--tokens", type=int, default=256, help="cartridge tokens per document")
     parser.add_argument("--questions-per-doc", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pairs", type=int, default=3, help="pairs: how many pairs of papers")
+    parser.add_argument("--budget", type=int, default=1024, help="corpus: cartridge or prompt tokens per question")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="default",
                         help="composition: how the cartridges are compacted (off-topic: with off-topic probe questions)")
     parser.add_argument("--out", type=Path, default=None)
@@ -218,6 +285,8 @@ def main() -> None:
     start = time.perf_counter()
     if args.mode == "incremental":
         result = incremental(lm, docs, args.store, args.tokens)
+    elif args.mode == "corpus":
+        result = whole_corpus(lm, docs, args.store, args.questions_per_doc, args.budget)
     elif args.mode == "pairs":
         result = pairs(lm, args.store, args.pairs, args.questions_per_doc, args.tokens)
     else:

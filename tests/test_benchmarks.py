@@ -197,3 +197,21 @@ def test_short_documents_and_too_long_corpora(tmp_path, tiny_llama):
         run(profile=only, data=data, docs="1,2,3", concat=True, model=tiny_llama, seed=0, out=tmp_path / "b",
             mmlu=False, throughput=False)
     assert not (tmp_path / "b" / "work" / "short-1+2+3").exists()
+
+
+def test_sync_benchmark_on_a_tiny_model(tmp_path, tiny_llama):
+    from benchmarks import sync as bench
+    from benchmarks.data import Corpus, Question
+
+    topics = ["lighthouse keeper", "orchard apples", "branch railway", "harbour slate", "tide tables"]
+    docs = [(f"d{i}.txt", Corpus(f"d{i}", f"Notes on the {t}. " * 12, (Question(f"What about the {t}?", t),), (i,)))
+            for i, t in enumerate(topics)]
+    inc = bench.incremental(tiny_llama, docs, tmp_path, 32)
+    assert inc["full_sync"]["num_added"] == 5 and inc["unchanged_sync"]["num_skipped"] == 5
+    assert inc["one_edit_sync"]["updated"] == ["d0.txt"] and inc["one_edit_sync"]["num_skipped"] == 4
+    assert inc["untouched_files_identical"] and inc["untouched_answers_identical"] and inc["edited_file_changed"]
+    comp = bench.composition(tiny_llama, docs, tmp_path, 1, 0, "default", 32)
+    assert comp["questions"] == 5 and set(comp["closure"]["random"]) == {1, 2, 4}
+    whole = bench.whole_corpus(tiny_llama, docs, tmp_path, 1, 64)
+    assert whole["questions"] == 5 and whole["routed_has_own"] == 1.0 and set(whole["closure"]) == {
+        "routed", "whole_cartridge", "rag", "truncated_best"}

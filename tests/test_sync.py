@@ -86,6 +86,20 @@ def test_only_what_changed_is_rebuilt_and_what_is_gone_is_deleted(tmp_path, tiny
     assert store.names() == ["alpha", "manual"]
 
 
+def test_a_question_about_many_documents_gets_as_many_as_the_budget_holds(tmp_path, tiny_llama):
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    store.sync({"harrow": "Slate from Harrow went by sea. " * 4, "colby": "Slate from Colby went by rail. " * 4,
+                "fenwick": "Apples from Fenwick went by cart. " * 4, "short": "Slate."}, SMALL, progress=False)
+    assert [r.name for r in store.route("Where did the slate go?", k=4)][:3] == ["short", "colby", "harrow"]
+    assert [r.name for r in store.within("Where did the slate go?", 100)] == ["short", "colby"]  # 6 + 48 tokens
+    assert [r.name for r in store.within("Where did the slate go?", 200)] == ["short", "colby", "harrow"]
+    assert [r.name for r in store.within("Where did the slate go?", 1)] == ["short"]  # the best one at least
+    answer = store.ask("Where did the slate go?", budget=100, max_new_tokens=2)
+    assert answer.cartridges == ("short", "colby") and len(answer.versions) == 2
+    with pytest.raises(ConfigError, match="budget=0 must be a positive number"):
+        store.within("slate", 0)
+
+
 def test_changing_the_size_rebuilds_and_a_hand_added_name_is_refused(tmp_path, tiny_llama):
     folder = _write(tmp_path / "docs", TEXTS)
     store = CartridgeStore(tmp_path / "store", tiny_llama)
@@ -266,6 +280,12 @@ def test_servers_watching_one_store_pick_up_changes_and_name_the_versions(tmp_pa
         data = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
         assert data["cartridges"] == ["harbour.txt"] and data["versions"] == [version]
         assert other.ask("Where?", cartridges=["harbour.txt"], max_new_tokens=3).versions == (version,)
+        body = {"model": "auto", "messages": [{"role": "user", "content": "Which places had slate?"}],
+                "max_tokens": 2, "budget": 96}  # two 48-token cartridges: the question needs several documents
+        data = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
+        assert sorted(data["cartridges"]) == ["harbour.txt", "railway.txt"] and len(data["versions"]) == 2
+        bad = httpx.post(f"{url}/chat/completions", json={**body, "budget": "all"}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "budget"
 
         (folder / "harbour.txt").write_text("The harbour at Colby closed in 1962. " * 3, "utf-8")
         new = content_hash((folder / "harbour.txt").read_text("utf-8"))

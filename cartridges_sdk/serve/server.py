@@ -129,7 +129,9 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
             turns = [m["content"] for m in messages if m["role"] == "user"]
             for question in (turns[-1], "\n".join(turns)) if len(turns) > 1 else (turns[-1],):
                 try:
-                    names = [r.name for r in store.route(question, k=body.get("k", 1))]
+                    routes = store.within(question, body["budget"]) if body.get("budget") else \
+                        store.route(question, k=body.get("k", 1))
+                    names = [r.name for r in routes]
                     break
                 except ConfigError as err:
                     refused = err
@@ -303,7 +305,7 @@ async def _read_json(request: Any, limit: int) -> dict[str, Any]:
 def _parse(body: dict[str, Any], config: ServeConfig):
     """(cartridge names, or None for routing; messages; generation params; stream; whether a stream ends with usage),
     or BadRequest naming the field."""
-    unknown = sorted(set(body) - FIELDS - {"k"})
+    unknown = sorted(set(body) - FIELDS - {"k", "budget"})
     if unknown:
         raise BadRequest(400, f"Unsupported parameter(s) {unknown}; this server reads {sorted(FIELDS)}.", unknown[0])
     model = body.get("model")
@@ -346,6 +348,10 @@ def _parse(body: dict[str, Any], config: ServeConfig):
     k = body.get("k", 1)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 8:
         raise BadRequest(400, "'k' (cartridges routed to, with model='auto') must be an int from 1 to 8.", "k")
+    budget = body.get("budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise BadRequest(400, "'budget' (cartridge tokens routed to, with model='auto') must be a positive int.",
+                         "budget")
     try:
         params = GenerationParams(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 0.0),
                                   top_p=_number(body, "top_p", 1.0), seed=body.get("seed"), stop=stop)

@@ -64,6 +64,7 @@ class _Entry:
     corpus: Path | None
     corpus_stamp: tuple[int, int] | None = None  # an edited corpus text rebuilds the routing index
     document: dict[str, Any] | None = None  # what sync recorded in the file: the document and its hash
+    num_tokens: int = 0  # the cartridge's size, for composing within a budget without loading it
 
 
 def _link_out_reason(name: str) -> str:
@@ -253,7 +254,8 @@ class CartridgeStore:
                     continue
                 self._refused.pop(path, None)
                 self._remember(name, cartridge)  # it was read to check it: keep it for the first request
-                seen[name] = _Entry(path, stamp, corpus, corpus_stamp, document_record(cartridge))
+                seen[name] = _Entry(path, stamp, corpus, corpus_stamp, document_record(cartridge),
+                                    cartridge.num_tokens)
                 if old is None:
                     changes["added"].append(name)
             changes["removed"] = sorted(set(self._entries) - set(seen))
@@ -314,10 +316,34 @@ class CartridgeStore:
             self._index = (retriever, owners)
         return self._index
 
-    def ask(self, question: str, *, k: int = 1, cartridges: Sequence[str] | None = None, runtime: Any = "hf",
-            runtime_options: dict[str, Any] | None = None, **gen: Any) -> StoreAnswer:
-        """Answer `question` with the named cartridges (composed in order), or with the `k` it is routed to."""
-        names = list(cartridges) if cartridges is not None else [r.name for r in self.route(question, k)]
+    def within(self, question: str, budget: int) -> list[Route]:
+        """The cartridges `question` is routed to, best first, as many as fit in `budget` tokens together (at least
+        the best one): a question that needs several documents ("which modules use X?") gets as many as the budget
+        holds."""
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ConfigError(f"budget={budget!r} must be a positive number of cartridge tokens.")
+        ranked = self.route(question, k=max(len(self), 1))
+        picked, used = [], 0
+        with self._lock:
+            for route in ranked:
+                entry = self._entries.get(route.name)
+                size = entry.num_tokens if entry is not None else budget + 1
+                if picked and used + size > budget:
+                    continue  # a smaller one further down may still fit
+                picked.append(route)
+                used += size
+        return picked
+
+    def ask(self, question: str, *, k: int = 1, budget: int | None = None, cartridges: Sequence[str] | None = None,
+            runtime: Any = "hf", runtime_options: dict[str, Any] | None = None, **gen: Any) -> StoreAnswer:
+        """Answer `question` with the named cartridges (composed in order), or with those it is routed to: the
+        best `k`, or as many as fit in `budget` tokens (`within`)."""
+        if cartridges is not None:
+            names = list(cartridges)
+        elif budget is not None:
+            names = [r.name for r in self.within(question, budget)]
+        else:
+            names = [r.name for r in self.route(question, k)]
         parts = [self.get(n) for n in names]
         text = self.model.ask(question, cartridges=parts, runtime=runtime, runtime_options=runtime_options, **gen)
         return StoreAnswer(text=text, cartridges=tuple(names), versions=versions(parts))
