@@ -4,6 +4,7 @@ Every message names the bad value and says how to fix it. One class per kind of 
 
     CartridgeError                      everything the SDK raises on purpose
     ├── ConfigError (ValueError)        a setting, argument or request the SDK cannot use
+    │   └── StoreBusyError              another sync holds the store's lock (try again later)
     ├── ModelNotAvailableError          weights or tokenizer files not found offline
     ├── IncompatibleCartridgeError      a cartridge (or a teacher) for another model than the one it meets
     ├── CartridgeFormatError            a file that is corrupt, truncated, or not a cartridge
@@ -31,6 +32,10 @@ class CartridgeError(Exception):
 
 class ConfigError(CartridgeError, ValueError):
     """A setting or argument has a value the SDK cannot use."""
+
+
+class StoreBusyError(ConfigError):
+    """Another sync holds the store's lock: a watcher leaves the work to it, a caller may try again later."""
 
 
 class ModelNotAvailableError(CartridgeError):

@@ -59,11 +59,11 @@ def _sync_folder(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def folder_lock(folder: str | os.PathLike, *, name: str = ".lock", timeout: float = 0,
-                busy: str | None = None) -> Iterator[None]:
+def folder_lock(folder: str | os.PathLike, *, name: str = ".lock", timeout: float = 0, busy: str | None = None,
+                error: type[ConfigError] = ConfigError) -> Iterator[None]:
     """Hold `folder` for this process; a second process on the same folder fails (after `timeout` seconds of
-    waiting) instead of mixing its work in. The lock is the operating system's, so it is released even when the
-    holder is killed. `busy` replaces the refusal's message."""
+    waiting; a negative one waits for ever) instead of mixing its work in. The lock is the operating system's, so it
+    is released even when the holder is killed. `busy` and `error` replace the refusal's message and class."""
     from filelock import FileLock, Timeout
 
     folder = Path(folder)
@@ -72,7 +72,7 @@ def folder_lock(folder: str | os.PathLike, *, name: str = ".lock", timeout: floa
     try:
         lock.acquire()
     except Timeout:
-        raise ConfigError(busy or (
+        raise error(busy or (
             f"{str(folder)!r} is in use by another process (two runs on one folder would mix their work); wait for "
             "it to finish, or use another folder."
         )) from None

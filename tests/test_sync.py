@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cartridges_sdk import Cartridge, ConfigError
+from cartridges_sdk.errors import StoreBusyError
 from cartridges_sdk.cli import main
 from cartridges_sdk.files import folder_lock
 from cartridges_sdk.serve import documents
@@ -78,12 +79,20 @@ def test_only_what_changed_is_rebuilt_and_what_is_gone_is_deleted(tmp_path, tiny
     answer = store.ask("Where did the harbour ship slate?", k=1, max_new_tokens=4)
     assert answer.cartridges == ("harbour.txt",) and answer.versions == (store.records()["harbour.txt"]["sha256"],)
 
+    # an emptied folder (an unmounted share looks the same) deletes nothing: it is refused
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="holds no documents, so this sync would delete all 4 synced cartridges"):
+        store.sync(empty, SMALL, progress=False)
+    assert len(store) == 4
+
     # another size rebuilds everything; a mapping is a source too, and sync never touches what it did not make
     store.add("manual", Cartridge.from_prefix(tiny_llama, "A cartridge added by hand.", 8))
+    store.add("copy", store.get("lighthouse.txt"))  # its record names the original: not sync's to delete
     resized = store.sync({"alpha": "First unit of text, long enough to compact. " * 3}, SyncConfig(tokens=32),
                          progress=False)
     assert resized.added == ("alpha",) and len(resized.deleted) == 4 and "manual" in store
-    assert store.names() == ["alpha", "manual"]
+    assert store.names() == ["alpha", "copy", "manual"]
 
 
 def test_a_question_about_many_documents_gets_as_many_as_the_budget_holds(tmp_path, tiny_llama):
@@ -154,6 +163,15 @@ def test_bad_files_are_skipped_with_one_line_each_and_nothing_is_lost(tmp_path, 
     # the unreadable document keeps its cartridge: a sync never loses what it cannot read this time
     assert report.deleted == () and _files(store.root)["lighthouse.txt.safetensors"] == kept["lighthouse.txt.safetensors"]
     assert store.names() == ["lighthouse.txt", "orchard.md", "railway.txt"]
+    # a folder that cannot be read keeps the cartridges of everything under it
+    _write(folder, {"notes/a.txt": "Notes on the keepers' log. " * 3})
+    monkeypatch.setattr(documents, "open", real_open, raising=False)
+    assert set(store.sync(folder, SMALL, progress=False).added) == {"huge.txt", "notes.a.txt", "secret.txt"}
+    real_scandir = os.scandir
+    monkeypatch.setattr(documents.os, "scandir", lambda path: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
+                        if str(path).endswith("notes") else real_scandir(path))
+    report = store.sync(folder, SMALL, progress=False)
+    assert "notes" in {r.path for r in report.rejected} and report.deleted == () and "notes.a.txt" in store
 
 
 def test_a_document_longer_than_the_context_is_compacted_in_parts_that_compose(tmp_path, tiny_llama):
@@ -169,7 +187,7 @@ def test_a_document_longer_than_the_context_is_compacted_in_parts_that_compose(t
 def test_one_writer_at_a_time(tmp_path, tiny_llama):
     store = CartridgeStore(tmp_path / "store", tiny_llama)
     with folder_lock(store.root, name=LOCK):
-        with pytest.raises(ConfigError, match="Another sync is writing to the store .* wait for it to finish"):
+        with pytest.raises(StoreBusyError, match="Another sync is writing to the store .* wait for it to finish"):
             store.sync({"a": "some text here " * 5}, SMALL, progress=False)
     assert store.sync({"a": "some text here " * 5}, SMALL, progress=False).added == ("a",)
 
@@ -182,7 +200,12 @@ def test_a_folder_per_unit(tmp_path, tiny_llama):
     assert store.sync(folder, SyncConfig(tokens=48, unit="folder"), progress=False).added == ("p001", "p002")
     corpus = (store.root / "p001.corpus.txt").read_text("utf-8")
     assert "### p001/2026-01-03.txt" in corpus and "### p001/2026-02-10.txt" in corpus
-    with pytest.raises(ConfigError, match="unit='patient' must be one of 'file', 'folder'"):
+    # a unit one of whose files cannot be read keeps its cartridge whole rather than losing that file's part
+    (folder / "p001" / "scan.pdf").write_bytes(b"%PDF\x00\x01")
+    report = store.sync(folder, SyncConfig(tokens=48, unit="folder"), progress=False)
+    assert [r.path for r in report.rejected] == ["p001", "p001/scan.pdf"] and report.updated == ()
+    assert (store.root / "p001.corpus.txt").read_text("utf-8") == corpus
+    with pytest.raises(ConfigError, match=r"unit='patient' must be one of \('file', 'folder'\)"):
         SyncConfig(unit="patient")
     with pytest.raises(ConfigError, match="is not a folder"):
         store.sync(tmp_path / "nowhere", progress=False)

@@ -20,6 +20,7 @@ import attrs
 from ..errors import ConfigError
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # what a store serves; also the API's model name
+SUFFIX = ".safetensors"  # a cartridge's file is NAME + SUFFIX
 MAX_BYTES = 8 * 2**20  # a bigger file is most likely data, not a document
 UNITS = ("file", "folder")
 
@@ -43,6 +44,8 @@ class NotADocument:
 
 
 def content_hash(text: str) -> str:
+    """The full SHA-256 of a text (not `identity.text_fingerprint`'s 16 digits): an answer's version names its
+    document exactly."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -64,12 +67,8 @@ def name_problem(name: str) -> str | None:
 
 def read_documents(source: str | os.PathLike | Mapping[str, str], *, unit: str = "file",
                    max_bytes: int = MAX_BYTES) -> tuple[list[Document], list[NotADocument]]:
-    """The documents of `source` (a folder, or a mapping of name to text) and the paths skipped, both sorted."""
-    if unit not in UNITS:
-        raise ConfigError(f"unit={unit!r} must be one of {', '.join(map(repr, UNITS))} (one cartridge per file, or "
-                          "per entry at the top of the folder).")
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ConfigError(f"max_bytes={max_bytes!r} must be a positive number of bytes.")
+    """The documents of `source` (a folder, or a mapping of name to text) and the paths skipped, both sorted.
+    `unit` and `max_bytes` are `SyncConfig`'s, checked there; a mapping's entries are its units already."""
     if isinstance(source, Mapping):
         return _from_mapping(source)
     if not isinstance(source, (str, os.PathLike)):
@@ -87,13 +86,18 @@ def read_documents(source: str | os.PathLike | Mapping[str, str], *, unit: str =
             tops.setdefault(origin.split("/", 1)[0], []).append((origin, path))
         groups = sorted(tops.items())
     for origin, members in groups:
-        texts = []
+        texts, failed = [], False
         for member, path in members:
             text, why = _read(path, max_bytes)
             if why is not None:
                 skipped.append(NotADocument(member, why))
+                failed = True
             else:
                 texts.append(text if len(members) == 1 else f"### {member}\n\n{text}")
+        if failed and len(members) > 1 and texts:  # built without one of its files, a unit would lose it
+            skipped.append(NotADocument(origin, "one of its files was skipped (above); the unit keeps its cartridge "
+                                                "until all of them read"))
+            continue
         if not texts:
             continue
         name = store_name(origin)

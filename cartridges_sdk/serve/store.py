@@ -30,12 +30,11 @@ from ..errors import CartridgeError, ConfigError, NotInStoreError
 from ..files import atomic_write
 from ..kv import Recent
 from ..lm import LM
-from .documents import NAME
+from .documents import NAME, SUFFIX
 from .sync import SyncConfig, SyncReport, document_record, self_study, sync
 
 log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed
 
-SUFFIX = ".safetensors"
 CORPUS_SUFFIX = ".corpus.txt"
 
 
@@ -180,7 +179,7 @@ class CartridgeStore:
         with self._lock:
             if name not in self._entries:
                 self.get(name)  # raises, naming what the store holds
-            for suffix in (SUFFIX, CORPUS_SUFFIX):
+            for suffix in (CORPUS_SUFFIX, SUFFIX):  # the cartridge last: killed between, sync still sees it
                 (self.root / f"{name}{suffix}").unlink(missing_ok=True)
             self.refresh()
 
@@ -202,9 +201,11 @@ class CartridgeStore:
         return self_study(self, source, config, settings, limit=limit, progress=progress)
 
     def records(self) -> dict[str, dict[str, Any]]:
-        """The document each synced cartridge stands for (``name``, ``origin``, ``sha256``, ...), by name."""
+        """The document each synced cartridge stands for (``name``, ``origin``, ``sha256``, ...), by name. A copy of a
+        synced cartridge under another name (its record names the original) is not one: sync leaves it alone."""
         with self._lock:
-            return {n: e.document for n, e in sorted(self._entries.items()) if e.document is not None}
+            return {n: e.document for n, e in sorted(self._entries.items())
+                    if e.document is not None and e.document.get("name") == n}
 
     def corpus_path(self, name: str) -> Path | None:
         """The corpus text routing reads for `name`, if it has one."""

@@ -29,10 +29,10 @@ import attrs
 
 from ..build.compaction import CompactionConfig
 from ..cartridge import Cartridge
-from ..checks import at_least_one
-from ..errors import ConfigError
+from ..checks import at_least_one, one_of
+from ..errors import ConfigError, StoreBusyError
 from ..files import folder_lock
-from .documents import MAX_BYTES, UNITS, Document, NotADocument, content_hash, read_documents, store_name
+from .documents import MAX_BYTES, SUFFIX, UNITS, Document, NotADocument, content_hash, read_documents, store_name
 
 if TYPE_CHECKING:
     from .store import CartridgeStore
@@ -50,15 +50,10 @@ class SyncConfig:
 
     # cartridge tokens per document; a document no longer than this is kept whole (its exact KV, no compaction)
     tokens: int = attrs.field(default=256, validator=at_least_one)
-    unit: str = attrs.field(default="file")  # one cartridge per file, or per entry at the top of the folder
+    unit: str = attrs.field(default="file", validator=one_of(*UNITS))  # per file, or per entry at the folder's top
     max_bytes: int = attrs.field(default=MAX_BYTES, validator=at_least_one)  # larger files are skipped
     compaction: CompactionConfig = attrs.field(factory=CompactionConfig,
                                                validator=attrs.validators.instance_of(CompactionConfig))
-
-    @unit.validator
-    def _check_unit(self, _attr, value: str) -> None:
-        if value not in UNITS:
-            raise ConfigError(f"unit={value!r} must be one of {', '.join(map(repr, UNITS))}.")
 
 
 @attrs.frozen
@@ -94,11 +89,16 @@ def sync(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], c
     start = time.perf_counter()
     busy = (f"Another sync is writing to the store at {store.root} (it holds {LOCK}); wait for it to finish, or pass "
             "a timeout to wait. Only one sync writes at a time; servers keep reading meanwhile.")
-    with folder_lock(store.root, name=LOCK, timeout=timeout, busy=busy):
+    store.model.check_context(config.tokens, f"A {config.tokens}-token cartridge per document", "pass a smaller tokens")
+    with folder_lock(store.root, name=LOCK, timeout=timeout, busy=busy, error=StoreBusyError):
         _clear_stale(store.root)
         store.refresh()
         documents, rejected = read_documents(source, unit=config.unit, max_bytes=config.max_bytes)
         records = store.records()
+        if not documents and records:  # an unmounted or emptied folder looks like every document deleted
+            raise ConfigError(f"{source if not isinstance(source, Mapping) else 'The source'} holds no documents, so "
+                              f"this sync would delete all {len(records)} synced cartridges of the store at "
+                              f"{store.root}; check the folder, or delete them on purpose with store.remove(name).")
         todo: list[tuple[Document, bool]] = []  # (document, whether it replaces one)
         skipped = []
         for doc in documents:
@@ -108,8 +108,8 @@ def sync(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], c
                                                          "make; remove it from the store or rename the document"))
             elif record is not None and _current(store, doc, record, config):
                 skipped.append(doc.name)
-            else:
-                todo.append((doc, doc.name in records))
+            else:  # a file the store left out (another model's, say) is replaced too
+                todo.append((doc, doc.name in records or (store.root / f"{doc.name}{SUFFIX}").exists()))
         for line in rejected:
             log.warning("sync %s: skipping %s: %s", store.root, line.path, line.why)
         added, updated = [], []
@@ -123,9 +123,11 @@ def sync(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], c
                 continue
             store.add(doc.name, cartridge, corpus=doc.text, replace=True)
             (updated if replaces else added).append(doc.name)
+        # what could not be read this time keeps its cartridge; a folder that could not be read keeps all under it
         kept = {store_name(r.path.split("/", 1)[0] if config.unit == "folder" else r.path) for r in rejected}
         present = {doc.name for doc in documents}
-        deleted = sorted(n for n in records if n not in present and n not in kept)
+        deleted = sorted(n for n in records if n not in present and n not in kept
+                         and not any(n.startswith(k + ".") for k in kept))
         for name in deleted:  # a document that could not be read this time keeps its cartridge: nothing is lost
             store.remove(name)
         current = {doc.name: doc.sha256 for doc in documents}
@@ -173,10 +175,16 @@ def self_study(store: CartridgeStore, source: str | os.PathLike | Mapping[str, s
         if record is None or record.get("method") != "compact" or not _current(store, doc, record, config):
             continue
         work = store.root / WORK / f"{doc.name}-{doc.sha256[:16]}"
-        trained = Cartridge.from_corpus(doc.text, store.model, num_tokens=config.tokens, output_dir=work,
-                                        progress=progress, **settings)
-        busy = f"Another sync holds the store at {store.root}; the self-studied {doc.name!r} waits for it."
-        with folder_lock(store.root, name=LOCK, timeout=-1, busy=busy):  # wait: the swap is quick
+        try:
+            trained = Cartridge.from_corpus(doc.text, store.model, num_tokens=config.tokens, output_dir=work,
+                                            progress=progress, **settings)
+        except ConfigError:
+            raise  # a bad setting fails every document alike: say it once
+        except Exception as err:  # noqa: BLE001 - one document that fails to train must not stop the others
+            log.warning("self-study %s: %s failed to train (%s: %s); it keeps its compacted cartridge", store.root,
+                        doc.name, type(err).__name__, err)
+            continue
+        with folder_lock(store.root, name=LOCK, timeout=-1):  # waits for a running sync: the swap is quick
             store.refresh()
             now = store.records().get(doc.name)
             if now is None or now.get("sha256") != doc.sha256 or now.get("size") != config.tokens:

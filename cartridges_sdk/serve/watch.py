@@ -13,14 +13,13 @@ when that training ends.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
-import math
 from collections.abc import Callable, Mapping
-from typing import Any
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StoreBusyError
 from .documents import snapshot
 from .sync import SyncConfig, SyncReport
 
@@ -42,7 +41,8 @@ class Watcher:
         if isinstance(every, bool) or not isinstance(every, (int, float)) or not math.isfinite(every) or every <= 0:
             raise ConfigError(f"every={every!r} must be a positive number of seconds between looks at the folder.")
         if not isinstance(source, Mapping) and not os.path.isdir(source):
-            raise ConfigError(f"{str(source)!r} is not a folder; --watch takes the folder of documents to sync.")
+            raise ConfigError(f"{str(source)!r} is not a folder; a watcher keeps a store in step with a folder of "
+                              "documents.")
         self.store, self.source, self.config, self.every = store, source, config or SyncConfig(), float(every)
         self.last: SyncReport | None = None  # the last sync this watcher ran
         self.syncs = 0
@@ -56,9 +56,11 @@ class Watcher:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10) -> None:
+        """Stop looking. A sync or a training still running after `timeout` seconds is left to die with the process
+        (the thread is a daemon): a killed sync leaves the store whole, and the next one finishes it."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout)
 
     def __enter__(self) -> Watcher:
         return self.start()
@@ -67,24 +69,27 @@ class Watcher:
         self.close()
 
     def _run(self) -> None:
-        synced = studied = None
+        synced = studied = failed = None
         while True:
-            seen = snapshot(self.source)
-            if seen != synced:
-                try:
+            try:
+                seen = snapshot(self.source)
+                if seen != synced:
                     self.last = self.store.sync(self.source, self.config, progress=False)
                     self.syncs += 1
                     synced = seen
                     log.info("watch %s: %s", self.source, self.last)
                     if self.on_sync is not None and any((self.last.added, self.last.updated, self.last.deleted)):
                         self.on_sync(self.last)
-                except ConfigError as err:  # another server holds the sync lock: it does the work, we read it
-                    log.info("watch %s: %s", self.source, err)
-                except Exception:  # noqa: BLE001 - the server goes on serving what it has; the next look tries again
-                    log.exception("watch %s: the sync failed; trying again at the next change", self.source)
-                    synced = seen
-            if self.self_study is not None and seen == synced and studied != seen:
-                studied = self._study(seen)
+            except StoreBusyError as err:  # another server syncs: it does the work, this store reads the files
+                log.info("watch %s: %s", self.source, err)
+            except Exception as err:  # noqa: BLE001 - the server goes on serving what it has; the next look retries
+                if failed != str(err):  # said once, not at every look
+                    log.exception("watch %s: the sync failed; trying again at every look", self.source)
+                    failed = str(err)
+            else:
+                failed = None
+                if self.self_study is not None and studied != seen:
+                    studied = self._study(seen)
             if self._stop.wait(self.every):
                 return
 
