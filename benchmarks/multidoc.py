@@ -15,7 +15,6 @@ reported). Whole-corpus ICL cannot run, so the figure is NLL, not gap closure.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -89,11 +88,8 @@ def main() -> None:
     result = pair(lm, corpora, args.tokens) if args.mode == "pair" else long(lm, corpora, args.tokens, args.questions_per_doc)
     result.update({"mode": args.mode, "docs": args.docs, "tokens": args.tokens, "model": lm.name,
                    "commit": provenance.commit(), "machine": provenance.machine()})
-    print(json.dumps(result, indent=2))
-    out = args.out or Path("benchmarks/results") / f"multidoc-{args.mode}-{args.docs.replace(',', '+')}-p{args.tokens}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    provenance.save(result, args.out or Path("benchmarks/results") /
+                    f"multidoc-{args.mode}-{args.docs.replace(',', '+')}-p{args.tokens}.json")
 
 
 if __name__ == "__main__":

@@ -32,3 +32,13 @@ def machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version()}
+
+
+def save(result: dict[str, Any], out: Path) -> None:
+    """Print a run's figures (without its per-question rows) and write all of it, as JSON, to `out`."""
+    import json
+
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")

@@ -293,12 +293,8 @@ def main() -> None:
         result = composition(lm, docs, args.store, args.questions_per_doc, args.seed, args.variant, args.tokens)
     result.update({"mode": args.mode, "model": lm.name, "seconds": round(time.perf_counter() - start, 1),
                    "commit": provenance.commit(), "dirty": provenance.dirty(), "machine": provenance.machine()})
-    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))
     suffix = f"-{args.variant}" if args.mode == "composition" else ""
-    out = args.out or Path("benchmarks/results") / f"sync-{args.mode}{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    provenance.save(result, args.out or Path("benchmarks/results") / f"sync-{args.mode}{suffix}.json")
 
 
 if __name__ == "__main__":
