@@ -190,3 +190,25 @@ def test_the_fit_reads_queries_in_blocks_without_changing_the_result(monkeypatch
     for a, b in zip(whole, blocked):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert whole[0].shape == (2, 40, 8) and whole[1].shape == (2, 40, 8)
+
+
+def test_another_thread_answers_as_usual_while_compaction_records(tiny_llama):
+    """A server thread answering while a watcher compacts (serve --watch) gets the model's own attention."""
+    import threading
+
+    from cartridges_sdk.build import compaction
+
+    x = torch.tensor([tiny_llama.encode("The keeper rowed out at dawn.")])
+    with torch.no_grad():
+        want = tiny_llama.model(x).logits
+    got = {}
+
+    def answer():
+        with torch.no_grad():
+            got["logits"] = tiny_llama.model(x).logits
+
+    with compaction._recording(tiny_llama) as recorder:
+        thread = threading.Thread(target=answer)
+        thread.start()
+        thread.join()
+    assert torch.equal(got["logits"], want) and not recorder.queries  # nothing of the other thread's was recorded

@@ -191,20 +191,30 @@ class _Recorder:
 
 _RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("cartridges_recorder", default=None)
 RECORDING = "cartridges_record"
+_BEFORE: dict[int, str] = {}  # id(model config) -> the attention the model used before recording switched it
 
 
 def _recording_attention(module, query, key, value, attention_mask, **kwargs):
-    """The attention function a model uses while a recorder is active (registered once, under `RECORDING`)."""
+    """The attention function a model uses while a recorder is active (registered once, under `RECORDING`). Another
+    thread using the same model meanwhile (a server answering while a watcher compacts) has no recorder in its
+    context and gets the model's own attention, so it answers as if nothing were recorded."""
     recorder = _RECORDER.get()
     if recorder is None:
-        raise RuntimeError("cartridges_record attention ran outside compaction; call model.set_attn_implementation('sdpa').")
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        before = _BEFORE.get(id(module.config), "sdpa")
+        if before == RECORDING or before not in ALL_ATTENTION_FUNCTIONS:
+            raise RuntimeError(f"cartridges_record attention ran outside compaction and the model's own ({before!r}) "
+                               "cannot stand in; call model.set_attn_implementation('sdpa').")
+        return ALL_ATTENTION_FUNCTIONS[before](module, query, key, value, attention_mask, **kwargs)
     return recorder(module, query, key, value, attention_mask, **kwargs)
 
 
 @contextlib.contextmanager
 def _recording(lm: LM) -> Iterator[_Recorder]:
     """Route the model's attention through a recorder for the duration (restored afterwards, even on error).
-    The model is switched as a whole: do not answer with it from another thread meanwhile."""
+    The model is switched as a whole; other threads answering with it meanwhile get its own attention through
+    `_recording_attention`."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
@@ -214,6 +224,7 @@ def _recording(lm: LM) -> Iterator[_Recorder]:
     recorder = _Recorder()
     token = _RECORDER.set(recorder)
     before = model.config._attn_implementation
+    _BEFORE[id(model.config)] = before
     model.set_attn_implementation(RECORDING)
     try:
         if model.config._attn_implementation != RECORDING:
