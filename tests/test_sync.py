@@ -366,7 +366,7 @@ def test_a_watching_server_self_studies_in_the_background(tmp_path, tiny_llama):
     folder = _write(tmp_path / "docs", {"a.txt": TEXTS["orchard.md"]})
     store = CartridgeStore(tmp_path / "store", tiny_llama)
     with Watcher(store, folder, SyncConfig(tokens=24), every=0.1, self_study=STUDY) as watcher:
-        _until(lambda: store.records().get("a.txt", {}).get("method") == "self-study", timeout=120)
-        assert watcher.studied == ["a.txt"]
+        _until(lambda: watcher.studied == ["a.txt"], timeout=120)  # said once the swap is done
+        assert store.records()["a.txt"]["method"] == "self-study"
         assert store.ask("What does the orchard grow?", cartridges=["a.txt"], max_new_tokens=2).versions == (
             content_hash(TEXTS["orchard.md"]),)
