@@ -30,7 +30,7 @@ from ..errors import CartridgeError, ConfigError, NotInStoreError
 from ..files import atomic_write
 from ..kv import Recent
 from ..lm import LM
-from .documents import NAME, SUFFIX
+from .documents import NAME, SUFFIX, name_problem
 from .sync import SyncConfig, SyncReport, document_record, self_study, sync
 
 log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed
@@ -245,7 +245,7 @@ class CartridgeStore:
                     continue
                 if path in self._refused and self._refused[path][0] == stamp:
                     continue  # the same bad file: said once already
-                if not NAME.match(name) or name == "auto":
+                if name_problem(name) is not None:
                     self._refuse(path, "its name cannot be served (letters, digits, '.', '_', '-'; not 'auto')")
                     changes["refused"].append(name)
                     continue

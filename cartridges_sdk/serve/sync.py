@@ -135,7 +135,6 @@ def sync(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], c
             name, _, version = work.name.rpartition("-")
             if name not in kept and current.get(name, "")[:16] != version:
                 shutil.rmtree(work, ignore_errors=True)
-        store.refresh()
     return SyncReport(tuple(added), tuple(updated), tuple(skipped), tuple(deleted),
                       tuple(sorted(rejected, key=lambda r: r.path)), round(time.perf_counter() - start, 3))
 
