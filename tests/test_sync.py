@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from cartridges_sdk import Cartridge, ConfigError
 from cartridges_sdk.errors import StoreBusyError
 from cartridges_sdk.cli import main
 from cartridges_sdk.files import folder_lock
 from cartridges_sdk.serve import documents
+from cartridges_sdk.serve import sync as sync_module
 from cartridges_sdk.serve.store import CartridgeStore
 from cartridges_sdk.serve.sync import LOCK, SyncConfig, content_hash
 from cartridges_sdk.serve.watch import Watcher
@@ -107,6 +109,31 @@ def test_a_question_about_many_documents_gets_as_many_as_the_budget_holds(tmp_pa
     assert answer.cartridges == ("short", "colby") and len(answer.versions) == 2
     with pytest.raises(ConfigError, match="budget=0 must be a positive number"):
         store.within("slate", 0)
+
+
+def test_a_renamed_or_copied_document_reuses_its_cartridge(tmp_path, tiny_llama, monkeypatch):
+    a, b = TEXTS["lighthouse.txt"], TEXTS["railway.txt"]
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    store.sync({"a": a, "b": b}, SMALL, progress=False)
+    keys = {name: store.get(name).keys[0].clone() for name in ("a", "b")}
+
+    def no_builds(*_args, **_kwargs):
+        raise AssertionError("a document whose content the store holds was built again")
+
+    monkeypatch.setattr(sync_module, "build", no_builds)
+    report = store.sync({"c": a, "b": b, "d": b}, SMALL, progress=False)  # a renamed to c, b copied to d
+    assert (report.added, report.skipped, report.deleted) == (("c", "d"), ("b",), ("a",))
+    assert torch.equal(store.get("c").keys[0], keys["a"]) and torch.equal(store.get("d").keys[0], keys["b"])
+    assert store.records()["c"] == {**store.records()["c"], "origin": "c", "sha256": content_hash(a),
+                                    "method": "compact"}
+    assert store.ask("Who built the lighthouse?", k=1, max_new_tokens=2).cartridges == ("c",)
+    monkeypatch.undo()
+    assert store.sync({"c": a, "b": b}, SMALL, progress=False).deleted == ("d",)
+    # contents swapped: b takes c's cartridge; c's new content sat only in b's, rewritten by then, so c is built
+    report = store.sync({"c": b, "b": a}, SMALL, progress=False)
+    assert report.updated == ("b", "c")
+    assert torch.equal(store.get("b").keys[0], keys["a"]) and torch.equal(store.get("c").keys[0], keys["b"])
+    assert {n: r["sha256"] for n, r in store.records().items()} == {"b": content_hash(a), "c": content_hash(b)}
 
 
 def test_changing_the_size_rebuilds_and_a_hand_added_name_is_refused(tmp_path, tiny_llama):
@@ -346,6 +373,10 @@ def test_self_study_replaces_a_compacted_cartridge_unless_its_document_changed(t
     assert not list((store.root / ".work").iterdir())  # its work folder is gone once it is swapped in
     # a self-studied cartridge is current: sync leaves it, and self-study does not train it again
     assert store.sync(texts, config, progress=False).skipped == ("a", "b", "tiny")
+    # renamed, and back: the self-studied cartridge goes with its content
+    renamed = store.sync({("a2" if n == "a" else n): t for n, t in texts.items()}, config, progress=False)
+    assert (renamed.added, renamed.deleted) == (("a2",), ("a",)) and store.records()["a2"]["method"] == "self-study"
+    assert store.sync(texts, config, progress=False).added == ("a",) and store.records()["a"]["method"] == "self-study"
 
     real = Cartridge.from_corpus
 

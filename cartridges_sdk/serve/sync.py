@@ -2,8 +2,9 @@
 
 Each synced cartridge records, inside its own file (``meta.extra["document"]``), the document it stands for, the
 SHA-256 of that document's text and how it was built. A sync reads the folder, skips every document whose record
-matches, builds the new and changed ones, and deletes the cartridges (with their corpus text) of documents that are
-gone. Cartridges the store got some other way (`store.add`) are never touched.
+matches, builds the new and changed ones (a renamed or copied one reuses the cartridge of its content), and deletes
+the cartridges (with their corpus text) of documents that are gone. Cartridges the store got some other way
+(`store.add`) are never touched.
 
 Why this is crash-safe without a journal: the record travels in the cartridge file, which is replaced by one atomic
 rename, so a store killed at any point holds, for each document, the old cartridge or the new one, each saying which
@@ -113,9 +114,18 @@ def sync(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], c
         for line in rejected:
             log.warning("sync %s: skipping %s: %s", store.root, line.path, line.why)
         added, updated = [], []
+        # a renamed or copied document reuses the cartridge of its content (a self-studied one stays self-studied),
+        # unless that cartridge was already rewritten by this sync
+        by_content = {(r["sha256"], r.get("size")): name for name, r in records.items()}
         for doc, replaces in _bar(todo, progress):
+            same = by_content.get((doc.sha256, config.tokens))
             try:
-                cartridge = build(store.model, doc, config)
+                if same is not None and same != doc.name and same not in added + updated:
+                    log.info("sync %s: %s has the content of %s; its cartridge is reused", store.root, doc.origin, same)
+                    cartridge = _recorded(store.model, store.get(same), doc, records[same]["method"],
+                                          int(records[same].get("tokens", 0)), config)
+                else:
+                    cartridge = build(store.model, doc, config)
             except Exception as err:  # noqa: BLE001 - one document that fails to build must not stop the sync
                 why = f"it failed to build ({type(err).__name__}: {err}); the store keeps what it had"
                 log.warning("sync %s: skipping %s: %s", store.root, doc.origin, why)
