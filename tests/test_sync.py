@@ -261,6 +261,9 @@ def test_the_command(tmp_path, tiny_dir, capsys):
     assert "tokens=0" in capsys.readouterr().err
     assert main([*args, "--set", "lr=0.1"]) == 2
     assert "--set gives self-study settings; add --self-study" in capsys.readouterr().err
+    serve = ["serve", "--store", str(tmp_path / "store"), "--model", str(tmp_path / "no-model"), "--watch", str(folder)]
+    assert main([*serve, "--watch-every", "0"]) == 2  # refused before the model (there is none there) loads
+    assert "--watch-every=0.0 must be a positive number of seconds" in capsys.readouterr().err
     study = [f"--set={k}={v}" for k, v in {"num_conversations": 2, "conversations_per_chunk": 2, "min_chunk": 60,
                                             "max_chunk": 100, "max_tokens_a": 6, "max_tokens_b": 6,
                                             "document_windows": 2, "window_tokens": 16, "top_k": 4}.items()]
@@ -334,8 +337,9 @@ def test_servers_watching_one_store_pick_up_changes_and_name_the_versions(tmp_pa
                 "max_tokens": 2, "budget": 96}  # two 48-token cartridges: the question needs several documents
         data = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
         assert sorted(data["cartridges"]) == ["harbour.txt", "railway.txt"] and len(data["versions"]) == 2
-        bad = httpx.post(f"{url}/chat/completions", json={**body, "budget": "all"}, timeout=60)
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "budget"
+        for extra, param in (({"budget": "all"}, "budget"), ({"k": 2}, "k"), ({"model": "harbour.txt"}, "budget")):
+            bad = httpx.post(f"{url}/chat/completions", json={**body, **extra}, timeout=60)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.text)
 
         (folder / "harbour.txt").write_text("The harbour at Colby closed in 1962. " * 3, "utf-8")
         new = content_hash((folder / "harbour.txt").read_text("utf-8"))

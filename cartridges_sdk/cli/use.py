@@ -56,6 +56,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--self-study trains the cartridges of a watched folder; add --watch FOLDER.")
     if args.watch and not os.path.isdir(args.watch):
         raise ConfigError(f"--watch {args.watch!r} is not a folder; give the folder of documents to keep in step.")
+    if args.watch:
+        from ..serve.watch import interval
+
+        interval(args.watch_every, "--watch-every")  # before the model loads
     lm = common.model_for(args.model, device=args.device)
     store = CartridgeStore(args.store, lm, memory_budget=args.memory_mb * 2**20)
     if key is None and not is_loopback(args.host):

@@ -368,6 +368,12 @@ def _parse(body: dict[str, Any], config: ServeConfig):
         names = None
     else:
         names = [model]
+    routing = [field for field in ("k", "budget") if field in body]
+    if len(routing) == 2:
+        raise BadRequest(400, "'k' and 'budget' both say how many cartridges are routed to; send one of them.", "k")
+    if routing and names is not None:  # a silently ignored field would answer from other cartridges than asked for
+        raise BadRequest(400, f"'{routing[0]}' picks routed cartridges, so it goes with model='auto' and no "
+                              "'cartridges'; drop it, or route.", routing[0])
     return names, messages, params, stream, include_usage
 
 

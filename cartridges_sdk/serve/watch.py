@@ -29,6 +29,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("cartridges_sdk.store")
 
 
+def interval(every: float, name: str = "every") -> float:
+    """`every` as seconds between looks at the folder, or a ConfigError naming `name`."""
+    if isinstance(every, bool) or not isinstance(every, (int, float)) or not math.isfinite(every) or every <= 0:
+        raise ConfigError(f"{name}={every!r} must be a positive number of seconds between looks at the folder.")
+    return float(every)
+
+
 class Watcher:
     """Syncs `source` into `store` at start and whenever it changes, in a daemon thread, until `close()`;
     `on_sync` hears of every sync that changed something. With `self_study` (settings for `Cartridge.from_corpus`,
@@ -38,12 +45,11 @@ class Watcher:
                  config: SyncConfig | None = None, *, every: float = 2.0,
                  on_sync: Callable[[SyncReport], object] | None = None,
                  self_study: Mapping[str, Any] | None = None):
-        if isinstance(every, bool) or not isinstance(every, (int, float)) or not math.isfinite(every) or every <= 0:
-            raise ConfigError(f"every={every!r} must be a positive number of seconds between looks at the folder.")
+        every = interval(every)
         if not isinstance(source, Mapping) and not os.path.isdir(source):
             raise ConfigError(f"{str(source)!r} is not a folder; a watcher keeps a store in step with a folder of "
                               "documents.")
-        self.store, self.source, self.config, self.every = store, source, config or SyncConfig(), float(every)
+        self.store, self.source, self.config, self.every = store, source, config or SyncConfig(), every
         self.last: SyncReport | None = None  # the last sync this watcher ran
         self.syncs = 0
         self.on_sync = on_sync
