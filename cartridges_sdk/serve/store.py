@@ -167,11 +167,17 @@ class CartridgeStore:
             path = self.root / f"{name}{SUFFIX}"
             if name in self._entries and not replace:
                 raise ConfigError(f"The store already holds {name!r}; pass replace=True to overwrite it.")
+            corpus_path = self.root / f"{name}{CORPUS_SUFFIX}"
             if corpus is not None:
-                atomic_write(self.root / f"{name}{CORPUS_SUFFIX}", lambda tmp: Path(tmp).write_text(corpus, "utf-8"))
+                atomic_write(corpus_path, lambda tmp: Path(tmp).write_text(corpus, "utf-8"))
             cartridge.save(path)
             self._memory.pop(name)
-            self.refresh()
+            # this entry alone, from what is in hand: a sync of N documents must not re-read the folder N times
+            corpus_path = corpus_path if corpus_path.is_file() else None
+            self._entries[name] = _Entry(path, _stamp(path), corpus_path, corpus_path and _stamp(corpus_path),
+                                         document_record(cartridge), cartridge.num_tokens)
+            self._refused.pop(path, None)
+            self._index = None
             return path
 
     def remove(self, name: str) -> None:
@@ -181,7 +187,9 @@ class CartridgeStore:
                 self.get(name)  # raises, naming what the store holds
             for suffix in (CORPUS_SUFFIX, SUFFIX):  # the cartridge last: killed between, sync still sees it
                 (self.root / f"{name}{suffix}").unlink(missing_ok=True)
-            self.refresh()
+            del self._entries[name]
+            self._memory.pop(name)
+            self._index = None
 
     def sync(self, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None, *,
              timeout: float = 0, progress: bool = True) -> SyncReport:
