@@ -11,6 +11,9 @@ bit (same files, same greedy answers).
 picks (the right one may be missing). Gap closure of gold-answer NLL against the document in context, pooled over
 questions whose document fits the context beside them.
 
+``self-studied``: the same curve for a few documents' self-studied cartridges (against their compacted ones), each
+among the same k - 1 random compacted others.
+
 ``pairs``: two QASPER papers in one budget: one cartridge of their concatenation, against the two papers'
 half-size cartridges composed, and against each question routed to its paper's cartridge; closure against the pair
 in context.
@@ -22,6 +25,7 @@ the context; closure against the question's own document in context.
     python -m benchmarks.sync incremental --store /tmp/sync-bench
     python -m benchmarks.sync composition --store /tmp/sync-bench
     python -m benchmarks.sync composition --store /tmp/sync-bench --variant off-topic
+    python -m benchmarks.sync self-studied --store /tmp/sync-bench --documents 2 --questions-per-doc 3
     python -m benchmarks.sync pairs --store /tmp/sync-bench --questions-per-doc 4
     python -m benchmarks.sync corpus --store /tmp/sync-bench --questions-per-doc 1 --budget 1024
 """
@@ -58,7 +62,8 @@ OFF_TOPIC = (
     "How many legs does a spider have?",
     "What is 17 multiplied by 23?",
 )
-VARIANTS = {"default": CompactionConfig(), "off-topic": CompactionConfig(probe_questions=OFF_TOPIC)}
+VARIANTS = {"default": CompactionConfig(), "off-topic": CompactionConfig(probe_questions=OFF_TOPIC),
+            "distractor": CompactionConfig(distractor_questions=OFF_TOPIC)}
 
 
 def corpora(files: list[Path]):
@@ -152,6 +157,56 @@ def composition(lm, docs, store_dir: Path, per_doc: int, seed: int, variant: str
             "documents": len({r["doc"] for r in rows}), "closure": curve,
             "kept_at_8": {kind: round(curve[kind][8] / curve[kind][1], 3) for kind in curve if 8 in ks},
             "routed_has_own": {k: round(sum(r[f"routed_{k}_has_own"] for r in rows) / len(rows), 3) for k in ks},
+            "rows": rows}
+
+
+def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int, count: int,
+                 settings: dict | None = None) -> dict:
+    """The composition curve of self-studied cartridges: the first `count` documents that fit the context beside a
+    question are self-studied (`store.self_study`, defaults unless `settings`), each into a store of its own kind;
+    each question's own cartridge, compacted or self-studied, among the same k - 1 random compacted others."""
+    names = [name for name, _ in docs]
+    base = CartridgeStore(store_dir / "store", lm)
+    missing = [n for n in names if n not in base]
+    if missing:
+        raise SystemExit(f"the store lacks {missing[:3]}...; run `python -m benchmarks.sync incremental` first")
+    limit = lm.max_context or 10**9
+    chosen = [(n, c) for n, c in docs if len(lm.encode(c.text)) + ROOM <= limit][:count]
+    studied = CartridgeStore(store_dir / "store-self-study", lm)
+    config = SyncConfig(tokens=tokens)
+    texts = {n: c.text for n, c in chosen}
+    studied.sync(texts, config, progress=False)  # the same compacted start, then trained
+    start = time.perf_counter()
+    trained = studied.self_study(texts, config, settings or {}, progress=True)
+    seconds = time.perf_counter() - start
+    ks = [k for k in KS if k <= len(names)]
+    rows = []
+    for name, corpus in chosen:
+        doc_ids = lm.encode(corpus.text)
+        for i, q in enumerate(corpus.questions[:per_doc]):
+            rng = random.Random(f"{seed}-{name}-{i}")
+            row = {"doc": name, "none": nll(answer_logprobs(lm, q.question, q.answer), lm, q.answer),
+                   "icl": nll(answer_logprobs(lm, q.question, q.answer, document=doc_ids), lm, q.answer)}
+            others = [n for n in names if n != name]
+            for k in ks:
+                picked = rng.sample(others, k - 1)
+                at = rng.randrange(k)
+                for kind, own in (("compact", base.get(name)), ("self_study", studied.get(name))):
+                    parts = [base.get(n) for n in picked]
+                    parts.insert(at, own)
+                    cart = parts[0] if k == 1 else Cartridge.compose(parts, reposition=True, model=lm)
+                    row[f"{kind}_{k}"] = nll(answer_logprobs(lm, q.question, q.answer, cartridges=[cart]), lm, q.answer)
+            rows.append(row)
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+
+    def closure(key: str) -> float:
+        gap = sum(r["none"] - r["icl"] for r in rows)
+        return round(sum(r["none"] - r[key] for r in rows) / gap, 3)
+
+    curve = {kind: {k: closure(f"{kind}_{k}") for k in ks} for kind in ("compact", "self_study")}
+    return {"documents": [n for n, _ in chosen], "self_studied": list(trained), "training_seconds": round(seconds, 1),
+            "questions": len(rows), "closure": curve,
+            "kept_at_8": {kind: round(curve[kind][8] / curve[kind][1], 3) for kind in curve if 8 in ks},
             "rows": rows}
 
 
@@ -268,13 +323,14 @@ def whole_corpus(lm, docs, store_dir: Path, per_doc: int, budget: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["incremental", "composition", "pairs", "corpus"])
+    parser.add_argument("mode", choices=["incremental", "composition", "self-studied", "pairs", "corpus"])
     parser.add_argument("--data", type=Path, action="append", help="L-Eval JSONL files (default QASPER + QuALITY dev)")
     parser.add_argument("--store", type=Path, required=True, help="a scratch folder (incremental replaces it)")
     parser.add_argument("--tokens", type=int, default=256, help="cartridge tokens per document")
     parser.add_argument("--questions-per-doc", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pairs", type=int, default=3, help="pairs: how many pairs of papers")
+    parser.add_argument("--documents", type=int, default=2, help="self-studied: how many documents to self-study")
     parser.add_argument("--budget", type=int, default=1024, help="corpus: cartridge or prompt tokens per question")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="default",
                         help="composition: how the cartridges are compacted (off-topic: with off-topic probe questions)")
@@ -287,6 +343,8 @@ def main() -> None:
         result = incremental(lm, docs, args.store, args.tokens)
     elif args.mode == "corpus":
         result = whole_corpus(lm, docs, args.store, args.questions_per_doc, args.budget)
+    elif args.mode == "self-studied":
+        result = self_studied(lm, docs, args.store, args.questions_per_doc, args.seed, args.tokens, args.documents)
     elif args.mode == "pairs":
         result = pairs(lm, args.store, args.pairs, args.questions_per_doc, args.tokens)
     else:
