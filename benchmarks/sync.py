@@ -62,8 +62,7 @@ OFF_TOPIC = (
     "How many legs does a spider have?",
     "What is 17 multiplied by 23?",
 )
-VARIANTS = {"default": CompactionConfig(), "off-topic": CompactionConfig(probe_questions=OFF_TOPIC),
-            "distractor": CompactionConfig(distractor_questions=OFF_TOPIC)}
+VARIANTS = {"default": CompactionConfig(), "off-topic": CompactionConfig(probe_questions=OFF_TOPIC)}
 
 
 def corpora(files: list[Path]):

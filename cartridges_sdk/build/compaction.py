@@ -62,8 +62,6 @@ class CompactionConfig:
     corpus_queries: int = attrs.field(default=2048, validator=count)  # corpus positions used as references
     probe_questions: tuple[str, ...] = attrs.field(default=())  # e.g. PROBE_QUESTIONS
     answer_tokens: int = attrs.field(default=32, validator=count)  # greedy answer tokens per probe question
-    # questions about something else: no mass restored for them, so a cartridge among others claims less (fit_layer)
-    distractor_questions: tuple[str, ...] = attrs.field(default=())
     ridge: float = attrs.field(default=1e-2, validator=positive)  # relative to the mean diagonal of the system
     # corpus queries are moved to positions T + [0, spread): where a user's question and answer sit after the corpus
     spread: int = attrs.field(default=64, validator=count)
@@ -74,12 +72,11 @@ class CompactionConfig:
     max_chunk_tokens: int | None = attrs.field(default=None)  # None: the model's context minus room for a probe
 
     @probe_questions.validator
-    @distractor_questions.validator
-    def _check_probes(self, attr, value) -> None:
+    def _check_probes(self, _attr, value) -> None:
         if isinstance(value, str) or not isinstance(value, (tuple, list)):
-            raise ConfigError(f"{attr.name}={value!r} must be a list of questions, e.g. [{value!r}].")
+            raise ConfigError(f"probe_questions={value!r} must be a list of questions, e.g. [{value!r}].")
         if any(not isinstance(q, str) or not q.strip() for q in value):
-            raise ConfigError(f"{attr.name}={value!r} must be non-empty strings.")
+            raise ConfigError(f"probe_questions={value!r} must be non-empty strings.")
 
     @max_chunk_tokens.validator
     def _check_chunk(self, _attr, value: int | None) -> None:
@@ -89,8 +86,6 @@ class CompactionConfig:
     def __attrs_post_init__(self) -> None:
         if self.corpus_queries == 0 and not self.probe_questions:
             raise ConfigError("corpus_queries=0 with no probe_questions leaves no reference queries to fit to.")
-        if self.distractor_questions and not self.mass:
-            raise ConfigError("distractor_questions shape the restored mass; with mass=False they would do nothing.")
 
 
 def compact_corpus(lm: LM, corpus: Any, num_tokens: int, *, num_frozen: int = 1,
@@ -131,9 +126,9 @@ def compact(lm: LM, ids: Sequence[int], num_tokens: int, *, num_frozen: int = 1,
 
 def _chunk_limit(lm: LM, config: CompactionConfig, total: int) -> int:
     """The longest chunk whose forward pass, and each probe question and answer after it, fits the model."""
-    asked = config.probe_questions + tuple(config.distractor_questions)
-    room = max((len(lm.prompt_ids([{"role": "user", "content": q}], after_cartridge=True)) for q in asked), default=0)
-    room += config.answer_tokens if asked else 0
+    room = max((len(lm.prompt_ids([{"role": "user", "content": q}], after_cartridge=True))
+                for q in config.probe_questions), default=0)
+    room += config.answer_tokens if config.probe_questions else 0
     limit = min(lm.max_context or total + room, MAX_CHUNK) - room
     if config.max_chunk_tokens is not None:
         limit = min(limit, config.max_chunk_tokens)
@@ -266,15 +261,11 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
         corpus_q = {i: shift_keys(qs[0], n + offsets - positions, inv_freq) for i, qs in rec.queries.items()}
         rec.queries.clear()
         rec.select = None
-        asked = {}
-        for kind in ("probe_questions", "distractor_questions"):
-            for question in getattr(config, kind):
-                _probe(lm, cache, n, lm.prompt_ids([{"role": "user", "content": question}], after_cartridge=True),
-                       config.answer_tokens)
-                cache.crop(n - cache.get_seq_length())
-            asked[kind] = {i: torch.cat(qs, dim=1) for i, qs in rec.queries.items()}
-            rec.queries.clear()
-        probe_q, off_q = asked["probe_questions"], asked["distractor_questions"]
+        for question in config.probe_questions:
+            _probe(lm, cache, n, lm.prompt_ids([{"role": "user", "content": question}], after_cartridge=True),
+                   config.answer_tokens)
+            cache.crop(n - cache.get_seq_length())
+        probe_q = {i: torch.cat(qs, dim=1) for i, qs in rec.queries.items()}
     layers = range(len(kv))
     if sorted(corpus_q) != list(layers) and sorted(probe_q) != list(layers):
         raise UnsupportedModelError(
@@ -282,7 +273,7 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
             "attention layer that calls transformers' attention interface in every layer."
         )
     queries = [torch.cat([q[i] for q in (corpus_q, probe_q) if i in q], dim=1) for i in layers]
-    return kv, queries, [off_q.get(i) for i in layers], rec.scaling
+    return kv, queries, rec.scaling
 
 
 def _probe(lm: LM, cache, start: int, prompt: list[int], answer_tokens: int) -> None:
@@ -305,19 +296,18 @@ def _compact_chunk(lm: LM, ids: list[int], budget: int, config: CompactionConfig
     n = len(ids)
     if budget >= n:  # nothing to drop: the prefix cache itself, exactly
         return [(k.clone(), v.clone()) for k, v in lm.kv(ids)]
-    kv, queries, off, scaling = _read(lm, ids, config)
+    kv, queries, scaling = _read(lm, ids, config)
     inv_freq = rope_inv_freq(lm)
     out = []
     for i, (k, v) in enumerate(kv):
         keys, values = fit_layer(k.float(), v.float(), queries[i].to(k.device), scaling[i], budget, config.ridge,
-                                 mass=config.mass, select=config.select, off_topic=off[i])
+                                 mass=config.mass, select=config.select)
         out.append((shift_keys(keys, -(n - budget), inv_freq).to(k.dtype), values.to(v.dtype)))
     return out
 
 
 def fit_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, scaling: float, budget: int,
-              ridge: float, *, mass: bool = True, select: str = "max",
-              off_topic: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              ridge: float, *, mass: bool = True, select: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
     """Compact one layer: keys and values ``[kv_heads, T, d]``, queries ``[heads, m, d]`` (grouped by KV head as
     the model groups them). Returns ``budget`` keys (at their original positions) and refitted values per KV head.
 
@@ -326,15 +316,12 @@ def fit_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, s
     leaves the attention *within* the cartridge as it was, so the values' fit holds; what changes is how much the
     cartridge as a whole weighs against the tokens that follow it, which without the dropped keys would be too
     little. It is the per-key attention bias of attention matching, restricted to what a plain KV cache can hold.
-    Queries `off_topic` (``[heads, m', d]``, questions about something else) ask ``q . delta = 0`` instead, with
-    as much weight in all as the others: no mass restored where a question is not about the document.
     """
     kv_heads, n, d = keys.shape
     group = queries.shape[0] // kv_heads
     if kv_heads > 1:  # one KV head at a time: the logits of all heads at once can take gigabytes
-        parts = [fit_layer(keys[g : g + 1], values[g : g + 1], queries[h], scaling, budget, ridge, mass=mass,
-                           select=select, off_topic=None if off_topic is None else off_topic[h])
-                 for g, h in enumerate(slice(g * group, (g + 1) * group) for g in range(kv_heads))]
+        parts = [fit_layer(keys[g : g + 1], values[g : g + 1], queries[g * group : (g + 1) * group], scaling, budget,
+                           ridge, mass=mass, select=select) for g in range(kv_heads)]
         return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
     q = queries.reshape(group * queries.shape[1], d)  # query head h uses KV head h // group
     k, v = keys[0], values[0]
@@ -357,9 +344,6 @@ def fit_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, s
     if mass:
         deficit = (lse - kept_logits.logsumexp(-1)).double()  # [m], >= 0
         qd = q.double() * scaling
-        if off_topic is not None:  # rows weighted so that the two kinds count alike
-            od = off_topic.to(q.device).reshape(-1, d).double() * scaling * math.sqrt(len(qd) * d / off_topic.numel())
-            qd, deficit = torch.cat([qd, od]), torch.cat([deficit, deficit.new_zeros(len(od))])
         gram_q = qd.T @ qd
         lam_q = 1e-3 * gram_q.diagonal().mean()
         delta = torch.linalg.solve(gram_q + lam_q * torch.eye(d, dtype=qd.dtype, device=qd.device), qd.T @ deficit)
@@ -382,7 +366,7 @@ def attention_error(lm: LM, ids: Sequence[int], cartridge: Cartridge, config: Co
     config = config or CompactionConfig()
     ids = [int(t) for t in ids]
     n = len(ids)
-    kv, queries, _, scaling = _read(lm, ids, config)
+    kv, queries, scaling = _read(lm, ids, config)
     inv_freq = rope_inv_freq(lm)
     errors = []
     for i, (k, v) in enumerate(kv):
