@@ -130,33 +130,50 @@ def composition(lm, docs, store_dir: Path, per_doc: int, seed: int, variant: str
         doc_ids = lm.encode(corpus.text)
         if len(doc_ids) + ROOM > limit:
             continue  # no in-context reference to close the gap to
-        for i, q in enumerate(corpus.questions[:per_doc]):
-            rng = random.Random(f"{seed}-{name}-{i}")
-            row = {"doc": name, "none": nll(answer_logprobs(lm, q.question, q.answer), lm, q.answer),
-                   "icl": nll(answer_logprobs(lm, q.question, q.answer, document=doc_ids), lm, q.answer)}
-            others = [n for n in names if n != name]
+        for q, row, others, rng in _asked(lm, name, corpus, doc_ids, per_doc, seed, names):
             for k in ks:
                 chosen = rng.sample(others, k - 1)
                 chosen.insert(rng.randrange(k), name)
                 routed = [r.name for r in store.route(q.question, k=k)]
                 for kind, picked in (("random", chosen), ("routed", routed)):
-                    parts = [store.get(n) for n in picked]
-                    cart = parts[0] if len(parts) == 1 else Cartridge.compose(parts, reposition=True, model=lm)
-                    row[f"{kind}_{k}"] = nll(answer_logprobs(lm, q.question, q.answer, cartridges=[cart]), lm, q.answer)
+                    row[f"{kind}_{k}"] = _composed_nll(lm, q, [store.get(n) for n in picked])
                 row[f"routed_{k}_has_own"] = name in routed
-            rows.append(row)
-            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-
-    def closure(key: str) -> float:
-        gap = sum(r["none"] - r["icl"] for r in rows)
-        return round(sum(r["none"] - r[key] for r in rows) / gap, 3)
-
-    curve = {kind: {k: closure(f"{kind}_{k}") for k in ks} for kind in ("random", "routed")}
+            rows.append(_shown(row))
     return {"variant": variant, "build_seconds": built, "questions": len(rows),
-            "documents": len({r["doc"] for r in rows}), "closure": curve,
-            "kept_at_8": {kind: round(curve[kind][8] / curve[kind][1], 3) for kind in curve if 8 in ks},
+            "documents": len({r["doc"] for r in rows}), **_curves(rows, ("random", "routed"), ks),
             "routed_has_own": {k: round(sum(r[f"routed_{k}_has_own"] for r in rows) / len(rows), 3) for k in ks},
             "rows": rows}
+
+
+def _asked(lm, name: str, corpus, doc_ids: list[int], per_doc: int, seed: int, names: list[str]):
+    """The document's first `per_doc` questions, each with its row (the answer's NLL alone and with the document in
+    context), the other documents, and the seeded draw its compositions take (the same for every variant)."""
+    for i, q in enumerate(corpus.questions[:per_doc]):
+        row = {"doc": name, "none": nll(answer_logprobs(lm, q.question, q.answer), lm, q.answer),
+               "icl": nll(answer_logprobs(lm, q.question, q.answer, document=doc_ids), lm, q.answer)}
+        yield q, row, [n for n in names if n != name], random.Random(f"{seed}-{name}-{i}")
+
+
+def _composed_nll(lm, q, parts: list) -> float:
+    """The gold answer's NLL behind `parts` composed in order (repositioned)."""
+    cart = parts[0] if len(parts) == 1 else Cartridge.compose(parts, reposition=True, model=lm)
+    return nll(answer_logprobs(lm, q.question, q.answer, cartridges=[cart]), lm, q.answer)
+
+
+def _shown(row: dict) -> dict:
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    return row
+
+
+def _closure(rows: list[dict], key: str) -> float:
+    """Gap closure of `key`'s NLL, pooled over the questions."""
+    return round(sum(r["none"] - r[key] for r in rows) / sum(r["none"] - r["icl"] for r in rows), 3)
+
+
+def _curves(rows: list[dict], kinds: tuple[str, ...], ks: list[int]) -> dict:
+    """Closure for each kind and k, and the share of its k = 1 closure kept at k = 8."""
+    curve = {kind: {k: _closure(rows, f"{kind}_{k}") for k in ks} for kind in kinds}
+    return {"closure": curve, "kept_at_8": {kind: round(curve[kind][8] / curve[kind][1], 3) for kind in curve if 8 in ks}}
 
 
 def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int, count: int,
@@ -182,31 +199,17 @@ def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int
     rows = []
     for name, corpus in chosen:
         doc_ids = lm.encode(corpus.text)
-        for i, q in enumerate(corpus.questions[:per_doc]):
-            rng = random.Random(f"{seed}-{name}-{i}")
-            row = {"doc": name, "none": nll(answer_logprobs(lm, q.question, q.answer), lm, q.answer),
-                   "icl": nll(answer_logprobs(lm, q.question, q.answer, document=doc_ids), lm, q.answer)}
-            others = [n for n in names if n != name]
+        for q, row, others, rng in _asked(lm, name, corpus, doc_ids, per_doc, seed, names):
             for k in ks:
                 picked = rng.sample(others, k - 1)
                 at = rng.randrange(k)
                 for kind, own in (("compact", base.get(name)), ("self_study", studied.get(name))):
                     parts = [base.get(n) for n in picked]
                     parts.insert(at, own)
-                    cart = parts[0] if k == 1 else Cartridge.compose(parts, reposition=True, model=lm)
-                    row[f"{kind}_{k}"] = nll(answer_logprobs(lm, q.question, q.answer, cartridges=[cart]), lm, q.answer)
-            rows.append(row)
-            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-
-    def closure(key: str) -> float:
-        gap = sum(r["none"] - r["icl"] for r in rows)
-        return round(sum(r["none"] - r[key] for r in rows) / gap, 3)
-
-    curve = {kind: {k: closure(f"{kind}_{k}") for k in ks} for kind in ("compact", "self_study")}
+                    row[f"{kind}_{k}"] = _composed_nll(lm, q, parts)
+            rows.append(_shown(row))
     return {"documents": [n for n, _ in chosen], "self_studied": list(trained), "training_seconds": round(seconds, 1),
-            "questions": len(rows), "closure": curve,
-            "kept_at_8": {kind: round(curve[kind][8] / curve[kind][1], 3) for kind in curve if 8 in ks},
-            "rows": rows}
+            "questions": len(rows), **_curves(rows, ("compact", "self_study"), ks), "rows": rows}
 
 
 def pairs(lm, store_dir: Path, count: int, per_doc: int, tokens: int) -> dict:
@@ -249,14 +252,10 @@ def pairs(lm, store_dir: Path, count: int, per_doc: int, tokens: int) -> dict:
                 row = {"pair": [a, b], "none": at(), "icl": at(document=pair_ids), "whole": at(cartridges=[whole]),
                        "composed": at(cartridges=[composed]), "routed": at(cartridges=[full[routed]]),
                        "own": at(cartridges=[full[own]]), "routed_right": routed == own}
-                rows.append(row)
-                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-
-    def closure(key: str) -> float:
-        return round(sum(r["none"] - r[key] for r in rows) / sum(r["none"] - r["icl"] for r in rows), 3)
+                rows.append(_shown(row))
 
     return {"pairs": chosen, "tokens": tokens, "questions": len(rows),
-            "closure": {k: closure(k) for k in ("whole", "composed", "routed", "own")},
+            "closure": {k: _closure(rows, k) for k in ("whole", "composed", "routed", "own")},
             "routed_right": round(sum(r["routed_right"] for r in rows) / len(rows), 3), "rows": rows}
 
 
@@ -306,13 +305,9 @@ def whole_corpus(lm, docs, store_dir: Path, per_doc: int, budget: int) -> dict:
                    "whole_cartridge": at(cartridges=[whole]), "rag": at(document=rag),
                    "truncated_first": at(document=ids[:fits]), "truncated_last": at(document=ids[-fits:]),
                    "routed_names": routed, "routed_has_own": name in routed}
-            rows.append(row)
-            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            rows.append(_shown(row))
 
-    def closure(key: str) -> float:
-        return round(sum(r["none"] - r[key] for r in rows) / sum(r["none"] - r["icl"] for r in rows), 3)
-
-    figures = {k: closure(k) for k in ("routed", "whole_cartridge", "rag", "truncated_first", "truncated_last")}
+    figures = {k: _closure(rows, k) for k in ("routed", "whole_cartridge", "rag", "truncated_first", "truncated_last")}
     figures["truncated_best"] = max(figures.pop("truncated_first"), figures.pop("truncated_last"))
     return {"corpus_tokens": len(ids), "budget": budget, "truncation_tokens": fits, "questions": len(rows),
             "whole_cartridge_seconds": seconds, "closure": figures,
