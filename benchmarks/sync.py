@@ -12,7 +12,8 @@ picks (the right one may be missing). Gap closure of gold-answer NLL against the
 questions whose document fits the context beside them.
 
 ``self-studied``: the same curve for a few documents' self-studied cartridges (against their compacted ones), each
-among the same k - 1 random compacted others.
+among the same k - 1 random compacted others; with ``--distractors N``, also for the same documents self-studied
+among up to N of the store's other cartridges (composition-aware training, build/distractors.py).
 
 ``pairs``: two QASPER papers in one budget: one cartridge of their concatenation, against the two papers'
 half-size cartridges composed, and against each question routed to its paper's cartridge; closure against the pair
@@ -26,6 +27,7 @@ the context; closure against the question's own document in context.
     python -m benchmarks.sync composition --store /tmp/sync-bench
     python -m benchmarks.sync composition --store /tmp/sync-bench --variant off-topic
     python -m benchmarks.sync self-studied --store /tmp/sync-bench --documents 2 --questions-per-doc 3
+    python -m benchmarks.sync self-studied --store /tmp/sync-bench --documents 2 --questions-per-doc 4 --distractors 7
     python -m benchmarks.sync pairs --store /tmp/sync-bench --questions-per-doc 4
     python -m benchmarks.sync corpus --store /tmp/sync-bench --questions-per-doc 1 --budget 1024
 """
@@ -177,10 +179,12 @@ def _curves(rows: list[dict], kinds: tuple[str, ...], ks: list[int]) -> dict:
 
 
 def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int, count: int,
-                 settings: dict | None = None) -> dict:
+                 settings: dict | None = None, distractors: int = 0) -> dict:
     """The composition curve of self-studied cartridges: the first `count` documents that fit the context beside a
     question are self-studied (`store.self_study`, defaults unless `settings`), each into a store of its own kind;
-    each question's own cartridge, compacted or self-studied, among the same k - 1 random compacted others."""
+    each question's own cartridge, compacted or self-studied, among the same k - 1 random compacted others. With
+    `distractors` N, also self-studied among up to N of the store's others (a copy of the base store), the kind
+    ``among``; each row then counts the others at each k that were not in its training pool (``among_K_unseen``)."""
     names = [name for name, _ in docs]
     base = CartridgeStore(store_dir / "store", lm)
     missing = [n for n in names if n not in base]
@@ -192,9 +196,20 @@ def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int
     config = SyncConfig(tokens=tokens)
     texts = {n: c.text for n, c in chosen}
     studied.sync(texts, config, progress=False)  # the same compacted start, then trained
+    seconds = {}
     start = time.perf_counter()
     trained = studied.self_study(texts, config, settings or {}, progress=True)
-    seconds = time.perf_counter() - start
+    seconds["self_study"] = round(time.perf_counter() - start, 1)
+    stores = {"compact": base, "self_study": studied}
+    pools: dict[str, list[str]] = {}
+    if distractors:
+        among = _among_store(lm, store_dir, distractors, {n: c.text for n, c in docs}, config)
+        start = time.perf_counter()
+        trained += among.self_study(texts, config, settings or {}, distractors=distractors, progress=True)
+        seconds["among"] = round(time.perf_counter() - start, 1)
+        stores["among"] = among
+        fingerprints = {base.get(n).fingerprint: n for n in names}
+        pools = {n: [fingerprints[f] for f in among.get(n).meta.training["distractors"]["content"]] for n in texts}
     ks = [k for k in KS if k <= len(names)]
     rows = []
     for name, corpus in chosen:
@@ -203,13 +218,28 @@ def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int
             for k in ks:
                 picked = rng.sample(others, k - 1)
                 at = rng.randrange(k)
-                for kind, own in (("compact", base.get(name)), ("self_study", studied.get(name))):
+                for kind, store in stores.items():
                     parts = [base.get(n) for n in picked]
-                    parts.insert(at, own)
+                    parts.insert(at, store.get(name))
                     row[f"{kind}_{k}"] = _composed_nll(lm, q, parts)
+                if pools:
+                    row[f"among_{k}_unseen"] = sum(n not in pools[name] for n in picked)
             rows.append(_shown(row))
-    return {"documents": [n for n, _ in chosen], "self_studied": list(trained), "training_seconds": round(seconds, 1),
-            "questions": len(rows), **_curves(rows, ("compact", "self_study"), ks), "rows": rows}
+    return {"documents": [n for n, _ in chosen], "self_studied": list(trained), "training_seconds": seconds,
+            "distractors": distractors, "pools": pools, "questions": len(rows),
+            **_curves(rows, tuple(stores), ks), "rows": rows}
+
+
+def _among_store(lm, store_dir: Path, distractors: int, texts: dict[str, str], config: SyncConfig) -> CartridgeStore:
+    """A copy of the base store (every document's compacted cartridge), where self-study trains among the others;
+    synced with the documents as given (`incremental` left one edited in the base store)."""
+    folder = store_dir / f"store-among-{distractors}"
+    if not folder.is_dir():
+        shutil.copytree(store_dir / "store", folder.with_name(folder.name + ".partial"), dirs_exist_ok=True)
+        folder.with_name(folder.name + ".partial").rename(folder)
+    store = CartridgeStore(folder, lm)
+    store.sync(texts, config, progress=False)
+    return store
 
 
 def pairs(lm, store_dir: Path, count: int, per_doc: int, tokens: int) -> dict:
@@ -325,6 +355,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pairs", type=int, default=3, help="pairs: how many pairs of papers")
     parser.add_argument("--documents", type=int, default=2, help="self-studied: how many documents to self-study")
+    parser.add_argument("--distractors", type=int, default=0,
+                        help="self-studied: also train among up to N of the store's other cartridges (0: not)")
     parser.add_argument("--budget", type=int, default=1024, help="corpus: cartridge or prompt tokens per question")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="default",
                         help="composition: how the cartridges are compacted (off-topic: with off-topic probe questions)")
@@ -338,7 +370,8 @@ def main() -> None:
     elif args.mode == "corpus":
         result = whole_corpus(lm, docs, args.store, args.questions_per_doc, args.budget)
     elif args.mode == "self-studied":
-        result = self_studied(lm, docs, args.store, args.questions_per_doc, args.seed, args.tokens, args.documents)
+        result = self_studied(lm, docs, args.store, args.questions_per_doc, args.seed, args.tokens, args.documents,
+                              distractors=args.distractors)
     elif args.mode == "pairs":
         result = pairs(lm, args.store, args.pairs, args.questions_per_doc, args.tokens)
     else:
@@ -346,6 +379,7 @@ def main() -> None:
     result.update({"mode": args.mode, "model": lm.name, "seconds": round(time.perf_counter() - start, 1),
                    "commit": provenance.commit(), "dirty": provenance.dirty(), "machine": provenance.machine()})
     suffix = f"-{args.variant}" if args.mode == "composition" else ""
+    suffix = f"-among-{args.distractors}" if args.mode == "self-studied" and args.distractors else suffix
     provenance.save(result, args.out or Path("benchmarks/results") / f"sync-{args.mode}{suffix}.json")
 
 

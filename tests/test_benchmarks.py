@@ -214,10 +214,12 @@ def test_sync_benchmark_on_a_tiny_model(tmp_path, tiny_llama):
     assert comp["questions"] == 5 and set(comp["closure"]["random"]) == {1, 2, 4}
     study = dict(num_conversations=2, conversations_per_chunk=2, min_chunk=20, max_chunk=40, max_tokens_a=6,
                  max_tokens_b=6, document_windows=2, window_tokens=16, top_k=4)
-    studied = bench.self_studied(tiny_llama, docs, tmp_path, 1, 0, 32, 1, study)
-    assert studied["self_studied"] == ["d0.txt"] and studied["questions"] == 1
+    studied = bench.self_studied(tiny_llama, docs, tmp_path, 1, 0, 32, 1, study, distractors=2)
+    assert studied["self_studied"] == ["d0.txt", "d0.txt"] and studied["questions"] == 1
     row = studied["rows"][0]
     assert row["compact_1"] != row["self_study_1"] and set(studied["closure"]["self_study"]) == {1, 2, 4}
+    assert row["among_1"] != row["self_study_1"] and set(studied["closure"]["among"]) == {1, 2, 4}
+    assert len(studied["pools"]["d0.txt"]) == 4 and row["among_4_unseen"] == 0  # all 4 others are in its pool
     whole = bench.whole_corpus(tiny_llama, docs, tmp_path, 1, 64)
     assert whole["questions"] == 5 and whole["routed_has_own"] == 1.0 and set(whole["closure"]) == {
         "routed", "whole_cartridge", "rag", "truncated_best"}

@@ -18,6 +18,7 @@ from .dataset import describe_changes
 if TYPE_CHECKING:
     from ..cartridge import Cartridge
     from .dataset import Conversation
+    from .distractors import Distractors
     from .training import TrainConfig
 
 CHECKPOINT = "checkpoint.pt"
@@ -26,12 +27,18 @@ RUN_LOG = "train_log.jsonl"
 NOT_SHAPING = ("checkpoint_every", "checkpoint_seconds", "eval_every")
 
 
-def run_settings(cfg: TrainConfig, init: Cartridge, conversations: Sequence[Conversation]) -> dict[str, Any]:
+def run_settings(cfg: TrainConfig, init: Cartridge, conversations: Sequence[Conversation],
+                 distractors: Distractors | None = None) -> dict[str, Any]:
     """Everything that shapes the result: a checkpoint made otherwise is refused, naming what differs. The ranks do
     not shape it, so a run resumes on any number of them. grad_accum keeps the name checkpoints gave the
-    micro-batches per step when N ranks took N x grad_accum: those resume with grad_accum set to what they say."""
-    shaping = {k: v for k, v in attrs.asdict(cfg).items() if k not in NOT_SHAPING and k != "grad_accum"}
+    micro-batches per step when N ranks took N x grad_accum: those resume with grad_accum set to what they say.
+    `max_distractors` shapes a run among distractors alone, and is recorded with them (so checkpoints made before
+    distractors existed still resume)."""
+    shaping = {k: v for k, v in attrs.asdict(cfg).items()
+               if k not in NOT_SHAPING and k not in ("grad_accum", "max_distractors")}
+    among = {"distractors": distractors.run_settings()} if distractors is not None else {}
     return {
+        **among,
         "config": {**shaping, "micro_batches_per_step": cfg.grad_accum},
         "start": {"init": init.meta.init, "num_tokens": init.num_tokens, "num_frozen": init.num_frozen,
                   "content": init.fingerprint},

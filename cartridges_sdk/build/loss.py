@@ -76,12 +76,13 @@ def sharded_student(lm: LM) -> Student:
 
 def student_loss(
     lm: LM, cartridge: TrainableCartridge, batch: Sequence[Conversation], objective: str = "distill",
-    conversation_weight: float = 1.0, student: Student | None = None,
+    conversation_weight: float = 1.0, student: Student | None = None, kv: list | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Weighted sum of the loss over the batch's target tokens, and the sum of weights (divide for the mean).
 
     With the default weights each target token counts once, so the second value is the number of target tokens.
-    `student` is the model as `sharded_student` made it, when it is sharded."""
+    `student` is the model as `sharded_student` made it, when it is sharded; `kv` the prefix's per-layer keys and
+    values when it is more than the cartridge (the cartridge among distractors, `Distractors.around`)."""
     from transformers import DynamicCache
 
     device = lm.device
@@ -93,7 +94,7 @@ def student_loss(
         ids[r, : c.num_tokens] = torch.from_numpy(c.input_ids.astype(np.int64))
         mask[r, : c.num_tokens] = 1
     ids, mask = ids.to(device), mask.to(device)
-    layers = cartridge.layers()
+    layers = kv if kv is not None else cartridge.layers()
     p = layers[0][0].shape[1]
     dtype = lm.dtype
     data = [(k.to(dtype)[None].expand(rows, -1, -1, -1), v.to(dtype)[None].expand(rows, -1, -1, -1)) for k, v in layers]

@@ -23,6 +23,7 @@ from ..plugins import Synthesizer, Trainer, synthesizers, trainers
 from .checkpoint import CHECKPOINT, RUN_LOG
 from .corpus import Corpus
 from .dataset import CORPUS_TEXT, SelfStudyDataset
+from .distractors import check_among, check_distractors
 from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_torchrun
 from .loss import check_shardable
 from .synthesis import DEFAULT_CONVERSATIONS, SynthesisConfig, check_capabilities, check_context, synthesize
@@ -204,13 +205,15 @@ def train_cartridge(
     work_dtype: str | torch.dtype | None = None,
     restart: bool = False,
     progress: bool = True,
+    distractors: Sequence[Cartridge] = (),
     **settings: Any,
 ) -> Cartridge:
     """Train a `num_tokens` cartridge on a self-study dataset; the result is bound to `lm`.
 
     `trainer` is a registered trainer name (``"torch"``, built with `trainer_options`) or a `Trainer` object;
     `settings` are `TrainConfig` fields. A checkpoint in `output_dir` made with other settings is refused, naming
-    them, unless ``restart=True``, which deletes it first.
+    them, unless ``restart=True``, which deletes it first. `distractors` (cartridges of other documents) are
+    composed around the trainable one during training, up to ``max_distractors`` a step (build/distractors.py).
     """
     _, train_settings = split_settings(settings)
     if any(k not in TRAINING_SETTINGS for k in settings):
@@ -218,9 +221,11 @@ def train_cartridge(
                           f"{sorted(TRAINING_SETTINGS)}.")
     _, config = check_settings(train_settings, num_tokens=num_tokens, epochs=epochs, init=init, seed=seed,
                                num_frozen=num_frozen)
+    distractors = check_distractors(distractors, lm)
     longest = max((c.num_tokens for c in dataset), default=0)
     lm.check_context(num_tokens + longest, f"Training a {num_tokens}-token cartridge on sequences of up to {longest} "
                      "tokens", "use a smaller num_tokens")
+    check_among(lm, distractors, config, num_tokens + longest)
     header_model = dataset.header.get("model", {})
     if header_model.get("fingerprint") and header_model["fingerprint"] != lm.identity.fingerprint:
         raise ConfigError(
@@ -238,6 +243,12 @@ def train_cartridge(
         check_dataset_corpus(dataset, prefix_ids=prefix_ids)
     work = work_model(lm, work_dtype)
     fitter, owned = trainers.resolve(trainer, work, trainer_options)
+    if distractors and not fitter.capabilities.distractors:
+        if owned:
+            fitter.close()
+        raise ConfigError(f"Trainer {type(fitter).__name__} cannot train among distractors; use trainer='torch' or "
+                          "train without distractors.")
+    among = {"distractors": distractors} if distractors else {}
     if restart and output_dir is not None and is_lead():  # under torchrun, rank 0 alone touches the folder
         clear_training(Path(output_dir))
     try:
@@ -256,7 +267,8 @@ def train_cartridge(
                     start = Cartridge.random(lm, num_tokens, seed=seed, num_frozen=num_frozen)
             else:
                 start = make_start()
-            trained = fitter.fit(start.bind(work), dataset, work, config, output_dir=output_dir, progress=progress)
+            trained = fitter.fit(start.bind(work), dataset, work, config, output_dir=output_dir, progress=progress,
+                                 **among)
     finally:
         if owned:
             fitter.close()
@@ -294,6 +306,7 @@ def build_cartridge(
     num_frozen: int = 1,
     work_dtype: str | torch.dtype | None = None,
     progress: bool = True,
+    distractors: Sequence[Cartridge] = (),
     **settings: Any,
 ) -> Cartridge:
     """Synthesize `num_conversations` self-study conversations about `corpus`, then train a `num_tokens` cartridge.
@@ -310,8 +323,8 @@ def build_cartridge(
     Under torchrun, the ranks share both stages (docs/distributed.md): each makes its share of the conversations
     into `output_dir` (required: a folder every rank reaches), then they train data-parallel.
     """
-    synth_cfg, _ = check_settings(settings, num_tokens=num_tokens, num_conversations=num_conversations,
-                                  epochs=epochs, init=init, seed=seed, num_frozen=num_frozen)
+    synth_cfg, train_cfg = check_settings(settings, num_tokens=num_tokens, num_conversations=num_conversations,
+                                          epochs=epochs, init=init, seed=seed, num_frozen=num_frozen)
     if output_dir is not None:
         require("output_dir", output_dir, PATH, "a folder path")
     elif under_torchrun():
@@ -329,7 +342,11 @@ def build_cartridge(
         trainer_opts = trainers.get(trainer).parse_options(trainer_options or {}, f"trainer {trainer!r}")
         if getattr(trainer_opts, "shard_model", False):  # before synthesis, not after it
             check_shardable(ranks_in_env())
+        if distractors and not trainers.get(trainer).capabilities.distractors:
+            raise ConfigError(f"Trainer {trainer!r} cannot train among distractors; use trainer='torch' or train "
+                              "without distractors.")
     lm = model if isinstance(model, LM) else load_model(model)
+    distractors = check_distractors(distractors, lm)
     corpus = Corpus.coerce(corpus)
     work = work_model(lm, work_dtype)
     prefix_ids = lm.encode(corpus.text) if init in ("prefix", "compact") else None
@@ -339,6 +356,7 @@ def build_cartridge(
     if init == "compact":
         check_compact(prefix_ids, num_tokens)
     check_context(lm, synth_cfg, len(corpus.token_ids(lm)), num_tokens)
+    check_among(lm, distractors, train_cfg, num_tokens)
     sampler, owned = synthesizers.resolve(synthesizer, work, synthesizer_options)
     # one process group for both stages (under torchrun)
     with process_group(work.device), tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
@@ -352,5 +370,5 @@ def build_cartridge(
         return train_cartridge(
             dataset, lm, num_tokens=num_tokens, epochs=epochs, init=init, seed=seed, prefix_ids=prefix_ids,
             trainer=trainer, trainer_options=trainer_options, output_dir=root / "train", num_frozen=num_frozen,
-            work_dtype=work_dtype, restart=restart, progress=progress, **train_settings,
+            work_dtype=work_dtype, restart=restart, progress=progress, distractors=distractors, **train_settings,
         )

@@ -28,8 +28,10 @@ from ..errors import ConfigError
 from ..files import folder_lock
 from ..lm import LM, autocast
 from ..plugins import Trainer, TrainerCapabilities
+from ..rope import ROTATE_HALF
 from .checkpoint import CHECKPOINT, RUN_LOG, load_checkpoint, run_settings, save_checkpoint
 from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
+from .distractors import Distractors, check_distractors, draw
 from .distributed import (gather_from_ranks, lead_does, on_cpu, process_group, ranks_in_env, sum_across_ranks,
                           sum_numbers_across_ranks)
 from .loss import Student, check_shardable, sharded_student, student_loss, target_weights
@@ -60,6 +62,9 @@ class TrainConfig:
     checkpoint_seconds: float = attrs.field(default=60.0, validator=positive)
     autocast_dtype: str | None = attrs.field(default=None, validator=one_of(None, "bfloat16", "float16"))
     seed: int = attrs.field(default=0, validator=optional_int)
+    # with distractor cartridges (`fit(distractors=...)`): at most this many of them around the trainable one at each
+    # step (a uniform draw of 0..N; build/distractors.py). 7 trains for compositions of up to 8 cartridges
+    max_distractors: int = attrs.field(default=7, validator=count)
 
 
 def split_eval(conversations: Sequence[Conversation], share: float, seed: int) -> tuple[list, list]:
@@ -156,7 +161,7 @@ class TorchTrainer(Trainer):
     under torchrun, the model replicated or (``shard_model=True``) sharded with FSDP2."""
 
     Options = TorchTrainerOptions
-    capabilities = TrainerCapabilities(distributed=True)
+    capabilities = TrainerCapabilities(distributed=True, distractors=True)
 
     def __init__(self, model: LM | None = None, *, resume: bool = True, shard_model: bool = False):
         super().__init__(model, resume=resume, shard_model=shard_model)
@@ -168,6 +173,7 @@ class TorchTrainer(Trainer):
         self.history: list[dict[str, Any]] = []
         self.rank, self.world = 0, 1
         self.student: Student | None = None
+        self.distractors: Distractors | None = None
 
     def _share(self, batches: Sequence[list[Conversation]]) -> list[tuple[list[Conversation], float]]:
         """This rank's batches of `batches` (every world-th), each with the weight its loss counts with. A sharded
@@ -201,15 +207,25 @@ class TorchTrainer(Trainer):
     def fit(
         self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM,
         config: TrainConfig | None = None, *, output_dir: str | os.PathLike | None = None, progress: bool = True,
+        distractors: Sequence[Cartridge] = (),
     ) -> Cartridge:
+        """Train `init`; with `distractors`, among up to ``config.max_distractors`` of them at each step (the held-out
+        loss is the cartridge's alone)."""
         output_dir = Path(output_dir) if output_dir is not None else None
+        distractors = check_distractors(distractors, model)
+        if distractors and init.pairing != ROTATE_HALF:
+            raise ConfigError(f"Training among distractors places the cartridge's keys with the model's RoPE; the start "
+                              f"cartridge's keys are paired {init.pairing!r}: convert it with "
+                              f"in_key_pairing({ROTATE_HALF!r}) first.")
+        cfg = config or TrainConfig()
+        self.distractors = Distractors(distractors, model, cfg.max_distractors) if distractors else None
         try:
             with process_group(model.device) as (self.rank, self.world):  # under torchrun: this rank's share
                 lead = self.rank == 0  # the one rank that writes checkpoints and logs
                 with folder_lock(output_dir) if output_dir and lead else contextlib.nullcontext():
-                    return self._fit(init, dataset, model, config or TrainConfig(), output_dir, progress and lead)
+                    return self._fit(init, dataset, model, cfg, output_dir, progress and lead)
         finally:  # the group is gone: later calls (evaluate) run as one process again
-            self.rank, self.world, self.student = 0, 1, None
+            self.rank, self.world, self.student, self.distractors = 0, 1, None, None
 
     def _fit(self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM, config: TrainConfig,
              output_dir: Path | None, progress: bool) -> Cartridge:
@@ -227,7 +243,7 @@ class TorchTrainer(Trainer):
         opt = torch.optim.Adam(list(cart.keys) + list(cart.values), lr=cfg.lr)
         if output_dir and self.rank == 0:
             output_dir.mkdir(parents=True, exist_ok=True)
-        run = run_settings(cfg, init, conversations)
+        run = run_settings(cfg, init, conversations, self.distractors)
         step = self._start(cart, opt, run, output_dir / CHECKPOINT if output_dir else None)
         step = self._train(lm, cart, opt, steps, step, held_out, run, output_dir, progress)
         return self._finish(init, cart, step, train, held_out)
@@ -304,7 +320,7 @@ class TorchTrainer(Trainer):
         try:
             while step < total_steps:
                 lr = _lr_at(step, total_steps, cfg)
-                loss, step_tokens, grad_norm = self._step(lm, cart, opt, steps[step], lr)
+                loss, step_tokens, grad_norm = self._step(lm, cart, opt, steps[step], lr, step)
                 tokens_seen += step_tokens
                 step += 1
                 elapsed = time.perf_counter() - start
@@ -331,9 +347,10 @@ class TorchTrainer(Trainer):
         return step
 
     def _step(self, lm: LM, cart: TrainableCartridge, opt: torch.optim.Optimizer, chunk: list[list[Conversation]],
-              lr: float) -> tuple[float, int, float | None]:
-        """One optimizer step on `chunk`'s micro-batches (this rank's share of them); the step's mean loss, the
-        tokens it went through (all ranks) and the gradient norm before clipping (None without clipping)."""
+              lr: float, step: int) -> tuple[float, int, float | None]:
+        """One optimizer step on `chunk`'s micro-batches (this rank's share of them), among the step's distractors
+        when there are some; the step's mean loss, the tokens it went through (all ranks) and the gradient norm
+        before clipping (None without clipping)."""
         cfg = self.config
         params = list(cart.keys) + list(cart.values)
         for group in opt.param_groups:
@@ -342,9 +359,12 @@ class TorchTrainer(Trainer):
         for p in params:  # zeros rather than None: a rank with no share still adds its (zero) gradient
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
         loss_sum, step_tokens = 0.0, 0
+        others = self.distractors
+        placement = draw(len(others.parts), others.most, cfg.seed, step) if others else None
         for batch, weight in self._share(chunk):  # this rank's share of the step
             with self._autocast(lm):
-                loss, _ = student_loss(lm, cart, batch, cfg.objective, cfg.conversation_weight, self.student)
+                kv = others.around(cart.layers(), placement) if others else None
+                loss, _ = student_loss(lm, cart, batch, cfg.objective, cfg.conversation_weight, self.student, kv)
             (loss * (weight / n_targets)).backward()
             loss_sum += weight * float(loss.detach())
             step_tokens += round(weight) * sum(c.num_tokens for c in batch)
@@ -376,6 +396,7 @@ class TorchTrainer(Trainer):
         final = self.history[-1] if self.history else {}
         training = {
             "trainer": "torch",
+            **({"distractors": self.distractors.run_settings()} if self.distractors else {}),
             "config": attrs.asdict(self.config),
             "steps": step,
             "conversations": len(train),

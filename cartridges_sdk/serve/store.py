@@ -201,12 +201,13 @@ class CartridgeStore:
         return sync(self, source, config, timeout=timeout, progress=progress)
 
     def self_study(self, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None,
-                   settings: Mapping[str, Any] | None = None, *, limit: int | None = None,
+                   settings: Mapping[str, Any] | None = None, *, limit: int | None = None, distractors: int = 0,
                    progress: bool = True) -> tuple[str, ...]:
         """Replace the compacted cartridges `sync` made with self-studied ones, one document at a time, each swapped in
-        when its training ends if its document is unchanged; `settings` go to `Cartridge.from_corpus`. Serving goes
-        on meanwhile. Returns the names replaced."""
-        return self_study(self, source, config, settings, limit=limit, progress=progress)
+        when its training ends if its document is unchanged; `settings` go to `Cartridge.from_corpus`. With
+        `distractors` N > 0 each trains among up to N of the store's other cartridges, so it holds up when routing
+        composes several (docs/sync.md). Serving goes on meanwhile. Returns the names replaced."""
+        return self_study(self, source, config, settings, limit=limit, distractors=distractors, progress=progress)
 
     def records(self) -> dict[str, dict[str, Any]]:
         """The document each synced cartridge stands for (``name``, ``origin``, ``sha256``, ...), by name. A copy of a

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import time
 from collections.abc import Mapping
@@ -43,6 +44,7 @@ log = logging.getLogger("cartridges_sdk.store")
 LOCK = ".sync.lock"
 STALE_SECONDS = 60  # a temporary file this old was left by a writer that died
 WORK = ".work"  # self-study's work folders, one per document version
+DISTRACTOR_POOL = 16  # the other cartridges one document's self-study draws its distractors from
 
 
 @attrs.frozen
@@ -164,16 +166,20 @@ def build(lm: Any, doc: Document, config: SyncConfig) -> Cartridge:
 
 
 def self_study(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None,
-               settings: Mapping[str, Any] | None = None, *, limit: int | None = None,
+               settings: Mapping[str, Any] | None = None, *, limit: int | None = None, distractors: int = 0,
                progress: bool = True) -> tuple[str, ...]:
     """Train by self-study the cartridge of each document that sync compacted (at most `limit` of them), replacing
     the compacted one when its training ends, unless the document changed meanwhile. `settings` go to
-    `Cartridge.from_corpus` (``num_conversations``, ``lr``, ...). Returns the names replaced."""
+    `Cartridge.from_corpus` (``num_conversations``, ``lr``, ...). With `distractors` N > 0, each trains among up to N
+    of the store's other cartridges at a time (`among_others`). Returns the names replaced."""
     config = config or SyncConfig()
     settings = dict(settings or {})
-    taken = {"num_tokens", "output_dir", "progress"} & set(settings)
+    taken = {"num_tokens", "output_dir", "progress", "distractors", "max_distractors"} & set(settings)
     if taken:
-        raise ConfigError(f"self-study settings {sorted(taken)} are set by sync (the size is SyncConfig.tokens).")
+        raise ConfigError(f"self-study settings {sorted(taken)} are set by sync (the size is SyncConfig.tokens, the "
+                          "distractors its distractors= argument).")
+    if isinstance(distractors, bool) or not isinstance(distractors, int) or distractors < 0:
+        raise ConfigError(f"distractors={distractors!r} must be a whole number >= 0 (0 trains each cartridge alone).")
     documents, _ = read_documents(source, unit=config.unit, max_bytes=config.max_bytes)
     improved: list[str] = []
     for doc in documents:
@@ -184,9 +190,11 @@ def self_study(store: CartridgeStore, source: str | os.PathLike | Mapping[str, s
         if record is None or record.get("method") != "compact" or not _current(store, doc, record, config):
             continue
         work = store.root / WORK / f"{doc.name}-{doc.sha256[:16]}"
+        among = ({"distractors": among_others(store, doc.name, work), "max_distractors": distractors}
+                 if distractors else {})
         try:
             trained = Cartridge.from_corpus(doc.text, store.model, num_tokens=config.tokens, output_dir=work,
-                                            progress=progress, **settings)
+                                            progress=progress, **among, **settings)
         except ConfigError:
             raise  # a bad setting fails every document alike: say it once
         except Exception as err:  # noqa: BLE001 - one document that fails to train must not stop the others
@@ -205,6 +213,22 @@ def self_study(store: CartridgeStore, source: str | os.PathLike | Mapping[str, s
         shutil.rmtree(work, ignore_errors=True)
         improved.append(doc.name)
     return tuple(improved)
+
+
+def among_others(store: CartridgeStore, name: str, work: Path) -> list[Cartridge]:
+    """The distractors `name` trains among: up to ``DISTRACTOR_POOL`` of the store's other cartridges, drawn once
+    and kept in its work folder, so a resumed training meets the same ones whatever the store became meanwhile."""
+    kept = work / "distractors"
+    if not kept.is_dir():
+        others = [n for n in store.names() if n != name]
+        chosen = sorted(random.Random(f"distractors:{name}").sample(others, min(DISTRACTOR_POOL, len(others))))
+        staging = work / "distractors.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for n in chosen:
+            store.get(n).save(staging / f"{n}{SUFFIX}")
+        staging.rename(kept)  # all of them or none: a kill while copying leaves no half set
+    return [Cartridge.load(p, store.model) for p in sorted(kept.glob(f"*{SUFFIX}"))]
 
 
 def _recorded(lm: Any, cartridge: Cartridge, doc: Document, method: str, tokens: int, config: SyncConfig) -> Cartridge:

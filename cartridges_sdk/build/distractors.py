@@ -1,0 +1,105 @@
+"""Training a cartridge among others (composition-aware self-study, after Cartridges at Scale): at each step a few
+frozen cartridges of other documents sit around the trainable one, composed as serving composes them, so that the
+cartridge learns to answer with them in front rather than only alone.
+
+A cartridge trained alone has never seen another cartridge's keys compete for its queries' attention; composed with
+k - 1 others it loses much of what it gained over its compacted start (docs/sync.md measures this). The teacher
+stays the document alone in context: the student learns to answer as if the others were not there.
+
+The draw (how many others, which, and where the trainable one sits) depends on the run's seed and the step alone, so
+every rank of a distributed run draws the same and a resumed run draws as the first did.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from ..cartridge import Cartridge
+from ..checks import require
+from ..errors import ConfigError
+from ..lm import LM
+from ..rope import ROTATE_HALF, rope_inv_freq, shift_keys
+
+if TYPE_CHECKING:
+    from .training import TrainConfig
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@attrs.frozen
+class Placement:
+    """The distractors in front of the trainable cartridge and after it, by index, in order."""
+
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+
+
+def draw(count: int, most: int, seed: int, step: int) -> Placement:
+    """Step `step`'s others: between 0 and `most` of the `count` distractors (each number as likely, so some steps
+    train the cartridge alone and keep what it is worth alone), at a uniform place among them."""
+    rng = random.Random(f"distractors:{seed}:{step}")
+    chosen = rng.sample(range(count), rng.randint(0, min(most, count)))
+    at = rng.randint(0, len(chosen))
+    return Placement(tuple(chosen[:at]), tuple(chosen[at:]))
+
+
+def check_distractors(distractors: Sequence[Cartridge], lm: LM) -> list[Cartridge]:
+    """The distractors as a list, each checked to run on `lm` (before any synthesis or training)."""
+    require("distractors", distractors, (list, tuple), "a list of Cartridge objects")
+    for i, c in enumerate(distractors):
+        require(f"distractors[{i}]", c, Cartridge, "a Cartridge")
+        c.check_model(lm, what=f"distractors[{i}]")
+    if distractors:
+        rope_inv_freq(lm)  # placing the cartridge among others moves its keys: refuse a RoPE where that is inexact
+    return list(distractors)
+
+
+def check_among(lm: LM, distractors: Sequence[Cartridge], config: TrainConfig, tokens: int) -> None:
+    """Refuse distractors whose longest draw would not fit the context beside `tokens` (the cartridge and the
+    longest training sequence, when known)."""
+    if not distractors:
+        return
+    most = min(config.max_distractors, len(distractors))
+    longest = sum(sorted((c.num_tokens for c in distractors), reverse=True)[:most])
+    lm.check_context(tokens + longest, f"Training among up to {most} distractors ({longest} tokens at most) with "
+                     f"{tokens} tokens of cartridge and sequence", "set max_distractors lower, or give smaller "
+                     "distractor cartridges")
+
+
+class Distractors:
+    """The frozen others' KV on the training device (float32, rotate-half pairing, the layout the model reads)."""
+
+    def __init__(self, cartridges: Sequence[Cartridge], lm: LM, most: int):
+        if not cartridges:
+            raise ConfigError("Distractors() needs at least one cartridge.")
+        self.most = most
+        self.inv_freq = rope_inv_freq(lm)
+        self.fingerprints = [c.fingerprint for c in cartridges]
+        self.parts = []
+        for c in cartridges:
+            c = c.in_key_pairing(ROTATE_HALF)
+            self.parts.append([(k.detach().float().to(lm.device), v.detach().float().to(lm.device))
+                               for k, v in zip(c.keys, c.values)])
+
+    def around(self, layers: KV, placement: Placement) -> KV:
+        """The prefix of one step: the placement's others and the trainable `layers` one after another, each part's
+        keys rotated to where it sits (as ``Cartridge.compose(reposition=True)``); gradients flow to `layers`."""
+        parts = [self.parts[i] for i in placement.before] + [layers] + [self.parts[i] for i in placement.after]
+        keys: list[list[torch.Tensor]] = [[] for _ in layers]
+        values: list[list[torch.Tensor]] = [[] for _ in layers]
+        offset = 0
+        for part in parts:
+            for layer, (k, v) in enumerate(part):
+                keys[layer].append(shift_keys(k, offset, self.inv_freq) if offset else k)
+                values[layer].append(v)
+            offset += part[0][0].shape[1]
+        return [(torch.cat(ks, dim=1), torch.cat(vs, dim=1)) for ks, vs in zip(keys, values)]
+
+    def run_settings(self) -> dict:
+        """What the distractors add to a run's settings: a checkpoint made among other others is refused."""
+        return {"most": self.most, "content": self.fingerprints}
