@@ -208,8 +208,10 @@ def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int
         trained += among.self_study(texts, config, settings or {}, distractors=distractors, progress=True)
         seconds["among"] = round(time.perf_counter() - start, 1)
         stores["among"] = among
-        fingerprints = {base.get(n).fingerprint: n for n in names}
-        pools = {n: [fingerprints[f] for f in among.get(n).meta.training["distractors"]["content"]] for n in texts}
+        # a document trained later may have drawn one trained earlier: its cartridge now in the copy, not the base's
+        fingerprints = {store.get(n).fingerprint: n for store in (base, among) for n in names}
+        pools = {n: [fingerprints.get(f, "?") for f in among.get(n).meta.training["distractors"]["content"]]
+                 for n in texts}
     ks = [k for k in KS if k <= len(names)]
     rows = []
     for name, corpus in chosen:

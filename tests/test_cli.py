@@ -113,6 +113,14 @@ def test_synthesize_then_train(tmp_path, capsys):
     assert main(["train", str(data), "-o", str(tmp_path / "e.safetensors"), "--tokens", "16"]) == 2
     assert "init='compact' (the default) needs the whole corpus: pass --corpus" in capsys.readouterr().err
     assert main(["train", str(data), "-o", str(tmp_path / "e.safetensors"), "--tokens", "16", "--init", "prefix"]) == 0
+    # trained among other cartridges: the files named, each checked before the model loads
+    among = ["train", str(data), "-o", str(tmp_path / "f.safetensors"), "--tokens", "16", "--init", "prefix",
+             "--set", "max_distractors=1", "--distractors", str(tmp_path / "c.safetensors")]
+    assert main([*among, str(tmp_path / "gone.safetensors")]) == 2
+    assert "--distractors " in capsys.readouterr().err
+    assert main([*among, str(tmp_path / "d.safetensors")]) == 0
+    assert Cartridge.load(tmp_path / "f.safetensors").meta.training["distractors"] == {
+        "most": 1, "content": [c.fingerprint, d.fingerprint]}
     # a training setting given to synthesize is refused with a pointer to the right command
     assert main(["synthesize", corpus, "-o", str(tmp_path / "x"), "--set", "lr=0.1"]) == 2
     assert "cartridges train" in capsys.readouterr().err

@@ -96,7 +96,8 @@ def test_bad_distractors_are_refused_by_name(tiny_llama, tiny_qwen):
     with pytest.raises(ConfigError, match=r"distractors\[1\].*must be a Cartridge"):
         TorchTrainer().fit(init, convs, tiny_lm, progress=False, distractors=[_others(tiny_lm)[0], "b.safetensors"])
     with pytest.raises(IncompatibleCartridgeError, match=r"distractors\[0\]"):
-        TorchTrainer().fit(init, convs, tiny_lm, progress=False, distractors=[Cartridge.from_prefix(tiny_qwen, TEXT, 4)])
+        TorchTrainer().fit(init, convs, tiny_lm, progress=False,
+                           distractors=[Cartridge.from_prefix(tiny_qwen, TEXT, 4)])
     too_long = [Cartridge.from_prefix(tiny_lm, TEXT, 800)] * 3  # 2,400 tokens of 2,048
     with pytest.raises(ConfigError, match="max_distractors"):
         Cartridge.from_corpus(TEXT, tiny_lm, num_tokens=12, distractors=too_long, progress=False, **STUDY)

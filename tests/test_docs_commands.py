@@ -90,6 +90,8 @@ SUBSTITUTIONS = [
     Sub(r"docs/sync\.md", SH, r"--self-study --set num_conversations=\d+",
         "--self-study --set num_conversations=4 " + " ".join(f"--set {k}={v}" for k, v in SMALL_SYNTHESIS.items()),
         "self-study in seconds per document"),
+    Sub(r"docs/sync\.md", PY, r'\{"num_conversations": \d+\}', repr({"num_conversations": 4, **SMALL_SYNTHESIS}),
+        "self-study in seconds per document"),
     Sub(".*", SH, r"--nproc \d+", "--nproc 2", "two processes: this machine has 2 cores"),
     Sub(".*", SH, r"--tokens 2048\b", "--tokens 256", "the sample my_repo/ holds about 900 tokens; a compacted "
         "start needs at least p"),

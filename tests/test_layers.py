@@ -22,8 +22,8 @@ LAYERS = {
     "hf": ["hf.decode", "hf.runtime", "hf.synthesizer", "hf"],
     # making cartridges: corpus -> seeds -> synthesis -> dataset -> training (or compaction)
     "build": ["build.corpus", "build.dataset", "build.seeds", "build.distributed", "build.conversations",
-              "build.windows", "build.synthesis", "build.memory", "build.checkpoint", "build.loss", "build.training",
-              "build.compaction", "build.evaluation", "build.selfstudy", "build"],
+              "build.windows", "build.synthesis", "build.memory", "build.distractors", "build.checkpoint",
+              "build.loss", "build.training", "build.compaction", "build.evaluation", "build.selfstudy", "build"],
     # serving them
     "serve": ["serve.background", "serve.documents", "serve.sync", "serve.store", "serve.watch", "serve.guard", "serve.engine", "serve.server", "serve"],
     # for plugin authors' tests

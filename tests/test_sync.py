@@ -267,9 +267,14 @@ def test_the_command(tmp_path, tiny_dir, capsys):
     study = [f"--set={k}={v}" for k, v in {"num_conversations": 2, "conversations_per_chunk": 2, "min_chunk": 60,
                                             "max_chunk": 100, "max_tokens_a": 6, "max_tokens_b": 6,
                                             "document_windows": 2, "window_tokens": 16, "top_k": 4}.items()]
-    assert main([*args, "--json", "--self-study", *study]) == 0
+    assert main([*args, "--distractors", "1"]) == 2
+    assert "--distractors trains self-studied cartridges among others; add --self-study" in capsys.readouterr().err
+    assert main([*args, "--json", "--self-study", *study, "--distractors", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["num_skipped"] == 2 and out["self_studied"] == ["lighthouse.txt", "orchard.md"]
+    # each trained among up to one of the store's other cartridges at a time
+    trained = Cartridge.load(tmp_path / "store" / "orchard.md.safetensors")
+    assert trained.meta.training["distractors"]["most"] == 1
 
 
 def test_a_sync_killed_at_random_points_leaves_a_store_that_serves_and_the_next_sync_completes(tmp_path, tiny_dir,

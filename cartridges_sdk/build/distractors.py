@@ -59,6 +59,18 @@ def check_distractors(distractors: Sequence[Cartridge], lm: LM) -> list[Cartridg
     return list(distractors)
 
 
+def among(init: Cartridge, distractors: Sequence[Cartridge], lm: LM, most: int) -> Distractors | None:
+    """What `init` trains among: the checked distractors on the device, or None without any."""
+    distractors = check_distractors(distractors, lm)
+    if not distractors:
+        return None
+    if init.pairing != ROTATE_HALF:
+        raise ConfigError(f"Training among distractors places the cartridge's keys with the model's RoPE; the start "
+                          f"cartridge's keys are paired {init.pairing!r}: convert it with in_key_pairing("
+                          f"{ROTATE_HALF!r}) first.")
+    return Distractors(distractors, lm, most)
+
+
 def check_among(lm: LM, distractors: Sequence[Cartridge], config: TrainConfig, tokens: int) -> None:
     """Refuse distractors whose longest draw would not fit the context beside `tokens` (the cartridge and the
     longest training sequence, when known)."""

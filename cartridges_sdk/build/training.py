@@ -28,15 +28,13 @@ from ..errors import ConfigError
 from ..files import folder_lock
 from ..lm import LM, autocast
 from ..plugins import Trainer, TrainerCapabilities
-from ..rope import ROTATE_HALF
 from .checkpoint import CHECKPOINT, RUN_LOG, load_checkpoint, run_settings, save_checkpoint
 from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
-from .distractors import Distractors, check_distractors, draw
+from .distractors import Distractors, among, draw
 from .distributed import (gather_from_ranks, lead_does, on_cpu, process_group, ranks_in_env, sum_across_ranks,
                           sum_numbers_across_ranks)
 from .loss import Student, check_shardable, sharded_student, student_loss, target_weights
 from .memory import peak_memory_mb, reset_peak_memory
-
 
 
 @attrs.frozen
@@ -209,16 +207,10 @@ class TorchTrainer(Trainer):
         config: TrainConfig | None = None, *, output_dir: str | os.PathLike | None = None, progress: bool = True,
         distractors: Sequence[Cartridge] = (),
     ) -> Cartridge:
-        """Train `init`; with `distractors`, among up to ``config.max_distractors`` of them at each step (the held-out
-        loss is the cartridge's alone)."""
+        """Train `init`, among `distractors` when given (build/distractors.py; the held-out loss is its alone)."""
         output_dir = Path(output_dir) if output_dir is not None else None
-        distractors = check_distractors(distractors, model)
-        if distractors and init.pairing != ROTATE_HALF:
-            raise ConfigError(f"Training among distractors places the cartridge's keys with the model's RoPE; the start "
-                              f"cartridge's keys are paired {init.pairing!r}: convert it with "
-                              f"in_key_pairing({ROTATE_HALF!r}) first.")
         cfg = config or TrainConfig()
-        self.distractors = Distractors(distractors, model, cfg.max_distractors) if distractors else None
+        self.distractors = among(init, distractors, model, cfg.max_distractors)
         try:
             with process_group(model.device) as (self.rank, self.world):  # under torchrun: this rank's share
                 lead = self.rank == 0  # the one rank that writes checkpoints and logs
@@ -348,9 +340,8 @@ class TorchTrainer(Trainer):
 
     def _step(self, lm: LM, cart: TrainableCartridge, opt: torch.optim.Optimizer, chunk: list[list[Conversation]],
               lr: float, step: int) -> tuple[float, int, float | None]:
-        """One optimizer step on `chunk`'s micro-batches (this rank's share of them), among the step's distractors
-        when there are some; the step's mean loss, the tokens it went through (all ranks) and the gradient norm
-        before clipping (None without clipping)."""
+        """One optimizer step on `chunk`'s micro-batches (this rank's share of them, among the step's distractors);
+        the step's mean loss, the tokens it went through (all ranks) and the gradient norm before clipping (or None)."""
         cfg = self.config
         params = list(cart.keys) + list(cart.values)
         for group in opt.param_groups:

@@ -98,6 +98,9 @@ def _build(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", choices=INITS, default="compact", help=INIT_HELP)
     p.add_argument("--work-dir", help="where data and checkpoints go (default OUTPUT.work); a re-run resumes")
     _nproc_arg(p, "synthesize and train (data-parallel) in")
+    p.add_argument("--distractors", nargs="+", metavar="FILE", default=[],
+                   help="cartridge files of other documents to train among, up to --set max_distractors=N (default 7) "
+                        "a step, so the cartridge holds up when composed with others (docs/sync.md)")
     _study_args(p)
     _backend_args(p, "synthesizer", "trainer")
 
@@ -132,6 +135,9 @@ def _train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--description")
     p.add_argument("--work-dir", help="where checkpoints go (default OUTPUT.work); a re-run resumes")
     _nproc_arg(p, "train data-parallel in")
+    p.add_argument("--distractors", nargs="+", metavar="FILE", default=[],
+                   help="cartridge files of other documents to train among, up to --set max_distractors=N (default 7) "
+                        "a step, so the cartridge holds up when composed with others (docs/sync.md)")
     _study_args(p)
     _backend_args(p, "trainer")
 
@@ -192,6 +198,9 @@ def _sync_settings(p: argparse.ArgumentParser) -> None:
                         "when done (minutes to hours per document; a re-run resumes)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="a self-study setting, e.g. --set num_conversations=256 (repeatable)")
+    p.add_argument("--distractors", type=int, default=0, metavar="N",
+                   help="with --self-study: train each cartridge among up to N of the store's other cartridges, so "
+                        "it holds up when routing composes several (docs/sync.md; default 0: alone)")
 
 
 def _sync(p: argparse.ArgumentParser) -> None:

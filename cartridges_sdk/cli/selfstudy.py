@@ -45,6 +45,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                    init=args.init, seed=args.seed)
     options = backend_options(args, {"synthesizer": args.synthesizer, "trainer": args.trainer})
     output_file(args.output)
+    _check_distractor_files(args.distractors)
     ranks_exit = _start_ranks(args, options["trainer"])  # after the checks: a mistake is said once, not by every rank
     if ranks_exit is not None:
         return ranks_exit
@@ -54,7 +55,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         read_corpus(args), lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
         init=args.init, seed=args.seed, output_dir=work, synthesizer=args.synthesizer,
         synthesizer_options=options["synthesizer"], trainer=args.trainer, trainer_options=options["trainer"],
-        allow_unverified_model=args.allow_unverified_model, restart=args.restart, **settings,
+        allow_unverified_model=args.allow_unverified_model, restart=args.restart,
+        distractors=_distractors(args.distractors, lm), **settings,
     )
     if is_lead():  # every rank holds the same cartridge; one writes it
         c.save(args.output)
@@ -117,6 +119,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_settings(train, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed)
     options = backend_options(args, {"trainer": args.trainer})["trainer"]
     output_file(args.output)
+    _check_distractor_files(args.distractors)
     dataset = SelfStudyDataset(args.data)
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     check_whole(dataset)
@@ -139,12 +142,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     c = train_cartridge(
         dataset, lm, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed,
         prefix_ids=prefix_ids, output_dir=work, trainer=args.trainer, trainer_options=options, restart=args.restart,
-        **train,
+        distractors=_distractors(args.distractors, lm), **train,
     )
     if is_lead():  # every rank holds the same cartridge; one writes it
         c.save(args.output)
         print(f"wrote {args.output}: {c.num_tokens} tokens, {human_bytes(c.nbytes)}")
     return 0
+
+
+def _check_distractor_files(paths: list[str]) -> None:
+    """Refuse a --distractors file that is not there before the model loads."""
+    for path in paths:
+        if not Path(path).is_file():
+            raise ConfigError(f"--distractors {path!r} is not a file; give cartridge files (.safetensors) of other "
+                              "documents.")
+
+
+def _distractors(paths: list[str], lm) -> list[Cartridge]:
+    return [Cartridge.load(path, lm) for path in paths]
 
 
 def _without_option(argv: list[str], name: str) -> list[str]:

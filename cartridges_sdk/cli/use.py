@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         watcher = Watcher(store, args.watch, sync_config, every=args.watch_every,
                           on_sync=lambda report: print(f"sync of {args.watch}: {report}", file=sys.stderr),
-                          self_study=study).start()
+                          self_study=study, distractors=args.distractors).start()
     try:
         uvicorn.run(create_app(store, runtime, config), host=args.host, port=args.port, log_level="warning")
     finally:
@@ -96,6 +96,10 @@ def _sync_config(args: argparse.Namespace):
 def _study_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.set and not args.self_study:
         raise ConfigError("--set gives self-study settings; add --self-study, or drop --set.")
+    if args.distractors and not args.self_study:
+        raise ConfigError("--distractors trains self-studied cartridges among others; add --self-study, or drop it.")
+    if args.distractors < 0:
+        raise ConfigError(f"--distractors {args.distractors} must be 0 or more (0 trains each cartridge alone).")
     return common.parse_settings(args.set, example="num_conversations=256") if args.self_study else None
 
 
@@ -107,7 +111,8 @@ def cmd_sync(args: argparse.Namespace) -> int:
         report = store.sync(args.folder, config, timeout=args.wait, progress=not args.json)
         if not args.json:
             print(f"{args.store}: {report}", flush=True)
-        studied = store.self_study(args.folder, config, study, progress=not args.json) if study is not None else ()
+        studied = (store.self_study(args.folder, config, study, distractors=args.distractors, progress=not args.json)
+                   if study is not None else ())
     finally:
         lm.close()
     if args.json:

@@ -39,12 +39,13 @@ def interval(every: float, name: str = "every") -> float:
 class Watcher:
     """Syncs `source` into `store` at start and whenever it changes, in a daemon thread, until `close()`;
     `on_sync` hears of every sync that changed something. With `self_study` (settings for `Cartridge.from_corpus`,
-    ``{}`` for the defaults), compacted cartridges are then trained one by one and swapped in."""
+    ``{}`` for the defaults), compacted cartridges are then trained one by one and swapped in, each among up to
+    `distractors` of the store's others (`CartridgeStore.self_study`)."""
 
     def __init__(self, store: CartridgeStore, source: str | os.PathLike | Mapping[str, str],
                  config: SyncConfig | None = None, *, every: float = 2.0,
                  on_sync: Callable[[SyncReport], object] | None = None,
-                 self_study: Mapping[str, Any] | None = None):
+                 self_study: Mapping[str, Any] | None = None, distractors: int = 0):
         every = interval(every)
         if not isinstance(source, Mapping) and not os.path.isdir(source):
             raise ConfigError(f"{str(source)!r} is not a folder; a watcher keeps a store in step with a folder of "
@@ -54,6 +55,7 @@ class Watcher:
         self.syncs = 0
         self.on_sync = on_sync
         self.self_study = None if self_study is None else dict(self_study)
+        self.distractors = distractors
         self.studied: list[str] = []  # the cartridges this watcher's self-study replaced
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cartridges-watch", daemon=True)
@@ -103,7 +105,8 @@ class Watcher:
         """Self-study one compacted cartridge; the snapshot once nothing is left to train (or training failed), so
         that the next document waits for the next change; else None."""
         try:
-            done = self.store.self_study(self.source, self.config, self.self_study, limit=1, progress=False)
+            done = self.store.self_study(self.source, self.config, self.self_study, limit=1,
+                                         distractors=self.distractors, progress=False)
         except Exception:  # noqa: BLE001 - serving goes on with the compacted cartridge
             log.exception("watch %s: self-study failed; the compacted cartridges stay until the next change",
                           self.source)
