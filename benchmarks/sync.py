@@ -28,6 +28,7 @@ the context; closure against the question's own document in context.
     python -m benchmarks.sync composition --store /tmp/sync-bench --variant off-topic
     python -m benchmarks.sync self-studied --store /tmp/sync-bench --documents 2 --questions-per-doc 3
     python -m benchmarks.sync self-studied --store /tmp/sync-bench --documents 2 --questions-per-doc 4 --distractors 7
+    python -m benchmarks.sync self-studied --store /tmp/sync-bench --documents 2 --distractors 7 --set alone_share=0.5
     python -m benchmarks.sync pairs --store /tmp/sync-bench --questions-per-doc 4
     python -m benchmarks.sync corpus --store /tmp/sync-bench --questions-per-doc 1 --budget 1024
 """
@@ -44,6 +45,7 @@ from pathlib import Path
 
 from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.build.evaluation import answer_logprobs, nll
+from cartridges_sdk.cli.common import parse_settings
 from cartridges_sdk.serve.store import CartridgeStore
 from cartridges_sdk.build.compaction import CompactionConfig
 from cartridges_sdk.serve.sync import SyncConfig
@@ -179,12 +181,13 @@ def _curves(rows: list[dict], kinds: tuple[str, ...], ks: list[int]) -> dict:
 
 
 def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int, count: int,
-                 settings: dict | None = None, distractors: int = 0) -> dict:
+                 settings: dict | None = None, distractors: int = 0, among_settings: dict | None = None) -> dict:
     """The composition curve of self-studied cartridges: the first `count` documents that fit the context beside a
     question are self-studied (`store.self_study`, defaults unless `settings`), each into a store of its own kind;
     each question's own cartridge, compacted or self-studied, among the same k - 1 random compacted others. With
     `distractors` N, also self-studied among up to N of the store's others (a copy of the base store), the kind
-    ``among``; each row then counts the others at each k that were not in its training pool (``among_K_unseen``)."""
+    ``among`` (its own `among_settings` on top, e.g. ``alone_share``); each row then counts the others at each k that
+    were not in its training pool (``among_K_unseen``)."""
     names = [name for name, _ in docs]
     base = CartridgeStore(store_dir / "store", lm)
     missing = [n for n in names if n not in base]
@@ -203,9 +206,11 @@ def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int
     stores = {"compact": base, "self_study": studied}
     pools: dict[str, list[str]] = {}
     if distractors:
-        among = _among_store(lm, store_dir, distractors, {n: c.text for n, c in docs}, config)
+        tag = "".join(f"-{k}={v}" for k, v in sorted((among_settings or {}).items()))
+        among = _among_store(lm, store_dir, f"{distractors}{tag}", {n: c.text for n, c in docs}, config)
         start = time.perf_counter()
-        trained += among.self_study(texts, config, settings or {}, distractors=distractors, progress=True)
+        trained += among.self_study(texts, config, {**(settings or {}), **(among_settings or {})},
+                                    distractors=distractors, progress=True)
         seconds["among"] = round(time.perf_counter() - start, 1)
         stores["among"] = among
         # a document trained later may have drawn one trained earlier: its cartridge now in the copy, not the base's
@@ -232,10 +237,10 @@ def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int
             **_curves(rows, tuple(stores), ks), "rows": rows}
 
 
-def _among_store(lm, store_dir: Path, distractors: int, texts: dict[str, str], config: SyncConfig) -> CartridgeStore:
+def _among_store(lm, store_dir: Path, name: str, texts: dict[str, str], config: SyncConfig) -> CartridgeStore:
     """A copy of the base store (every document's compacted cartridge), where self-study trains among the others;
     synced with the documents as given (`incremental` left one edited in the base store)."""
-    folder = store_dir / f"store-among-{distractors}"
+    folder = store_dir / f"store-among-{name}"
     if not folder.is_dir():
         shutil.copytree(store_dir / "store", folder.with_name(folder.name + ".partial"), dirs_exist_ok=True)
         folder.with_name(folder.name + ".partial").rename(folder)
@@ -359,6 +364,8 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=2, help="self-studied: how many documents to self-study")
     parser.add_argument("--distractors", type=int, default=0,
                         help="self-studied: also train among up to N of the store's other cartridges (0: not)")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
+                        help="self-studied: a training setting for the run among others, e.g. alone_share=0.5")
     parser.add_argument("--budget", type=int, default=1024, help="corpus: cartridge or prompt tokens per question")
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="default",
                         help="composition: how the cartridges are compacted (off-topic: with off-topic probe questions)")
@@ -373,7 +380,7 @@ def main() -> None:
         result = whole_corpus(lm, docs, args.store, args.questions_per_doc, args.budget)
     elif args.mode == "self-studied":
         result = self_studied(lm, docs, args.store, args.questions_per_doc, args.seed, args.tokens, args.documents,
-                              distractors=args.distractors)
+                              distractors=args.distractors, among_settings=parse_settings(args.set))
     elif args.mode == "pairs":
         result = pairs(lm, args.store, args.pairs, args.questions_per_doc, args.tokens)
     else:
@@ -381,7 +388,8 @@ def main() -> None:
     result.update({"mode": args.mode, "model": lm.name, "seconds": round(time.perf_counter() - start, 1),
                    "commit": provenance.commit(), "dirty": provenance.dirty(), "machine": provenance.machine()})
     suffix = f"-{args.variant}" if args.mode == "composition" else ""
-    suffix = f"-among-{args.distractors}" if args.mode == "self-studied" and args.distractors else suffix
+    if args.mode == "self-studied" and args.distractors:
+        suffix = f"-among-{args.distractors}" + "".join(f"-{k}={v}" for k, v in sorted(parse_settings(args.set).items()))
     provenance.save(result, args.out or Path("benchmarks/results") / f"sync-{args.mode}{suffix}.json")
 
 

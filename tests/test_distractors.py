@@ -51,6 +51,8 @@ def test_the_draw_is_the_seed_and_step_alone():
     assert all(len(set(d.before + d.after)) == len(d.before + d.after) for d in draws)  # no distractor twice
     assert {len(d.before) for d in draws if len(d.before + d.after) == 3} == {0, 1, 2, 3}  # every place
     assert all(not d.before and not d.after for d in (draw(0, 7, 0, s) for s in range(5)))
+    halves = [draw(5, 3, seed=0, step=s, alone=0.5) for s in range(400)]
+    assert 150 < sum(not d.before and not d.after for d in halves) < 250  # about half the steps alone
 
 
 def test_only_the_trainable_cartridge_learns_among_others(tiny_lm, tmp_path):
@@ -64,7 +66,8 @@ def test_only_the_trainable_cartridge_learns_among_others(tiny_lm, tmp_path):
     assert all(torch.equal(a, b) for o, keys in zip(others, before) for a, b in zip(o.keys, keys))
     assert among.num_tokens == 12 and torch.equal(among.keys[0][:, :1], init.keys[0][:, :1])  # its sink stays
     assert not torch.equal(among.keys[0], alone.keys[0])  # the others changed what it learned
-    assert among.meta.training["distractors"] == {"most": 2, "content": [o.fingerprint for o in others]}
+    assert among.meta.training["distractors"] == {"most": 2, "alone": 0.125,
+                                                "content": [o.fingerprint for o in others]}
     assert "distractors" not in alone.meta.training
 
 
@@ -113,7 +116,8 @@ def test_a_store_self_studies_among_its_other_cartridges(tmp_path, tiny_llama):
     others = {n: store.get(n).fingerprint for n in ("b", "c")}
     assert store.self_study(texts, config, STUDY, limit=1, distractors=2, progress=False) == ("a",)
     training = store.get("a").meta.training
-    assert training["distractors"] == {"most": 2, "content": [others["b"], others["c"]]}
+    assert training["distractors"] == {"most": 2, "alone": 0.125,
+                                      "content": [others["b"], others["c"]]}
     assert not list((store.root / ".work").iterdir())  # the kept distractors went with the work folder
     with pytest.raises(ConfigError, match=r"\['max_distractors'\] are set by sync"):
         store.self_study(texts, config, {"max_distractors": 3})

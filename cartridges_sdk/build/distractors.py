@@ -39,11 +39,12 @@ class Placement:
     after: tuple[int, ...]
 
 
-def draw(count: int, most: int, seed: int, step: int) -> Placement:
-    """Step `step`'s others: between 0 and `most` of the `count` distractors (each number as likely, so some steps
-    train the cartridge alone and keep what it is worth alone), at a uniform place among them."""
+def draw(count: int, most: int, seed: int, step: int, alone: float = 0.125) -> Placement:
+    """Step `step`'s others: none with probability `alone` (steps that keep what the cartridge is worth alone), else
+    between 1 and `most` of the `count` distractors (each number as likely), at a uniform place among them."""
     rng = random.Random(f"distractors:{seed}:{step}")
-    chosen = rng.sample(range(count), rng.randint(0, min(most, count)))
+    n = 0 if count == 0 or rng.random() < alone else rng.randint(1, min(most, count))
+    chosen = rng.sample(range(count), n)
     at = rng.randint(0, len(chosen))
     return Placement(tuple(chosen[:at]), tuple(chosen[at:]))
 
@@ -59,7 +60,7 @@ def check_distractors(distractors: Sequence[Cartridge], lm: LM) -> list[Cartridg
     return list(distractors)
 
 
-def among(init: Cartridge, distractors: Sequence[Cartridge], lm: LM, most: int) -> Distractors | None:
+def among(init: Cartridge, distractors: Sequence[Cartridge], lm: LM, most: int, alone: float) -> Distractors | None:
     """What `init` trains among: the checked distractors on the device, or None without any."""
     distractors = check_distractors(distractors, lm)
     if not distractors:
@@ -68,7 +69,7 @@ def among(init: Cartridge, distractors: Sequence[Cartridge], lm: LM, most: int) 
         raise ConfigError(f"Training among distractors places the cartridge's keys with the model's RoPE; the start "
                           f"cartridge's keys are paired {init.pairing!r}: convert it with in_key_pairing("
                           f"{ROTATE_HALF!r}) first.")
-    return Distractors(distractors, lm, most)
+    return Distractors(distractors, lm, most, alone)
 
 
 def check_among(lm: LM, distractors: Sequence[Cartridge], config: TrainConfig, tokens: int) -> None:
@@ -86,10 +87,10 @@ def check_among(lm: LM, distractors: Sequence[Cartridge], config: TrainConfig, t
 class Distractors:
     """The frozen others' KV on the training device (float32, rotate-half pairing, the layout the model reads)."""
 
-    def __init__(self, cartridges: Sequence[Cartridge], lm: LM, most: int):
+    def __init__(self, cartridges: Sequence[Cartridge], lm: LM, most: int, alone: float = 0.125):
         if not cartridges:
             raise ConfigError("Distractors() needs at least one cartridge.")
-        self.most = most
+        self.most, self.alone = most, alone
         self.inv_freq = rope_inv_freq(lm)
         self.fingerprints = [c.fingerprint for c in cartridges]
         self.parts = []
@@ -114,4 +115,7 @@ class Distractors:
 
     def run_settings(self) -> dict:
         """What the distractors add to a run's settings: a checkpoint made among other others is refused."""
-        return {"most": self.most, "content": self.fingerprints}
+        return {"most": self.most, "alone": self.alone, "content": self.fingerprints}
+
+    def draw(self, seed: int, step: int) -> Placement:
+        return draw(len(self.parts), self.most, seed, step, self.alone)

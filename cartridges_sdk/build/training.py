@@ -30,7 +30,7 @@ from ..lm import LM, autocast
 from ..plugins import Trainer, TrainerCapabilities
 from .checkpoint import CHECKPOINT, RUN_LOG, load_checkpoint, run_settings, save_checkpoint
 from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
-from .distractors import Distractors, among, draw
+from .distractors import Distractors, among
 from .distributed import (gather_from_ranks, lead_does, on_cpu, process_group, ranks_in_env, sum_across_ranks,
                           sum_numbers_across_ranks)
 from .loss import Student, check_shardable, sharded_student, student_loss, target_weights
@@ -60,9 +60,10 @@ class TrainConfig:
     checkpoint_seconds: float = attrs.field(default=60.0, validator=positive)
     autocast_dtype: str | None = attrs.field(default=None, validator=one_of(None, "bfloat16", "float16"))
     seed: int = attrs.field(default=0, validator=optional_int)
-    # with distractor cartridges (`fit(distractors=...)`): at most this many of them around the trainable one at each
-    # step (a uniform draw of 0..N; build/distractors.py). 7 trains for compositions of up to 8 cartridges
+    # with distractor cartridges (`fit(distractors=...)`, build/distractors.py): at most this many around the
+    # trainable one at a step (7: for compositions of up to 8), and the share of steps that train it alone
     max_distractors: int = attrs.field(default=7, validator=count)
+    alone_share: float = attrs.field(default=0.125, validator=fraction)
 
 
 def split_eval(conversations: Sequence[Conversation], share: float, seed: int) -> tuple[list, list]:
@@ -210,7 +211,7 @@ class TorchTrainer(Trainer):
         """Train `init`, among `distractors` when given (build/distractors.py; the held-out loss is its alone)."""
         output_dir = Path(output_dir) if output_dir is not None else None
         cfg = config or TrainConfig()
-        self.distractors = among(init, distractors, model, cfg.max_distractors)
+        self.distractors = among(init, distractors, model, cfg.max_distractors, cfg.alone_share)
         try:
             with process_group(model.device) as (self.rank, self.world):  # under torchrun: this rank's share
                 lead = self.rank == 0  # the one rank that writes checkpoints and logs
@@ -350,11 +351,10 @@ class TorchTrainer(Trainer):
         for p in params:  # zeros rather than None: a rank with no share still adds its (zero) gradient
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
         loss_sum, step_tokens = 0.0, 0
-        others = self.distractors
-        placement = draw(len(others.parts), others.most, cfg.seed, step) if others else None
+        placement = self.distractors.draw(cfg.seed, step) if self.distractors else None
         for batch, weight in self._share(chunk):  # this rank's share of the step
             with self._autocast(lm):
-                kv = others.around(cart.layers(), placement) if others else None
+                kv = self.distractors.around(cart.layers(), placement) if placement is not None else None
                 loss, _ = student_loss(lm, cart, batch, cfg.objective, cfg.conversation_weight, self.student, kv)
             (loss * (weight / n_targets)).backward()
             loss_sum += weight * float(loss.detach())
