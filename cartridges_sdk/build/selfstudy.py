@@ -319,6 +319,8 @@ def build_cartridge(
     resumes both stages; without it they live in a temporary folder. A re-run with other settings is refused,
     naming them, unless ``restart=True``, which starts both stages over. `work_dtype` is the dtype synthesis and
     training compute in (default: the model's); the returned cartridge is bound to the original model.
+    `distractors` (other documents' cartridges) are composed around it in training, so it holds up when composed
+    with others (build/distractors.py).
 
     Under torchrun, the ranks share both stages (docs/distributed.md): each makes its share of the conversations
     into `output_dir` (required: a folder every rank reaches), then they train data-parallel.
