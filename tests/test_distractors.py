@@ -51,6 +51,7 @@ def test_the_draw_is_the_seed_and_step_alone():
     assert all(len(set(d.before + d.after)) == len(d.before + d.after) for d in draws)  # no distractor twice
     assert {len(d.before) for d in draws if len(d.before + d.after) == 3} == {0, 1, 2, 3}  # every place
     assert all(not d.before and not d.after for d in (draw(0, 7, 0, s) for s in range(5)))
+    assert all(not d.before and not d.after for d in (draw(5, 0, 0, s) for s in range(5)))  # max_distractors=0
     halves = [draw(5, 3, seed=0, step=s, alone=0.5) for s in range(400)]
     assert 150 < sum(not d.before and not d.after for d in halves) < 250  # about half the steps alone
 

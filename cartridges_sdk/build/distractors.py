@@ -3,7 +3,7 @@ frozen cartridges of other documents sit around the trainable one, composed as s
 cartridge learns to answer with them in front rather than only alone.
 
 A cartridge trained alone has never seen another cartridge's keys compete for its queries' attention; composed with
-k - 1 others it loses much of what it gained over its compacted start (docs/sync.md measures this). The teacher
+k - 1 others it loses most of what it gained over its compacted start (docs/sync.md measures this). The teacher
 stays the document alone in context: the student learns to answer as if the others were not there.
 
 The draw (how many others, which, and where the trainable one sits) depends on the run's seed and the step alone, so
@@ -43,7 +43,7 @@ def draw(count: int, most: int, seed: int, step: int, alone: float = 0.125) -> P
     """Step `step`'s others: none with probability `alone` (steps that keep what the cartridge is worth alone), else
     between 1 and `most` of the `count` distractors (each number as likely), at a uniform place among them."""
     rng = random.Random(f"distractors:{seed}:{step}")
-    n = 0 if count == 0 or rng.random() < alone else rng.randint(1, min(most, count))
+    n = 0 if min(most, count) == 0 or rng.random() < alone else rng.randint(1, min(most, count))
     chosen = rng.sample(range(count), n)
     at = rng.randint(0, len(chosen))
     return Placement(tuple(chosen[:at]), tuple(chosen[at:]))
