@@ -206,8 +206,8 @@ def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int
     stores = {"compact": base, "self_study": studied}
     pools: dict[str, list[str]] = {}
     if distractors:
-        tag = "".join(f"-{k}={v}" for k, v in sorted((among_settings or {}).items()))
-        among = _among_store(lm, store_dir, f"{distractors}{tag}", {n: c.text for n, c in docs}, config)
+        among = _among_store(lm, store_dir, among_name(distractors, among_settings), {n: c.text for n, c in docs},
+                             config)
         start = time.perf_counter()
         trained += among.self_study(texts, config, {**(settings or {}), **(among_settings or {})},
                                     distractors=distractors, progress=True)
@@ -225,10 +225,9 @@ def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int
             for k in ks:
                 picked = rng.sample(others, k - 1)
                 at = rng.randrange(k)
+                others_here = [base.get(n) for n in picked]
                 for kind, store in stores.items():
-                    parts = [base.get(n) for n in picked]
-                    parts.insert(at, store.get(name))
-                    row[f"{kind}_{k}"] = _composed_nll(lm, q, parts)
+                    row[f"{kind}_{k}"] = _composed_nll(lm, q, others_here[:at] + [store.get(name)] + others_here[at:])
                 if pools:
                     row[f"among_{k}_unseen"] = sum(n not in pools[name] for n in picked)
             rows.append(_shown(row))
@@ -237,10 +236,15 @@ def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int
             **_curves(rows, tuple(stores), ks), "rows": rows}
 
 
+def among_name(distractors: int, settings: dict | None) -> str:
+    """What names a run among others: its store's folder and its result file."""
+    return f"among-{distractors}" + "".join(f"-{k}={v}" for k, v in sorted((settings or {}).items()))
+
+
 def _among_store(lm, store_dir: Path, name: str, texts: dict[str, str], config: SyncConfig) -> CartridgeStore:
     """A copy of the base store (every document's compacted cartridge), where self-study trains among the others;
     synced with the documents as given (`incremental` left one edited in the base store)."""
-    folder = store_dir / f"store-among-{name}"
+    folder = store_dir / f"store-{name}"
     if not folder.is_dir():
         shutil.copytree(store_dir / "store", folder.with_name(folder.name + ".partial"), dirs_exist_ok=True)
         folder.with_name(folder.name + ".partial").rename(folder)
@@ -371,6 +375,7 @@ def main() -> None:
                         help="composition: how the cartridges are compacted (off-topic: with off-topic probe questions)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    among_settings = parse_settings(args.set)  # before the model loads: a malformed --set fails at once
     docs = corpora(args.data or DATA)
     lm = load_model()
     start = time.perf_counter()
@@ -380,7 +385,7 @@ def main() -> None:
         result = whole_corpus(lm, docs, args.store, args.questions_per_doc, args.budget)
     elif args.mode == "self-studied":
         result = self_studied(lm, docs, args.store, args.questions_per_doc, args.seed, args.tokens, args.documents,
-                              distractors=args.distractors, among_settings=parse_settings(args.set))
+                              distractors=args.distractors, among_settings=among_settings)
     elif args.mode == "pairs":
         result = pairs(lm, args.store, args.pairs, args.questions_per_doc, args.tokens)
     else:
@@ -389,7 +394,7 @@ def main() -> None:
                    "commit": provenance.commit(), "dirty": provenance.dirty(), "machine": provenance.machine()})
     suffix = f"-{args.variant}" if args.mode == "composition" else ""
     if args.mode == "self-studied" and args.distractors:
-        suffix = f"-among-{args.distractors}" + "".join(f"-{k}={v}" for k, v in sorted(parse_settings(args.set).items()))
+        suffix = "-" + among_name(args.distractors, among_settings)
     provenance.save(result, args.out or Path("benchmarks/results") / f"sync-{args.mode}{suffix}.json")
 
 

@@ -32,8 +32,8 @@ def run_settings(cfg: TrainConfig, init: Cartridge, conversations: Sequence[Conv
     """Everything that shapes the result: a checkpoint made otherwise is refused, naming what differs. The ranks do
     not shape it, so a run resumes on any number of them. grad_accum keeps the name checkpoints gave the
     micro-batches per step when N ranks took N x grad_accum: those resume with grad_accum set to what they say.
-    `max_distractors` and `alone_share` shape a run among distractors alone, and are recorded with them (so checkpoints made before
-    distractors existed still resume)."""
+    `max_distractors` and `alone_share` shape a run among distractors alone, and are recorded with them (so
+    checkpoints made before distractors existed still resume)."""
     shaping = {k: v for k, v in attrs.asdict(cfg).items()
                if k not in NOT_SHAPING and k not in ("grad_accum", "max_distractors", "alone_share")}
     among = {"distractors": distractors.run_settings()} if distractors is not None else {}

@@ -18,7 +18,7 @@ from ..cartridge import Cartridge
 from ..errors import CartridgeError, ConfigError
 from ..plugins import synthesizers, trainers
 from . import common  # common.model_for is looked up at each call, so tests can replace it
-from .common import backend_options, human_bytes, output_file, parse_settings, read_corpus
+from .common import backend_options, bind_all, human_bytes, output_file, parse_settings, read_corpus
 
 
 def _start_ranks(args: argparse.Namespace, trainer_options: dict[str, Any] | None = None) -> int | None:
@@ -45,7 +45,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                    init=args.init, seed=args.seed)
     options = backend_options(args, {"synthesizer": args.synthesizer, "trainer": args.trainer})
     output_file(args.output)
-    _check_distractor_files(args.distractors)
+    distractors = _distractor_files(args.distractors)
     ranks_exit = _start_ranks(args, options["trainer"])  # after the checks: a mistake is said once, not by every rank
     if ranks_exit is not None:
         return ranks_exit
@@ -56,7 +56,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         init=args.init, seed=args.seed, output_dir=work, synthesizer=args.synthesizer,
         synthesizer_options=options["synthesizer"], trainer=args.trainer, trainer_options=options["trainer"],
         allow_unverified_model=args.allow_unverified_model, restart=args.restart,
-        distractors=_distractors(args.distractors, lm), **settings,
+        distractors=bind_all(distractors, lm), **settings,
     )
     if is_lead():  # every rank holds the same cartridge; one writes it
         c.save(args.output)
@@ -119,7 +119,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_settings(train, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed)
     options = backend_options(args, {"trainer": args.trainer})["trainer"]
     output_file(args.output)
-    _check_distractor_files(args.distractors)
+    distractors = _distractor_files(args.distractors)
     dataset = SelfStudyDataset(args.data)
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     check_whole(dataset)
@@ -142,7 +142,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     c = train_cartridge(
         dataset, lm, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed,
         prefix_ids=prefix_ids, output_dir=work, trainer=args.trainer, trainer_options=options, restart=args.restart,
-        distractors=_distractors(args.distractors, lm), **train,
+        distractors=bind_all(distractors, lm), **train,
     )
     if is_lead():  # every rank holds the same cartridge; one writes it
         c.save(args.output)
@@ -150,16 +150,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_distractor_files(paths: list[str]) -> None:
-    """Refuse a --distractors file that is not there before the model loads."""
+def _distractor_files(paths: list[str]) -> list[Cartridge]:
+    """The --distractors files read before the model loads (a missing or damaged one is refused first); bind them to
+    the model with `bind_all` once it is loaded."""
+    loaded = []
     for path in paths:
-        if not Path(path).is_file():
-            raise ConfigError(f"--distractors {path!r} is not a file; give cartridge files (.safetensors) of other "
-                              "documents.")
-
-
-def _distractors(paths: list[str], lm) -> list[Cartridge]:
-    return [Cartridge.load(path, lm) for path in paths]
+        try:
+            loaded.append(Cartridge.load(path))
+        except CartridgeError as err:
+            err.add_note(f"It was given with --distractors {path}: give cartridge files of other documents.")
+            raise
+    return loaded
 
 
 def _without_option(argv: list[str], name: str) -> list[str]:
