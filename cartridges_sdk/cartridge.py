@@ -23,7 +23,7 @@ from .fileformat import SHAPE_FIELDS, CartridgeMeta, read_file, write_file
 from .identity import content_fingerprint, token_fingerprint
 from .interop import load_authors_pt, load_peft, save_peft
 from .lm import LM, Message
-from .rope import ROTATE_HALF, convert_pairing, key_layout, rope_inv_freq, shift_keys
+from .rope import ROTATE_HALF, convert_pairing, key_layout, one_after_another, rope_inv_freq
 
 if TYPE_CHECKING:
     from .plugins import Runtime
@@ -325,15 +325,10 @@ class Cartridge:
         # one key layout for all parts; shifting positions is done in the rotate-half layout
         pairing = ROTATE_HALF if reposition else first.pairing
         cartridges = [c.in_key_pairing(pairing) for c in cartridges]
-        if reposition:
-            if lm is None:
-                raise ConfigError("compose(reposition=True) needs the model: bind the cartridges or pass model=lm.")
-            inv_freq = rope_inv_freq(lm)
-        keys, values, parts, offset = [], [], [], 0
+        if reposition and lm is None:
+            raise ConfigError("compose(reposition=True) needs the model: bind the cartridges or pass model=lm.")
+        parts, offset = [], 0
         for c in cartridges:
-            ks = [shift_keys(k, offset, inv_freq) for k in c.keys] if reposition and offset else c.keys
-            keys.append(ks)
-            values.append(c.values)
             parts.append(
                 {
                     "offset": offset,
@@ -345,9 +340,9 @@ class Cartridge:
                 }
             )
             offset += c.num_tokens
-        dtype = first.keys[0].dtype
-        cat_k = [torch.cat([ks[i].to(dtype) for ks in keys], dim=1) for i in range(first.num_layers)]
-        cat_v = [torch.cat([vs[i].to(dtype) for vs in values], dim=1) for i in range(first.num_layers)]
+        layers = one_after_another([list(zip(c.keys, c.values)) for c in cartridges],
+                                   rope_inv_freq(lm) if reposition else None, dtype=first.keys[0].dtype)
+        cat_k, cat_v = [k for k, _ in layers], [v for _, v in layers]
         meta = CartridgeMeta(
             model=first.meta.model,
             num_tokens=offset,

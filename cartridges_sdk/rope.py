@@ -8,6 +8,7 @@ change is a fixed permutation of each head's dimensions and loses nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -102,3 +103,22 @@ def shift_keys(keys: torch.Tensor, shift: int | torch.Tensor, inv_freq: torch.Te
     x1, x2 = head[..., : rot // 2], head[..., rot // 2 :]
     rotated = head * cos + torch.cat([-x2, x1], dim=-1) * sin
     return torch.cat([rotated, tail], dim=-1).to(keys.dtype)
+
+
+def one_after_another(parts: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], inv_freq: torch.Tensor | None,
+                      dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Several caches (each a list of per-layer ``(keys, values)``, rotate-half keys) as one, read one after another.
+
+    With `inv_freq`, each part's keys are rotated to the positions that follow the parts before it, exactly as if
+    computed there; with None they keep the positions they were made at. `dtype` (if given) is applied after the
+    rotation. Composition at serving time and training among others both build their prefix with this."""
+    keys: list[list[torch.Tensor]] = [[] for _ in parts[0]]
+    values: list[list[torch.Tensor]] = [[] for _ in parts[0]]
+    offset = 0
+    for part in parts:
+        for layer, (k, v) in enumerate(part):
+            k = shift_keys(k, offset, inv_freq) if inv_freq is not None and offset else k
+            keys[layer].append(k if dtype is None else k.to(dtype))
+            values[layer].append(v if dtype is None else v.to(dtype))
+        offset += part[0][0].shape[-2]
+    return [(torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)) for ks, vs in zip(keys, values)]

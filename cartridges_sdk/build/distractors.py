@@ -23,7 +23,7 @@ from ..cartridge import Cartridge
 from ..checks import require
 from ..errors import ConfigError
 from ..lm import LM
-from ..rope import ROTATE_HALF, rope_inv_freq, shift_keys
+from ..rope import ROTATE_HALF, one_after_another, rope_inv_freq
 
 if TYPE_CHECKING:
     from .training import TrainConfig
@@ -103,15 +103,7 @@ class Distractors:
         """The prefix of one step: the placement's others and the trainable `layers` one after another, each part's
         keys rotated to where it sits (as ``Cartridge.compose(reposition=True)``); gradients flow to `layers`."""
         parts = [self.parts[i] for i in placement.before] + [layers] + [self.parts[i] for i in placement.after]
-        keys: list[list[torch.Tensor]] = [[] for _ in layers]
-        values: list[list[torch.Tensor]] = [[] for _ in layers]
-        offset = 0
-        for part in parts:
-            for layer, (k, v) in enumerate(part):
-                keys[layer].append(shift_keys(k, offset, self.inv_freq) if offset else k)
-                values[layer].append(v)
-            offset += part[0][0].shape[1]
-        return [(torch.cat(ks, dim=1), torch.cat(vs, dim=1)) for ks, vs in zip(keys, values)]
+        return one_after_another(parts, self.inv_freq)
 
     def run_settings(self) -> dict:
         """What the distractors add to a run's settings: a checkpoint made among other others is refused."""
