@@ -1,7 +1,8 @@
 """One rank of a data-parallel training run, started by torchrun from test_distributed.py: every rank trains the
 test's cartridge on its share of the data; rank 0 saves it. ``die_at`` > 0 makes rank 1 exit at that optimizer step,
 as a killed process would. MODE ``shard`` shards the frozen model across the ranks (FSDP2), and rank 0 then prints
-the share of the model's weights it holds; ``otherdata`` gives rank 1 fewer conversations than rank 0. (Run as a
+the share of the model's weights it holds; ``otherdata`` gives rank 1 fewer conversations than rank 0; ``among``
+trains among the distractors `others` makes. (Run as a
 script, its folder is on the import path, so the tests' helpers import.)
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py \
@@ -29,6 +30,11 @@ def config(grad_accum: int, **changes: int) -> TrainConfig:
                                     eval_every=2), **changes)
 
 
+def others(lm) -> list[Cartridge]:
+    """Three small cartridges of other stretches of the text, to train among."""
+    return [Cartridge.from_prefix(lm, TEXT[i * 90:], n) for i, n in ((1, 6), (2, 9), (3, 5))]
+
+
 def data():
     lm = testing.tiny_lm("llama")
     return lm, Cartridge.from_prefix(lm, TEXT, 12), _conversations(lm, n=8)
@@ -52,7 +58,8 @@ if __name__ == "__main__":
         torch.optim.Adam.step = dying
     whole = sum(p.numel() for p in lm.model.parameters())
     cartridge = TorchTrainer(shard_model=mode == "shard").fit(init, convs, lm, config(accum, **changes),
-                                                                output_dir=workdir, progress=False)
+                                                                output_dir=workdir, progress=False,
+                                                                distractors=others(lm) if mode == "among" else ())
     if int(os.environ["RANK"]) == 0:
         cartridge.save(out)
         held = sum(getattr(p, "_local_tensor", p).numel() for p in lm.model.parameters())

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TEXT
-from ddp_worker import config, data
+from ddp_worker import config, data, others
 
 from cartridges_sdk import Cartridge, ConfigError
 from cartridges_sdk.build.dataset import SelfStudyDataset
@@ -66,6 +66,27 @@ def test_two_ranks_train_the_cartridge_one_process_trains_with_the_same_global_b
     for mine, theirs in zip(trainer.history, logged):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
         assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-4)
+
+
+def test_two_ranks_training_among_distractors_draw_as_one_process_does(tmp_path):
+    """Each step's others and the trainable cartridge's place among them come from the seed and the step alone, so
+    two ranks compose the same prefix for their shares of a step, and train what one process trains."""
+    lm, init, convs = data()
+    trainer = TorchTrainer()
+    with one_thread():
+        one = trainer.fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False,
+                          distractors=others(lm))
+    alone = TorchTrainer().fit(init, convs, lm, config(2), progress=False)
+    assert max_diff(one, alone) > 1e-3  # the distractors changed what it learned
+    done = torchrun(tmp_path, tmp_path / "two.safetensors", 2, tmp_path / "two", mode="among")
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = Cartridge.load(tmp_path / "two.safetensors", lm)
+    assert max_diff(one, two) <= 1e-5
+    assert two.meta.training["distractors"] == one.meta.training["distractors"]  # recorded: the same three others
+    assert len(one.meta.training["distractors"]["content"]) == 3
+    logged = [json.loads(line) for line in (tmp_path / "two" / "train_log.jsonl").read_text().splitlines()]
+    for mine, theirs in zip(trainer.history, logged, strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
 
 
 def test_a_model_sharded_across_two_ranks_trains_the_same_cartridge(tmp_path):
