@@ -75,7 +75,7 @@ def main() -> None:
         return
 
     from cartridges_sdk.models import default_cache_dir
-    from cartridges_sdk.named_models import pull
+    from cartridges_sdk.named_models import pull, pulled_path
 
     cache = args.cache or default_cache_dir()
     rows = {}
@@ -83,13 +83,13 @@ def main() -> None:
         row: dict = {}
         if name != "default":
             start = time.perf_counter()
-            pull(name, cache)
+            gguf = pull(name, cache)
             row["pull_seconds"] = round(time.perf_counter() - start, 1)
         with tempfile.TemporaryDirectory() as fresh:  # a cache with nothing converted: the first load converts
-            if name != "default":
-                pulled = Path(fresh) / "named"
-                pulled.mkdir()
-                (pulled / f"{name}.gguf").symlink_to(cache / "named" / f"{name}.gguf")
+            if name != "default":  # ...the file pulled above, not a second pull into the fresh cache
+                linked = pulled_path(name, Path(fresh))
+                linked.parent.mkdir()
+                linked.symlink_to(gguf)
             first = run_child(name, Path(fresh), args.dtype, 0, 0)
             row["first_load_seconds"], row["first_load_peak_memory_mb"] = first["load_seconds"], first["peak_memory_mb"]
             row.update(run_child(name, Path(fresh), args.dtype, args.prefill, args.decode))

