@@ -198,7 +198,9 @@ def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int
     studied = CartridgeStore(store_dir / "store-self-study", lm)
     config = SyncConfig(tokens=tokens)
     texts = {n: c.text for n, c in chosen}
-    studied.sync(texts, config, progress=False)  # the same compacted start, then trained
+    # sync deletes what its source lacks: keep the documents an earlier run (say with more `count`) studied here
+    kept = studied.records()
+    studied.sync({n: c.text for n, c in docs if n in texts or n in kept}, config, progress=False)
     seconds = {}
     start = time.perf_counter()
     trained = studied.self_study(texts, config, settings or {}, progress=True)

@@ -238,6 +238,28 @@ def test_a_folder_per_unit(tmp_path, tiny_llama):
         store.sync(tmp_path / "nowhere", progress=False)
 
 
+def test_a_codebase_synced_by_pattern(tmp_path, tiny_llama):
+    """A package's source: its modules (names starting with '_' included) are documents, its caches are not."""
+    folder = _write(tmp_path / "pkg", {"__init__.py": "from ._client import Client\n",
+                                       "_client.py": 'class Client:\n    """Sends requests."""\n',
+                                       "_transports/default.py": 'def send():\n    """Opens a socket."""\n',
+                                       "README.md": "Not code, but worth a cartridge."})
+    (folder / "__pycache__").mkdir()
+    (folder / "__pycache__" / "_client.cpython-311.pyc").write_bytes(b"\x00\x01compiled")
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    report = store.sync(folder, SyncConfig(tokens=48, include=("*.py",)), progress=False)
+    assert report.added == ("__init__.py", "_client.py", "_transports.default.py") and report.rejected == ()
+    # without patterns the README is a document too (and the cache a binary file, skipped with its reason)
+    report = store.sync(folder, SyncConfig(tokens=48), progress=False)
+    assert report.added == ("README.md",) and [r.path for r in report.rejected] == ["__pycache__/_client.cpython-311.pyc"]
+    # a document that stops matching goes like a removed file
+    assert store.sync(folder, SyncConfig(tokens=48, include=("*.py",)), progress=False).deleted == ("README.md",)
+    with pytest.raises(ConfigError, match=r"holds no documents matching \*.rs, so this sync would delete all 3"):
+        store.sync(folder, SyncConfig(include=("*.rs",)), progress=False)
+    with pytest.raises(ConfigError, match="include holds ''; each pattern is a non-empty glob"):
+        SyncConfig(include=("*.py", ""))
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tiny_llama):
     """The tiny model as a folder, for the command (it loads the model it is given)."""

@@ -193,6 +193,9 @@ def _sync_settings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unit", choices=["file", "folder"], default="file",
                    help="one cartridge per file, or per entry at the top of the folder (a patient, a module)")
     p.add_argument("--max-bytes", type=int, default=8 * 2**20, help="larger files are skipped (default 8 MiB)")
+    p.add_argument("--include", action="append", default=[], metavar="PATTERN",
+                   help="only files whose path in the folder matches this glob are documents, e.g. --include '*.py' "
+                        "('*' crosses folders; repeatable; default: every file)")
     p.add_argument("--self-study", action="store_true",
                    help="then train each compacted cartridge by self-study, one document at a time, swapping each in "
                         "when done (minutes to hours per document; a re-run resumes)")

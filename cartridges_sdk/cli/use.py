@@ -91,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _sync_config(args: argparse.Namespace):
     from ..serve.sync import SyncConfig
 
-    return SyncConfig(tokens=args.tokens, unit=args.unit, max_bytes=args.max_bytes)
+    return SyncConfig(tokens=args.tokens, unit=args.unit, max_bytes=args.max_bytes, include=args.include)
 
 
 def _study_settings(args: argparse.Namespace) -> dict[str, Any] | None:

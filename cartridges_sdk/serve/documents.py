@@ -9,6 +9,7 @@ each. Nothing here writes.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import re
@@ -19,7 +20,7 @@ import attrs
 
 from ..errors import ConfigError
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # what a store serves; also the API's model name
+NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")  # what a store serves; also the API's model name
 SUFFIX = ".safetensors"  # a cartridge's file is NAME + SUFFIX
 MAX_BYTES = 8 * 2**20  # a bigger file is most likely data, not a document
 UNITS = ("file", "folder")
@@ -58,17 +59,20 @@ def store_name(origin: str) -> str:
 def name_problem(name: str) -> str | None:
     """Why the store cannot serve a cartridge called `name`, or None."""
     if not NAME.match(name):
-        return (f"the name {name!r} cannot be a cartridge's (1-128 letters, digits, '.', '_', '-', starting with a "
-                "letter or digit); rename it")
+        return (f"the name {name!r} cannot be a cartridge's (1-128 letters, digits, '.', '_', '-', not starting with "
+                "'.' or '-'); rename it")
     if name == "auto":
         return "the name 'auto' is taken by routing; rename it"
     return None
 
 
 def read_documents(source: str | os.PathLike | Mapping[str, str], *, unit: str = "file",
-                   max_bytes: int = MAX_BYTES) -> tuple[list[Document], list[NotADocument]]:
+                   max_bytes: int = MAX_BYTES,
+                   include: tuple[str, ...] = ()) -> tuple[list[Document], list[NotADocument]]:
     """The documents of `source` (a folder, or a mapping of name to text) and the paths skipped, both sorted.
-    `unit` and `max_bytes` are `SyncConfig`'s, checked there; a mapping's entries are its units already."""
+    `unit`, `max_bytes` and `include` are `SyncConfig`'s, checked there; a mapping's entries are its units already.
+    With `include` patterns, a folder's files whose relative path matches none are passed over silently: left out
+    by choice (a codebase's caches and binaries), not skipped for a fault."""
     if isinstance(source, Mapping):
         return _from_mapping(source)
     if not isinstance(source, (str, os.PathLike)):
@@ -77,6 +81,8 @@ def read_documents(source: str | os.PathLike | Mapping[str, str], *, unit: str =
     if not root.is_dir():
         raise ConfigError(f"{str(root)!r} is not a folder; sync reads a folder of documents (one per file).")
     files, skipped = _walk(root)
+    if include:
+        files = [(origin, path) for origin, path in files if any(fnmatch.fnmatchcase(origin, p) for p in include)]
     documents: dict[str, Document] = {}
     if unit == "file":
         groups = [(origin, [(origin, path)]) for origin, path in files]

@@ -47,6 +47,12 @@ WORK = ".work"  # self-study's work folders, one per document version
 DISTRACTOR_POOL = 16  # the other cartridges one document's self-study draws its distractors from
 
 
+def _patterns(_: object, __: object, patterns: tuple) -> None:
+    for p in patterns:
+        if not isinstance(p, str) or not p.strip():
+            raise ConfigError(f"include holds {p!r}; each pattern is a non-empty glob such as '*.py' or 'src/*'.")
+
+
 @attrs.frozen
 class SyncConfig:
     """How each document becomes a cartridge. Changing `tokens` rebuilds every document at the next sync."""
@@ -57,6 +63,9 @@ class SyncConfig:
     max_bytes: int = attrs.field(default=MAX_BYTES, validator=at_least_one)  # larger files are skipped
     compaction: CompactionConfig = attrs.field(factory=CompactionConfig,
                                                validator=attrs.validators.instance_of(CompactionConfig))
+    # glob patterns (fnmatch, '*' crosses folders) of the relative paths that are documents, e.g. ("*.py",);
+    # empty: every file. A document that stops matching is deleted from the store like one removed.
+    include: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_patterns)
 
 
 @attrs.frozen
@@ -96,10 +105,12 @@ def sync(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], c
     with folder_lock(store.root, name=LOCK, timeout=timeout, busy=busy, error=StoreBusyError):
         _clear_stale(store.root)
         store.refresh()
-        documents, rejected = read_documents(source, unit=config.unit, max_bytes=config.max_bytes)
+        documents, rejected = read_documents(source, unit=config.unit, max_bytes=config.max_bytes,
+                                             include=config.include)
         records = store.records()
         if not documents and records:  # an unmounted or emptied folder looks like every document deleted
-            raise ConfigError(f"{source if not isinstance(source, Mapping) else 'The source'} holds no documents, so "
+            raise ConfigError(f"{source if not isinstance(source, Mapping) else 'The source'} holds no documents"
+                              f"{' matching ' + ', '.join(config.include) if config.include else ''}, so "
                               f"this sync would delete all {len(records)} synced cartridges of the store at "
                               f"{store.root}; check the folder, or delete them on purpose with store.remove(name).")
         todo: list[tuple[Document, bool]] = []  # (document, whether it replaces one)
@@ -180,7 +191,7 @@ def self_study(store: CartridgeStore, source: str | os.PathLike | Mapping[str, s
                           "distractors its distractors= argument).")
     if isinstance(distractors, bool) or not isinstance(distractors, int) or distractors < 0:
         raise ConfigError(f"distractors={distractors!r} must be a whole number >= 0 (0 trains each cartridge alone).")
-    documents, _ = read_documents(source, unit=config.unit, max_bytes=config.max_bytes)
+    documents, _ = read_documents(source, unit=config.unit, max_bytes=config.max_bytes, include=config.include)
     improved: list[str] = []
     for doc in documents:
         if limit is not None and len(improved) >= limit:
