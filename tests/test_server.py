@@ -56,6 +56,13 @@ def test_answers_equal_the_python_apis_streamed_and_not(served, client, tiny_lla
                                           temperature=0, extra_body={"cartridges": ["c1", "c2"]})
     assert both.choices[0].message.content == tiny_llama.ask(
         "Who?", cartridges=[store.get("c1"), store.get("c2")], max_new_tokens=6)
+    # OpenAI's list of text parts (what IDE clients such as Continue send) reads as the text itself
+    parts = client.chat.completions.create(
+        model="c3", messages=[{"role": "user", "content": [{"type": "text", "text": "Who logged"},
+                                                            {"type": "text", "text": "storms?"}]}],
+        max_tokens=8, temperature=0)
+    assert parts.choices[0].message.content == tiny_llama.ask("Who logged\nstorms?", cartridges=[store.get("c3")],
+                                                              max_new_tokens=8)
     names = [m.id for m in client.models.list().data]
     assert names[:8] == [f"c{i}" for i in range(8)] and "auto" in names and tiny_llama.name in names
 
@@ -127,6 +134,9 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_stays_up(served, client):
     raw = httpx.post(f"{url}/chat/completions", json={"model": "c0", "messages": [{"role": "robot", "content": "x"}]},
                      headers={"authorization": f"Bearer {KEY}"})
     assert raw.status_code == 400 and raw.json()["error"]["param"] == "messages[0]"
+    image = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
+    with pytest.raises(openai.BadRequestError, match=r"parts of type \['image_url', 'text'\]; this server reads text"):
+        client.chat.completions.create(model="c0", messages=[{"role": "user", "content": image}], max_tokens=4)
     # a damaged file dropped into the store while serving is left out; the others keep answering
     (store.root / "broken.safetensors").write_bytes(b"\x00" * 64)
     assert "broken" not in [m.id for m in client.models.list().data]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from .files import cmd_compact, cmd_compose, cmd_init, cmd_inspect
 from .selfstudy import cmd_build, cmd_merge, cmd_synthesize, cmd_train
-from .use import cmd_ask, cmd_backends, cmd_models, cmd_serve, cmd_sync
+from .use import cmd_ask, cmd_backends, cmd_mcp, cmd_models, cmd_serve, cmd_sync
 
 DESCRIPTION = "The ``cartridges`` command: make, inspect, compose and query cartridge files from a shell."
 INITS = ["compact", "prefix", "random_text", "random"]
@@ -220,6 +220,18 @@ def _backends(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
 
 
+def _mcp(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+                   help="the API base of the running `cartridges serve` (default http://127.0.0.1:8000/v1)")
+    p.add_argument("--api-key", help="the server's key (default: CARTRIDGES_API_KEY, else none)")
+    p.add_argument("--tool", default="ask_codebase", help="the tool's name, as the client's model sees it "
+                   "(default ask_codebase)")
+    p.add_argument("--description", help="what the tool is for, as the client's model reads it (default: a "
+                   "question about the codebase)")
+    p.add_argument("--k", type=int, default=1, help="cartridges each question is routed to (default 1)")
+    p.add_argument("--max-tokens", type=int, default=384, help="longest answer, in tokens (default 384)")
+
+
 def _models(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "pull"], help="list the named models, or pull one into the cache")
     p.add_argument("name", nargs="?", help="pull: the model's name, e.g. qwen2.5-coder-1.5b")
@@ -244,6 +256,8 @@ COMMANDS: list[Command] = [
     ("sync", "keep a store in step with a folder of documents: one cartridge per document, only changes rebuilt",
      cmd_sync, _sync),
     ("serve", "serve a folder of cartridges over an OpenAI-compatible HTTP API", cmd_serve, _serve),
+    ("mcp", "an MCP server (stdio) whose tool asks a running `cartridges serve`, for IDEs and assistants", cmd_mcp,
+     _mcp),
     ("models", "the models pulled by name from a package index: list them, or pull one", cmd_models, _models),
     ("backends", "list installed runtimes, synthesizers and trainers, and whether each imports", cmd_backends,
      _backends),

@@ -148,6 +148,18 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    from ..serve.mcp_tool import DESCRIPTION, BridgeConfig, create_bridge
+
+    config = BridgeConfig(base_url=args.base_url, api_key=args.api_key or os.environ.get("CARTRIDGES_API_KEY"),
+                          tool=args.tool, description=args.description or DESCRIPTION, k=args.k,
+                          max_tokens=args.max_tokens)
+    print(f"cartridges mcp: tool {config.tool} asks {config.base_url} (MCP over stdin/stdout: an MCP client starts "
+          "this command)", file=sys.stderr)
+    create_bridge(config).run()  # stdout belongs to the protocol: nothing else is printed there
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from pathlib import Path
 

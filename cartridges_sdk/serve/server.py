@@ -302,6 +302,25 @@ async def _read_json(request: Any, limit: int) -> dict[str, Any]:
     return body
 
 
+def _message(i: int, m: Any) -> dict[str, str]:
+    """A message as the chat template takes it: its role and its text. Content may come as OpenAI's list of text
+    parts (IDE clients such as Continue send that), joined by newlines; other parts (images) are refused."""
+    if not isinstance(m, dict) or m.get("role") not in ROLES:
+        raise BadRequest(400, f"messages[{i}] must be {{'role': one of {list(ROLES)}, 'content': a string}}.",
+                         f"messages[{i}]")
+    content = m.get("content")
+    if isinstance(content, list) and content:
+        kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content}
+        if kinds != {"text"} or not all(isinstance(p.get("text"), str) for p in content):
+            raise BadRequest(400, f"messages[{i}].content has parts of type {sorted(map(str, kinds))}; this server "
+                             "reads text only ({'type': 'text', 'text': ...}).", f"messages[{i}]")
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise BadRequest(400, f"messages[{i}] must be {{'role': one of {list(ROLES)}, 'content': a string}} (or a "
+                         "list of text parts).", f"messages[{i}]")
+    return {"role": m["role"], "content": content}
+
+
 def _parse(body: dict[str, Any], config: ServeConfig):
     """(cartridge names, or None for routing; messages; generation params; stream; whether a stream ends with usage),
     or BadRequest naming the field."""
@@ -315,10 +334,7 @@ def _parse(body: dict[str, Any], config: ServeConfig):
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest(400, "'messages' must be a non-empty list of {role, content}.", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise BadRequest(400, f"messages[{i}] must be {{'role': one of {list(ROLES)}, 'content': a string}}.",
-                             f"messages[{i}]")
+    messages = [_message(i, m) for i, m in enumerate(messages)]
     if not any(m["role"] == "user" for m in messages):
         raise BadRequest(400, "'messages' needs at least one user turn.", "messages")
     if body.get("n", 1) != 1:

@@ -1,0 +1,103 @@
+"""`cartridges mcp`: a Model Context Protocol server whose one tool asks a running `cartridges serve`.
+
+Why a bridge and not a second engine: an MCP client (an IDE, a desktop assistant) starts the servers it is
+configured with itself, often one per window, over stdio. Loading the model in each would multiply its memory; the
+bridge holds none. It sends each question to the one `cartridges serve` that holds the model and the store, routed
+there (``model="auto"``), so every window shares that server's batching and cartridges, and a store kept in step
+by ``serve --watch`` answers from the current code without the bridge knowing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ..checks import at_least_one, positive
+from ..errors import ConfigError
+
+DESCRIPTION = ("Ask a question about the codebase. It is answered by a language model reading the cartridges (one "
+               "per source file) that the question is routed to; the answer names those files and their versions. "
+               "Ask about one thing at a time, naming the function, class or module when you know it.")
+
+
+def _url(_: object, attribute: attrs.Attribute, value: str) -> None:
+    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
+        raise ConfigError(f"{attribute.name}={value!r} is not an http(s) URL; give the server's API base, e.g. "
+                          "http://127.0.0.1:8000/v1 for `cartridges serve --port 8000`.")
+
+
+def _tool_name(_: object, attribute: attrs.Attribute, value: str) -> None:
+    if not (isinstance(value, str) and value.isidentifier()):
+        raise ConfigError(f"{attribute.name}={value!r} is not a tool name; use letters, digits and '_', e.g. "
+                          "ask_codebase.")
+
+
+@attrs.frozen
+class BridgeConfig:
+    """Where the bridge sends questions and how its tool presents itself to the MCP client."""
+
+    base_url: str = attrs.field(default="http://127.0.0.1:8000/v1", validator=_url)
+    api_key: str | None = None  # the server's --api-key, sent as a bearer token
+    tool: str = attrs.field(default="ask_codebase", validator=_tool_name)
+    description: str = DESCRIPTION  # what the client's model reads to decide when to call the tool
+    k: int = attrs.field(default=1, validator=at_least_one)  # cartridges routed to per question
+    max_tokens: int = attrs.field(default=384, validator=at_least_one)
+    timeout: float = attrs.field(default=600.0, validator=positive)  # seconds: a CPU answer takes tens
+
+
+class BridgeError(Exception):
+    """A question the server could not answer: its message goes back to the MCP client as the tool's error."""
+
+
+async def ask_server(config: BridgeConfig, question: str) -> dict[str, Any]:
+    """One routed question to the server: the answer, the cartridges that gave it and their documents' versions."""
+    import httpx
+
+    if not question.strip():
+        raise BridgeError("The question is empty; ask about the codebase in a sentence.")
+    headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    body = {"model": "auto", "k": config.k, "max_tokens": config.max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": question}]}
+    url = config.base_url.rstrip("/") + "/chat/completions"
+    try:
+        async with httpx.AsyncClient(timeout=config.timeout) as client:
+            response = await client.post(url, json=body, headers=headers)
+    except httpx.TransportError as err:
+        raise BridgeError(f"Cannot reach cartridges serve at {config.base_url} ({type(err).__name__}: {err}); start "
+                          "it (`cartridges serve --store DIR`) or pass its address with --base-url.") from err
+    if response.status_code != 200:
+        try:
+            why = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            why = response.text[:300]
+        raise BridgeError(f"cartridges serve answered {response.status_code}: {why}")
+    reply = response.json()
+    return {"answer": reply["choices"][0]["message"]["content"], "cartridges": reply.get("cartridges", []),
+            "versions": reply.get("versions", [])}
+
+
+def render(reply: dict[str, Any]) -> str:
+    """The tool's text: the answer, then where it came from (a document's version is its SHA-256, cut to 12)."""
+    sources = ", ".join(f"{name} ({version[:12]})" if version else name
+                        for name, version in zip(reply["cartridges"], reply["versions"] or [None] * 99))
+    return f"{reply['answer'].strip()}\n\nSources: {sources or 'none'}"
+
+
+def create_bridge(config: BridgeConfig | None = None) -> Any:
+    """The MCP server (`mcp.server.mcpserver.MCPServer`); ``.run()`` serves it over stdio."""
+    from mcp.server.mcpserver import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    config = config or BridgeConfig()
+    server = MCPServer("cartridges", instructions=f"Call {config.tool} to ask about the codebase the cartridges "
+                                                  "were built from.")
+
+    async def ask(question: str) -> str:
+        try:
+            return render(await ask_server(config, question))
+        except BridgeError as err:
+            raise ToolError(str(err)) from err
+
+    server.add_tool(ask, name=config.tool, description=config.description, structured_output=False)
+    return server
