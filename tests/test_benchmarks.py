@@ -236,3 +236,34 @@ def test_models_benchmark_measures_a_model_in_a_process_of_its_own(default_lm):
     assert row["parameters"] == sum(p.numel() for p in default_lm.model.parameters())
     assert row["load_seconds"] > 0 and row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
     assert row["peak_memory_mb"] > 4 * row["parameters"] / 2**20  # the child's own peak: its fp32 weights at least
+
+
+def test_codebase_benchmark_on_a_tiny_model(tmp_path, tiny_llama):
+    from benchmarks import codebase as bench
+
+    pkg = tmp_path / "harbour"
+    (pkg / "_tides").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('"""Harbour tools."""\n')
+    (pkg / "_tides" / "tables.py").write_text(
+        'def high_water(day):\n    """Return the hour of high water at the quay on the given day of the month."""\n'
+        '    return day % 12\n\n\nclass Gauge:\n    """A tide gauge that records the water level at the harbour wall."""\n\n'
+        '    def read(self):\n        """Read the current water level in feet above the datum."""\n        return 4\n')
+    (pkg / "boats.py").write_text(
+        'class Mooring:\n    """A mooring buoy that holds one fishing boat in the outer harbour."""\n\n'
+        '    def _hidden(self):\n        """Private helpers are not asked about, whatever they say."""\n')
+    questions = bench.docstring_questions(pkg, "harbour", 10, 0, per_module=5)
+    assert [(q.module, q.qualname) for q in questions] == [
+        ("_tides.tables.py", "high_water"), ("_tides.tables.py", "Gauge"), ("_tides.tables.py", "Gauge.read"),
+        ("boats.py", "Mooring")]
+    assert questions[2].question == "What does the Gauge.read method in harbour do?"
+    assert questions[3].answer == "A mooring buoy that holds one fishing boat in the outer harbour."
+    text = (pkg / "_tides" / "tables.py").read_text()
+    window = bench.best_window(tiny_llama, text, 10, 24)  # the module does not fit: 24 tokens around line 10
+    assert len(window) == 24 and window != tiny_llama.encode(text)[:24]
+    result = bench.run(tiny_llama, pkg, "harbour", tmp_path / "store", 32, 4, 0, 1, 4)
+    # at most 2 questions per module (of 3 in tables.py), so 3 in all
+    assert result["modules"] == 3 and result["questions"] == 3 and set(result["closure"]) == {"routed", "own", "rag"}
+    assert all(r["routed"] == r["own"] for r in result["rows"] if r["routed_right"])
+    assert set(result["timing"]) == {"routed", "rag", "best"}
+    # a request holds the 32-token cartridge where the best context holds the whole module (over 180 tokens)
+    assert result["timing"]["routed"]["kv_tokens"] + 150 < result["timing"]["best"]["kv_tokens"]

@@ -1,4 +1,5 @@
-"""Documented commands are code: every shell and Python block in README.md and docs/*.md runs here.
+"""Documented commands are code: every shell and Python block in README.md, docs/*.md and examples/*/README.md
+runs here.
 
 The rules (what a page author needs to know):
 
@@ -55,7 +56,8 @@ import pytest
 from conftest import TEXT
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+         *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*/README.md"))]
 SHELL_LANGS = {"bash", "sh", "console", "shell"}
 RUN_LANGS = SHELL_LANGS | {"python"}
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
@@ -98,6 +100,10 @@ SUBSTITUTIONS = [
     Sub(".*", SH, r"\bcartridges ask ", "cartridges ask --max-new-tokens 24 ", "short answers"),
     Sub(r"docs/(store|openai|sync)\.md", PY | SH, r"\b8000\b", "{port}", "the server listens on a free port"),
     Sub(r"docs/openai\.md", SH, r"\bMODEL_DIR\b", "{model_dir}", "the folder the SDK loads the default model from"),
+    Sub(r"examples/codebase_assistant/README\.md", SH, r"^\.venv/bin/python (examples/codebase_assistant/assistant\.py)$",
+        r"python \1 --source my_repo --model default --tokens 32 --max-tokens 8 --store store",
+        "the sample my_repo/ with the embedded model, not httpx with the 0.5B reader (minutes); .venv/bin is first "
+        "on the tests' PATH"),
     Sub(r"docs/llamacpp\.md", SH, r"/models/my-model\.Q4_K_M\.gguf", "{gguf}",
         "a GGUF of the student's model: the embedded one"),
 ]
