@@ -79,8 +79,9 @@ async def ask_server(config: BridgeConfig, question: str) -> dict[str, Any]:
 
 def render(reply: dict[str, Any]) -> str:
     """The tool's text: the answer, then where it came from (a document's version is its SHA-256, cut to 12)."""
+    versions = reply["versions"] or [None] * len(reply["cartridges"])  # None: a cartridge sync did not make
     sources = ", ".join(f"{name} ({version[:12]})" if version else name
-                        for name, version in zip(reply["cartridges"], reply["versions"] or [None] * 99))
+                        for name, version in zip(reply["cartridges"], versions))
     return f"{reply['answer'].strip()}\n\nSources: {sources or 'none'}"
 
 

@@ -305,19 +305,16 @@ async def _read_json(request: Any, limit: int) -> dict[str, Any]:
 def _message(i: int, m: Any) -> dict[str, str]:
     """A message as the chat template takes it: its role and its text. Content may come as OpenAI's list of text
     parts (IDE clients such as Continue send that), joined by newlines; other parts (images) are refused."""
-    if not isinstance(m, dict) or m.get("role") not in ROLES:
-        raise BadRequest(400, f"messages[{i}] must be {{'role': one of {list(ROLES)}, 'content': a string}}.",
-                         f"messages[{i}]")
-    content = m.get("content")
+    content = m.get("content") if isinstance(m, dict) else None
     if isinstance(content, list) and content:
         kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content}
         if kinds != {"text"} or not all(isinstance(p.get("text"), str) for p in content):
             raise BadRequest(400, f"messages[{i}].content has parts of type {sorted(map(str, kinds))}; this server "
                              "reads text only ({'type': 'text', 'text': ...}).", f"messages[{i}]")
         content = "\n".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise BadRequest(400, f"messages[{i}] must be {{'role': one of {list(ROLES)}, 'content': a string}} (or a "
-                         "list of text parts).", f"messages[{i}]")
+    if not isinstance(content, str) or m.get("role") not in ROLES:
+        raise BadRequest(400, f"messages[{i}] must be {{'role': one of {list(ROLES)}, 'content': a string or a list "
+                         "of text parts}.", f"messages[{i}]")
     return {"role": m["role"], "content": content}
 
 
