@@ -120,7 +120,7 @@ def test_synthesize_then_train(tmp_path, capsys):
     assert "--distractors " in capsys.readouterr().err
     assert main([*among, str(tmp_path / "d.safetensors")]) == 0
     assert Cartridge.load(tmp_path / "f.safetensors").meta.training["distractors"] == {
-        "most": 1, "alone": 0.125, "content": [c.fingerprint, d.fingerprint]}
+        "most": 1, "alone": 0.5, "content": [c.fingerprint, d.fingerprint]}
     # a training setting given to synthesize is refused with a pointer to the right command
     assert main(["synthesize", corpus, "-o", str(tmp_path / "x"), "--set", "lr=0.1"]) == 2
     assert "cartridges train" in capsys.readouterr().err

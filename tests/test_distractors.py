@@ -67,7 +67,7 @@ def test_only_the_trainable_cartridge_learns_among_others(tiny_lm, tmp_path):
     assert all(torch.equal(a, b) for o, keys in zip(others, before) for a, b in zip(o.keys, keys))
     assert among.num_tokens == 12 and torch.equal(among.keys[0][:, :1], init.keys[0][:, :1])  # its sink stays
     assert not torch.equal(among.keys[0], alone.keys[0])  # the others changed what it learned
-    assert among.meta.training["distractors"] == {"most": 2, "alone": 0.125,
+    assert among.meta.training["distractors"] == {"most": 2, "alone": 0.5,
                                                 "content": [o.fingerprint for o in others]}
     assert "distractors" not in alone.meta.training
 
@@ -117,7 +117,7 @@ def test_a_store_self_studies_among_its_other_cartridges(tmp_path, tiny_llama):
     others = {n: store.get(n).fingerprint for n in ("b", "c")}
     assert store.self_study(texts, config, STUDY, limit=1, distractors=2, progress=False) == ("a",)
     training = store.get("a").meta.training
-    assert training["distractors"] == {"most": 2, "alone": 0.125,
+    assert training["distractors"] == {"most": 2, "alone": 0.5,
                                       "content": [others["b"], others["c"]]}
     assert not list((store.root / ".work").iterdir())  # the kept distractors went with the work folder
     with pytest.raises(ConfigError, match=r"\['max_distractors'\] are set by sync"):

@@ -39,7 +39,7 @@ class Placement:
     after: tuple[int, ...]
 
 
-def draw(count: int, most: int, seed: int, step: int, alone: float = 0.125) -> Placement:
+def draw(count: int, most: int, seed: int, step: int, alone: float = 0.5) -> Placement:
     """Step `step`'s others: none with probability `alone` (steps that keep what the cartridge is worth alone), else
     between 1 and `most` of the `count` distractors (each number as likely), at a uniform place among them."""
     rng = random.Random(f"distractors:{seed}:{step}")
@@ -87,7 +87,7 @@ def check_among(lm: LM, distractors: Sequence[Cartridge], config: TrainConfig, t
 class Distractors:
     """The frozen others' KV on the training device (float32, rotate-half pairing, the layout the model reads)."""
 
-    def __init__(self, cartridges: Sequence[Cartridge], lm: LM, most: int, alone: float = 0.125):
+    def __init__(self, cartridges: Sequence[Cartridge], lm: LM, most: int, alone: float = 0.5):
         if not cartridges:
             raise ConfigError("Distractors() needs at least one cartridge.")
         self.most, self.alone = most, alone
