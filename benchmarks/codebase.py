@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import json
 import random
 import re
 import time
@@ -121,7 +122,9 @@ def rag_context(lm, retriever, chunks: list[str], question: str, budget: int) ->
 
 
 def run(lm, source: Path, package: str, store_dir: Path, tokens: int, count: int, seed: int, timed: int,
-        answer_tokens: int) -> dict:
+        answer_tokens: int, earlier: dict | None = None) -> dict:
+    """With `earlier` (a result of the same model, package, size and questions), its scores that do not depend on
+    routing are reused and only routing is run again: how a change to the router is measured in minutes."""
     import bm25s
 
     store = CartridgeStore(store_dir, lm)
@@ -136,17 +139,25 @@ def run(lm, source: Path, package: str, store_dir: Path, tokens: int, count: int
     retriever.index(bm25s.tokenize(chunks, stopwords="en", show_progress=False), show_progress=False)
     limit = (lm.max_context or 10**9) - ROOM
     questions = docstring_questions(source, package, count, seed)
+    reused = {(r["module"], r["qualname"]): r for r in (earlier or {}).get("rows", [])}
+    if earlier and (earlier["model"] != lm.name or earlier["tokens"] != tokens or
+                    set(reused) != {(q.module, q.qualname) for q in questions}):
+        raise SystemExit("the earlier result is of another model, size or question set; run without --reuse-scores")
     rows = []
     for q in questions:
         def at(**context) -> float:
             return nll(answer_logprobs(lm, q.question, q.answer, **context), lm, q.answer)
 
         routed = store.route(q.question, k=1)[0].name
-        best = best_window(lm, modules[q.module], q.line, limit)
-        row = {"module": q.module, "qualname": q.qualname, "none": at(), "best": at(document=best),
-               "best_tokens": len(best), "best_whole": len(best) == module_tokens[q.module],
-               "own": at(cartridges=[store.get(q.module)]), "routed_to": routed, "routed_right": routed == q.module,
-               "rag": at(document=rag_context(lm, retriever, chunks, q.question, tokens))}
+        if earlier:
+            row = {k: v for k, v in reused[(q.module, q.qualname)].items() if k not in ("routed", "routed_to")}
+        else:
+            best = best_window(lm, modules[q.module], q.line, limit)
+            row = {"module": q.module, "qualname": q.qualname, "none": at(), "best": at(document=best),
+                   "best_tokens": len(best), "best_whole": len(best) == module_tokens[q.module],
+                   "own": at(cartridges=[store.get(q.module)]),
+                   "rag": at(document=rag_context(lm, retriever, chunks, q.question, tokens))}
+        row.update(routed_to=routed, routed_right=routed == q.module)
         row["routed"] = row["own"] if routed == q.module else at(cartridges=[store.get(routed)])
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         rows.append(row)
@@ -160,7 +171,8 @@ def run(lm, source: Path, package: str, store_dir: Path, tokens: int, count: int
             "closure_whole_module_fits": {k: _closure([r for r in rows if r["best_whole"]], k) for k in kinds},
             "routed_right": round(sum(r["routed_right"] for r in rows) / len(rows), 3),
             "beats_rag": wins, "kv_bytes_per_token": per_token,
-            "timing": timing(lm, store, retriever, chunks, modules, questions[:timed], tokens, limit, answer_tokens),
+            "timing": earlier["timing"] if earlier else timing(lm, store, retriever, chunks, modules,
+                                                              questions[:timed], tokens, limit, answer_tokens),
             "rows": rows}
 
 
@@ -202,6 +214,8 @@ def main() -> None:
     parser.add_argument("--answer-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--store", type=Path, default=Path("/tmp/codebase-bench"), help="a scratch folder")
+    parser.add_argument("--reuse-scores", type=Path, help="an earlier result file: reuse its scores and timings, "
+                        "and run routing (and the routed scores) again")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     spec = importlib.util.find_spec(args.package)
@@ -210,8 +224,11 @@ def main() -> None:
     source = Path(next(iter(spec.submodule_search_locations)))
     lm = load_model(None if args.model == "default" else args.model)
     start = time.perf_counter()
+    earlier = json.loads(args.reuse_scores.read_text()) if args.reuse_scores else None
     result = run(lm, source, args.package, args.store / f"{args.package}-{args.model}-{args.tokens}", args.tokens,
-                 args.questions, args.seed, args.timed, args.answer_tokens)
+                 args.questions, args.seed, args.timed, args.answer_tokens, earlier)
+    if earlier:
+        result["scores_from"] = {"file": str(args.reuse_scores), "commit": earlier.get("commit")}
     result.update({"model": lm.name, "seconds": round(time.perf_counter() - start, 1), "commit": provenance.commit(),
                    "dirty": provenance.dirty(), "machine": provenance.machine()})
     provenance.save(result, args.out or Path("benchmarks/results") / f"codebase-{args.package}-{args.model}.json")

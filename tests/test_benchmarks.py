@@ -267,3 +267,10 @@ def test_codebase_benchmark_on_a_tiny_model(tmp_path, tiny_llama):
     assert set(result["timing"]) == {"routed", "rag", "best"}
     # a request holds the 32-token cartridge where the best context holds the whole module (over 180 tokens)
     assert result["timing"]["routed"]["kv_tokens"] + 150 < result["timing"]["best"]["kv_tokens"]
+    # a change to the router is measured again without scoring the rest: the scores and timings are reused
+    again = bench.run(tiny_llama, pkg, "harbour", tmp_path / "store", 32, 4, 0, 1, 4,
+                      earlier={**result, "model": tiny_llama.name})
+    assert [r["rag"] for r in again["rows"]] == [r["rag"] for r in result["rows"]]
+    assert again["rows"] == result["rows"] and again["timing"] == result["timing"]
+    with pytest.raises(SystemExit, match="another model, size or question set"):
+        bench.run(tiny_llama, pkg, "harbour", tmp_path / "store", 32, 4, 0, 1, 4, earlier={**result, "model": "x"})

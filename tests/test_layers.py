@@ -25,7 +25,7 @@ LAYERS = {
               "build.windows", "build.synthesis", "build.memory", "build.distractors", "build.checkpoint",
               "build.loss", "build.training", "build.compaction", "build.evaluation", "build.selfstudy", "build"],
     # serving them
-    "serve": ["serve.background", "serve.documents", "serve.sync", "serve.store", "serve.watch", "serve.guard", "serve.engine", "serve.server",
+    "serve": ["serve.background", "serve.words", "serve.documents", "serve.sync", "serve.store", "serve.watch", "serve.guard", "serve.engine", "serve.server",
               "serve.mcp_tool", "serve"],
     # for plugin authors' tests
     "testing": ["testing.fakes", "testing.contract", "testing.isolation", "testing.fixtures", "testing"],

@@ -61,8 +61,7 @@ class TrainConfig:
     autocast_dtype: str | None = attrs.field(default=None, validator=one_of(None, "bfloat16", "float16"))
     seed: int = attrs.field(default=0, validator=optional_int)
     # with distractor cartridges (`fit(distractors=...)`, build/distractors.py): at most this many around the
-    # trainable one at a step (7: for compositions of up to 8), and the share of steps that train it alone (half:
-    # measured in docs/sync.md, it keeps most of what training alone gives at k = 1, where 1/8 lost much of it)
+    # trainable one at a step (7: compositions of up to 8), and the share of steps alone (half: docs/sync.md)
     max_distractors: int = attrs.field(default=7, validator=count)
     alone_share: float = attrs.field(default=0.5, validator=fraction)
 

@@ -32,6 +32,7 @@ from ..kv import Recent
 from ..lm import LM
 from .documents import NAME, SUFFIX, name_problem
 from .sync import SyncConfig, SyncReport, document_record, self_study, sync
+from .words import STOPWORDS, routing_text
 
 log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed
 
@@ -302,7 +303,8 @@ class CartridgeStore:
             raise ConfigError(f"No cartridge in the store at {self.root} has a corpus text ({CORPUS_SUFFIX}) to route "
                               "by; add cartridges with store.add(name, cartridge, corpus=text).")
         retriever, names = index
-        found, scores = retriever.retrieve(bm25s.tokenize([question], stopwords="en", show_progress=False),
+        found, scores = retriever.retrieve(bm25s.tokenize([routing_text(question)], stopwords=STOPWORDS,
+                                                          show_progress=False),
                                            k=len(names), show_progress=False)
         ranked = sorted(((names[d], float(s)) for d, s in zip(found[0].tolist(), scores[0].tolist()) if s > 0),
                         key=lambda item: (-item[1], item[0]))[:k]
@@ -321,7 +323,8 @@ class CartridgeStore:
                 return None
             retriever = bm25s.BM25()
             texts = [corpus.read_text("utf-8", errors="replace") for _, corpus in named]
-            retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+            retriever.index(bm25s.tokenize([routing_text(t) for t in texts], stopwords=STOPWORDS, show_progress=False),
+                            show_progress=False)
             owners = [name for name, _ in named]
             self._index = (retriever, owners)
         return self._index
