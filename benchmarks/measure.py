@@ -105,14 +105,22 @@ def mmlu_accuracy(lm: LM, questions: Sequence[Question], cartridge: Cartridge | 
 
 
 # -- speed ------------------------------------------------------------------------------------------------------
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """Best FLOP/s of an n x n x n matrix product in `dtype` on this machine, now (the yardstick for training)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def synchronize(device: torch.device | str = "cpu") -> None:
+    """Wait for `device` to finish its queued work, so a wall-clock timer measures the work, not its launch."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Best FLOP/s of an n x n x n matrix product in `dtype` on `device`, now (the yardstick for training)."""
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     a @ b  # warm-up
     best = math.inf
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         a @ b
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
 
@@ -131,11 +139,13 @@ def decode_throughput(lm: LM, cache_kv: Cartridge, batch: int, prompt: Sequence[
     out = lm.model(input_ids=ids, position_ids=torch.arange(p, p + n, device=dev)[None].expand(batch, -1),
                    past_key_values=cache, use_cache=True)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
+    synchronize(dev)
     start = time.perf_counter()
     for i in range(tokens):
         pos = torch.full((batch, 1), p + n + i, device=dev)
         out = lm.model(input_ids=token, position_ids=pos, past_key_values=out.past_key_values, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
+    synchronize(dev)
     return batch * tokens / (time.perf_counter() - start)
 
 

@@ -110,37 +110,70 @@ def prefix_cache(lm: LM, cartridges: Sequence[Cartridge], batch_size: int, *, ca
 def rows_prefix_cache(lm: LM, rows: Sequence[list[tuple[torch.Tensor, torch.Tensor]] | None], *, capacity: int | None = None):
     """A cache where every row has its own prefix (per-layer KV, or None for none), right-aligned: row i's prefix
     fills the last ``len_i`` of ``width`` slots. Returns the cache (None when no row has a prefix), the width, and
-    a ``[rows, width]`` mask that is 1 on real prefix slots."""
+    a ``[rows, width]`` mask that is 1 on real prefix slots.
+
+    With `capacity`, each row is written once, straight into a buffer with room to grow: a batch of long prefixes
+    (many users, or documents in context) then takes one copy of memory, not two.
+    """
     lengths = [rows_layers[0][0].shape[1] if rows_layers else 0 for rows_layers in rows]
     width = max(lengths, default=0)
-    mask = torch.zeros(len(rows), width, dtype=torch.long, device=lm.device)
     if width == 0:
-        return None, 0, mask
+        return None, 0, torch.zeros(len(rows), 0, dtype=torch.long, device=lm.device)
     template = next(r for r in rows if r)
-    data = []
+    # rows that share a prefix (one cartridge, many users) are written with one copy per layer, not one per row
+    sharing: dict[tuple[int, ...], list[int]] = {}
+    for i, r in enumerate(rows):
+        if r:  # the same tensors, not equal ones: the runtime hands every row of a cartridge its installed copy
+            sharing.setdefault(tuple(id(t) for pair in r for t in pair), []).append(i)
+    groups = [(rows[idx[0]], torch.tensor(idx, device=lm.device)) for idx in sharing.values()]
+    cache = _empty_cache(lm, len(template))
     for layer in range(len(template)):
         k0, v0 = template[layer]
-        keys = k0.new_zeros((len(rows), k0.shape[0], width, k0.shape[2]))
-        values = v0.new_zeros((len(rows), v0.shape[0], width, v0.shape[2]))
-        for i, r in enumerate(rows):
-            if r:
-                keys[i, :, width - lengths[i] :] = r[layer][0]
-                values[i, :, width - lengths[i] :] = r[layer][1]
-        data.append((keys, values))
-    for i, n in enumerate(lengths):
-        mask[i, width - n :] = 1
-    return _cache(lm, data, capacity), width, mask
+        grows = capacity is not None and _grows_in_place(cache, layer)
+        room = max(capacity, width) if grows else width
+        keys = k0.new_zeros((len(rows), k0.shape[0], room, k0.shape[2]))
+        values = v0.new_zeros((len(rows), v0.shape[0], room, v0.shape[2]))
+        for r, idx in groups:
+            k, v = r[layer]
+            keys[idx, :, width - k.shape[1] : width] = k
+            values[idx, :, width - v.shape[1] : width] = v
+        if grows:
+            cache.layers[layer] = _preallocated_layer_class().adopt(keys, values, width)
+        else:
+            cache.layers[layer].update(keys, values)
+    lengths_t = torch.tensor(lengths, device=lm.device)
+    mask = (torch.arange(width, device=lm.device)[None] >= width - lengths_t[:, None]).long()
+    return cache, width, mask
+
+
+def _empty_cache(lm: LM, num_layers: int):
+    """A transformers cache with one empty layer per model layer, of the kind the model's config asks for."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=lm.model.config)
+    if len(cache.layers) != num_layers:  # transformers versions that make layers lazily
+        from transformers.cache_utils import DynamicLayer
+
+        cache.layers = [DynamicLayer() for _ in range(num_layers)]
+    return cache
+
+
+def _grows_in_place(cache, layer: int) -> bool:
+    """Whether a layer keeps every token (full attention), so decoding may append into spare room."""
+    from transformers.cache_utils import DynamicLayer
+
+    return type(cache.layers[layer]) is DynamicLayer
 
 
 def _cache(lm: LM, data: list[tuple[torch.Tensor, torch.Tensor]], capacity: int | None):
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    cache = DynamicCache(ddp_cache_data=data, config=lm.model.config)
-    if capacity is not None:
-        for i, layer in enumerate(cache.layers):
-            if type(layer) is DynamicLayer:
-                cache.layers[i] = _preallocated_layer_class()(data[i][0], data[i][1], capacity)
+    """A cache holding `data` (per layer ``[batch, kv_heads, tokens, head_dim]``), copied once; with `capacity`, the
+    full-attention layers get room to grow."""
+    cache = _empty_cache(lm, len(data))
+    for i, (keys, values) in enumerate(data):
+        if capacity is not None and _grows_in_place(cache, i):
+            cache.layers[i] = _preallocated_layer_class()(keys, values, capacity)
+        else:
+            cache.layers[i].update(keys, values)
     return cache
 
 
@@ -163,6 +196,17 @@ def _preallocated_layer_class():
             self._n = n
             self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
             self.is_initialized = True
+
+        @classmethod
+        def adopt(cls, keys: torch.Tensor, values: torch.Tensor, n: int) -> PreallocatedLayer:
+            """A layer over buffers whose first `n` tokens are already written (no copy)."""
+            layer = cls.__new__(cls)
+            DynamicLayer.__init__(layer)
+            layer.dtype, layer.device = keys.dtype, keys.device
+            layer._k, layer._v, layer._n = keys, values, n
+            layer.keys, layer.values = keys[:, :, :n], values[:, :, :n]
+            layer.is_initialized = True
+            return layer
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             n = key_states.shape[-2]
@@ -203,6 +247,8 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
     if is_causal and key.shape[2] > query.shape[2]:
         key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+    if query.device.type == "cuda" and _folds(query, key, attention_mask):
+        return _folded_gqa(query, key, value, attention_mask, dropout, scaling)
     out = torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
@@ -214,6 +260,35 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, s
         enable_gqa=key.shape[1] != query.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+FOLDED_MASK_LIMIT = 2**28  # mask elements a fold may copy; past it the stock path is cheaper in memory
+
+
+def _folds(query, key, attention_mask) -> bool:
+    """Whether masked grouped-query attention goes through `_folded_gqa`: always for one query token (decoding),
+    and for more while the folded mask (one copy per query head of a group) stays small."""
+    if attention_mask is None or key.shape[1] == query.shape[1] or query.shape[1] % key.shape[1]:
+        return False
+    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+        return False
+    group, q = query.shape[1] // key.shape[1], query.shape[2]
+    return q == 1 or attention_mask.shape[0] * group * q * attention_mask.shape[-1] <= FOLDED_MASK_LIMIT
+
+
+def _folded_gqa(query, key, value, attention_mask, dropout, scaling):
+    """Masked grouped-query attention as plain attention: each KV head's group of query heads becomes extra query
+    rows. On CUDA, SDPA's memory-efficient kernel takes a mask but not ``enable_gqa``, and its math path copies every
+    KV head once per query head: with long cartridges or documents, most of a decode step (docs/gpu.md)."""
+    b, heads, q, d = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    folded = query.reshape(b, kv_heads, group * q, d)  # query heads are grouped by KV head, in order
+    mask = attention_mask.expand(-1, -1, q, -1)[:, :, None].expand(-1, -1, group, -1, -1)
+    mask = mask.reshape(attention_mask.shape[0], 1, group * q, attention_mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling)
+    return out.reshape(b, heads, q, d).transpose(1, 2).contiguous(), None
 
 
 def use_grouped_sdpa(model) -> bool:

@@ -54,11 +54,12 @@ def decode(
     longest_prefix = max((layers[0][0].shape[1] for layers in prefixes if layers), default=0)
     cache, _, prefix_mask = rows_prefix_cache(lm, prefixes, capacity=longest_prefix + width + params.max_new_tokens)
     pad = lm.pad_token_id
-    ids = torch.full((batch, width), pad, dtype=torch.long, device=device)
-    prompt_mask = torch.zeros((batch, width), dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(list(prompt), device=device)
+    ids = torch.full((batch, width), pad, dtype=torch.long)
+    prompt_mask = torch.zeros((batch, width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):  # built on the host, then moved in one copy each
+        ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
         prompt_mask[row, width - len(prompt) :] = 1
+    ids, prompt_mask = ids.to(device), prompt_mask.to(device)
     mask = torch.cat([prefix_mask, prompt_mask], dim=1)
     # each row's positions continue after its own prefix; padding gets a harmless position and is masked out
     start = prefix_mask.sum(-1, keepdim=True)
@@ -83,14 +84,16 @@ def decode(
         token = sample_next(logits, params, generator)
         if top_logprobs:
             top = torch.topk(logits.float().log_softmax(-1), top_logprobs, dim=-1)
+            top_ids, top_lps = top.indices.cpu(), top.values.cpu()  # one copy per step, not one per row
+        chosen = token.tolist()  # on a GPU every per-row read would wait for the device
         for b, row in enumerate(live):
             if state.reasons[row] is not None:
                 continue
-            t = int(token[b])
+            t = chosen[b]
             state.tokens[row].append(t)
             if top_logprobs:
-                state.top_ids[row].append(top.indices[b].cpu())
-                state.top_logprobs[row].append(top.values[b].cpu())
+                state.top_ids[row].append(top_ids[b])
+                state.top_logprobs[row].append(top_lps[b])
             if ends_answer(lm, state.tokens[row], params.stop, eos):
                 state.reasons[row] = "stop"
         yield state

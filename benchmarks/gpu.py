@@ -1,0 +1,481 @@
+"""On a GPU: exactness of the HF runtime on CUDA, serving cartridges against ICL at the largest batch that fits, and
+self-study's speed against the hardware, in one run of a few minutes (docs/gpu.md has the figures).
+
+    python -m benchmarks.gpu prepare .gpu       # here, once, with the project set up: tokenizer + a document
+    python -m benchmarks.gpu run --assets .gpu  # there: scripts/gpu-bench.sh does both halves' installs
+
+The weights are random: no model file fits what reaches the GPU machine (a 64 MiB working tree, no network), and
+speed depends on the shapes alone. The serving model has Llama-3.1-8B's shape (32 layers, 8 KV heads of 128, so the
+same 128 KiB of KV per token as the paper's model) with the embedded model's 49,152-token vocabulary. Exactness runs
+on the tiny random models the unit tests use, which need no files either.
+
+Serving follows the paper's measurement (its appendix, "Throughput measurement details"): for a cache of k tokens,
+the largest batch whose KV fits the budget, random cartridges of k tokens, and the time to decode a fixed number of
+tokens for every row, here through the HF runtime's own decode loop. ICL of a k-token document decodes exactly as a
+k-token cartridge does (the exactness property), so the ICL rows are the same measurement at the document's length;
+what ICL pays on top, the document's prefill for every request, is timed on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cartridges_sdk import Cartridge, GenerationParams, load_model
+from cartridges_sdk.files import atomic_write_json
+from cartridges_sdk.lm import LM
+
+from . import provenance
+
+# the serving model's shapes; "tiny" lets the tests run every part on a CPU in seconds
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=8192),
+}
+PAPER_THROUGHPUT_RATIO = 26.4  # the paper's peak-throughput gain over ICL (SGLang, Llama 8B, one H100)
+NO_GPU = "benchmarks.gpu: no CUDA GPU here (torch.cuda.is_available() is False); run it on a GPU machine (scripts/gpu-bench.sh)."
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def timed(device: torch.device, fn) -> tuple[Any, float]:
+    """`fn()` and its wall-clock seconds, with the device's queued work finished at both ends."""
+    from .measure import synchronize
+
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return out, time.perf_counter() - start
+
+
+def register_builtins() -> None:
+    """Run from a source tree that pip never installed (the GPU machine), the built-in backends have no entry
+    points: name them here, as an installed package would."""
+    from cartridges_sdk.plugins import runtimes, synthesizers, trainers
+
+    for registry, name, target in ((runtimes, "hf", "cartridges_sdk.hf:HFRuntime"),
+                                   (synthesizers, "hf", "cartridges_sdk.hf:HFSynthesizer"),
+                                   (trainers, "torch", "cartridges_sdk.build.training:TorchTrainer")):
+        if name not in registry.names():
+            log(f"registering the built-in {registry.kind} {name!r} ({target}): cartridges-sdk is not pip-installed here")
+            registry.register(name, target)
+
+
+# -- the model ---------------------------------------------------------------------------------------------------
+def random_lm(shape: str, tokenizer: Any, device: str, dtype: torch.dtype, seed: int = 0) -> LM:
+    """A Llama of `shape` with random weights, built on `device` in `dtype` (no file, no float32 detour)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if shape not in SHAPES:
+        raise SystemExit(f"benchmarks.gpu: --shape {shape!r} is not one of {sorted(SHAPES)}.")
+    config = LlamaConfig(**SHAPES[shape], vocab_size=len(tokenizer), tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    finally:
+        torch.set_default_dtype(previous)
+    model.config._name_or_path = f"random-{shape}"
+    return load_model(model.eval(), tokenizer)
+
+
+def tokenizer_of(assets: Path | None, shape: str) -> Any:
+    if assets is None:
+        if shape != "tiny":
+            raise SystemExit("benchmarks.gpu: --assets DIR is needed for a real shape (`python -m benchmarks.gpu "
+                             "prepare DIR` writes it where the project is set up).")
+        from cartridges_sdk.testing import CHATML, char_tokenizer
+
+        return char_tokenizer(bos=False, chat_template=CHATML)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets / "tokenizer")
+
+
+def document_of(assets: Path | None) -> str:
+    if assets is None:
+        from cartridges_sdk.testing import CONTRACT_TEXTS
+
+        return "\n\n".join(CONTRACT_TEXTS) * 40
+    return (assets / "document.txt").read_text(encoding="utf-8")
+
+
+# -- part 1: exactness -------------------------------------------------------------------------------------------
+def exactness(device: str) -> dict[str, Any]:
+    """The runtime contract on `device` in float32 (its strict tolerance), then bfloat16 measured against the
+    float32 forward: a cartridge must be no further from it than the text in context is in bfloat16."""
+    from cartridges_sdk import testing
+    from cartridges_sdk.hf import HFRuntime
+
+    out: dict[str, Any] = {"device": device, "fp32_contract": {}, "bf16": {}}
+    for kind in ("llama", "qwen2"):
+        lm = testing.tiny_lm(kind)
+        lm.model.to(device)
+        runtime = HFRuntime(lm)
+        try:
+            testing.check_runtime(runtime, lm)
+            out["fp32_contract"][kind] = "passed"
+        except AssertionError as err:
+            out["fp32_contract"][kind] = f"FAILED: {err}"
+        finally:
+            runtime.close()
+        ids = lm.encode(testing.CONTRACT_TEXTS[0] + " " + testing.CONTRACT_TEXTS[1])
+        reference = {p: lm.logits(ids).log_softmax(-1)[p:] for p in (8, 24, 64)}  # float32, text in context
+        lm.model.to(torch.bfloat16)
+        rows = []
+        for p, ref in reference.items():
+            cartridge = Cartridge.from_prefix(lm, ids[:p], p)
+            with_cart = cartridge.logits(ids[p:]).log_softmax(-1)
+            in_context = lm.logits(ids).log_softmax(-1)[p:]
+            rows.append({"p": p, "cartridge_vs_fp32": float((with_cart - ref).abs().max()),
+                         "in_context_vs_fp32": float((in_context - ref).abs().max()),
+                         "cartridge_vs_in_context": float((with_cart - in_context).abs().max()),
+                         "same_argmax": float((with_cart.argmax(-1) == in_context.argmax(-1)).float().mean())})
+            rows[-1]["ok"] = rows[-1]["cartridge_vs_fp32"] <= 2 * rows[-1]["in_context_vs_fp32"] + 1e-3
+        out["bf16"][kind] = rows
+        lm.close()
+    out["passed"] = all(v == "passed" for v in out["fp32_contract"].values()) and all(
+        r["ok"] for rows in out["bf16"].values() for r in rows)
+    log(f"exactness on {device}: fp32 contract {out['fp32_contract']}; bf16 max |cartridge - fp32| / "
+        f"|in context - fp32|: " + ", ".join(f"{k} p={r['p']}: {r['cartridge_vs_fp32']:.3f}/{r['in_context_vs_fp32']:.3f}"
+                                             for k, rows in out["bf16"].items() for r in rows))
+    return out
+
+
+# -- part 2: serving ---------------------------------------------------------------------------------------------
+def random_cartridge(lm: LM, tokens: int, seed: int) -> Cartridge:
+    """A cartridge of `tokens` random vectors made on the model's device (speed does not depend on what it holds)."""
+    from cartridges_sdk.kit import CartridgeMeta
+
+    gen = torch.Generator(device=lm.device).manual_seed(seed)
+    shape = (lm.num_kv_heads, tokens, lm.head_dim)
+    keys = [torch.randn(shape, generator=gen, device=lm.device, dtype=lm.dtype) for _ in range(lm.num_layers)]
+    values = [torch.randn(shape, generator=gen, device=lm.device, dtype=lm.dtype) for _ in range(lm.num_layers)]
+    meta = CartridgeMeta(model=lm.identity, num_tokens=tokens, init="random", dtype=str(lm.dtype).removeprefix("torch."))
+    return Cartridge(keys, values, meta, lm=lm)
+
+
+def attention_paths(lm: LM, length: int, batch: int = 4) -> dict[str, float]:
+    """Milliseconds of one decode step's masked attention over `batch` rows of `length` keys, in one layer of the
+    model's shape: SDPA with ``enable_gqa`` as transformers calls it, against the grouped heads folded into query
+    rows (`kv._folded_gqa`, what the runtime runs on CUDA)."""
+    from cartridges_sdk.kv import _folded_gqa
+
+    dev, dt = lm.device, lm.dtype
+    heads = lm.model.config.num_attention_heads
+    q = torch.randn(batch, heads, 1, lm.head_dim, device=dev, dtype=dt)
+    k, v = (torch.randn(batch, lm.num_kv_heads, length, lm.head_dim, device=dev, dtype=dt) for _ in range(2))
+    mask = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=dev)
+    mask[0, ..., : length // 2] = False  # a padded row, as a batch of unequal prefixes has
+    calls = {"enable_gqa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+             "folded": lambda: _folded_gqa(q, k, v, mask, 0.0, None)}
+    out = {"batch": batch, "keys": length}
+    for name, call in calls.items():
+        try:
+            call()
+            _, seconds = timed(dev, lambda: [call() for _ in range(5)])
+            out[f"{name}_ms"] = 1000 * seconds / 5
+        except torch.OutOfMemoryError:
+            out[f"{name}_ms"] = None
+    del q, k, v
+    log(f"attention, one layer, {batch} rows x {length:,} keys: " + ", ".join(f"{n} {out.get(n + '_ms')}" for n in calls))
+    return out
+
+
+def serve_batch(lm: LM, cartridges: list[Cartridge], prompts: list[list[int]], new_tokens: int) -> tuple[int, float]:
+    """Decode `new_tokens` for every row (row i after ``cartridges[i % len]``, then its prompt) through the HF
+    runtime's decode loop, end-of-turn ignored so every row decodes the same count. Returns (tokens, seconds)."""
+    from cartridges_sdk.hf.decode import decode
+    from cartridges_sdk.kv import concat_layers
+
+    installed = [concat_layers(lm, [c]) for c in cartridges]  # what the runtime installs, once per cartridge
+    prefixes = [installed[i % len(installed)] for i in range(len(prompts))]
+    params = GenerationParams(max_new_tokens=new_tokens, temperature=0.0)
+
+    def run() -> int:
+        for state in decode(lm, prefixes, prompts, params, stop_ids=()):
+            pass
+        return sum(len(t) for t in state.tokens)
+
+    return timed(lm.device, run)
+
+
+def cudnn_check(lm: LM, tokens: int = 2048, batch: int = 64, new_tokens: int = 32) -> dict[str, Any]:
+    """Decode tokens/s of one batch with cuDNN's attention allowed and not. cuDNN builds a plan per shape, and a
+    decode's key length changes every step; the runs below keep it off (`run`) unless this shows it pays."""
+    prompt = lm.prompt_ids([{"role": "user", "content": "What is it about?"}], after_cartridge=True)
+    pool = [random_cartridge(lm, tokens, 0)]
+    out: dict[str, Any] = {"cache_tokens": tokens, "batch": batch, "new_tokens": new_tokens}
+    for allowed in (False, True):
+        torch.backends.cuda.enable_cudnn_sdp(allowed)
+        try:
+            serve_batch(lm, pool, [prompt] * batch, 4)
+            made, seconds = serve_batch(lm, pool, [prompt] * batch, new_tokens)
+            out[f"tokens_per_s_cudnn_{'on' if allowed else 'off'}"] = made / seconds
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(False)
+    log(f"cuDNN attention: {json.dumps(out)}")
+    return out
+
+
+def default_budget_gib(lm: LM) -> float:
+    """The KV budget every cache size shares: what the device has free, less room for one document-sized
+    cartridge of the pool (17 GiB at 128k tokens of this shape) and the step's activations."""
+    free = torch.cuda.mem_get_info(lm.device)[0] / 2**30
+    return round(min(0.6 * free, free - 26), 1)
+
+
+def serving(lm: LM, sizes: list[int], document_sizes: set[int], budget_gib: float | None, new_tokens: int,
+            repeats: int, max_batch: int) -> dict[str, Any]:
+    """Decode tokens/s at the largest batch whose KV fits `budget_gib`, for caches of each size."""
+    from .measure import kv_bytes_per_token
+
+    extra: dict[str, Any] = {}
+    if lm.device.type == "cuda":
+        extra["cudnn"] = cudnn_check(lm)
+        torch.cuda.empty_cache()
+    if budget_gib is None:
+        if lm.device.type != "cuda":
+            raise SystemExit("benchmarks.gpu: pass --budget-gib off a GPU (on one it defaults to its free memory).")
+        budget_gib = default_budget_gib(lm)
+    log(f"KV budget: {budget_gib} GiB")
+    per_token = kv_bytes_per_token(lm)
+    budget = int(budget_gib * 2**30)
+    questions = ["What does the document say about its main result?", "Who wrote it, and when?",
+                 "Summarize the second section.", "Which methods does it compare?"]
+    prompts = [lm.prompt_ids([{"role": "user", "content": q}], after_cartridge=True) for q in questions]
+    width = max(len(p) for p in prompts)
+    rows = []
+    for k in sizes:
+        per_user = (k + width + new_tokens) * per_token
+        batch = min(budget // per_user, max_batch)
+        row: dict[str, Any] = {"cache_tokens": k, "kind": "ICL" if k in document_sizes else "cartridge",
+                               "kv_bytes_per_user": per_user, "batch": int(batch)}
+        if batch < 1:
+            row["error"] = f"one user's KV ({per_user / 2**30:.1f} GiB) exceeds the {budget_gib} GiB budget"
+            rows.append(row)
+            log(json.dumps(row))
+            continue
+        try:
+            pool = [random_cartridge(lm, k, seed) for seed in range(min(batch, 4 if per_user < 2**30 else 1))]
+            batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
+            serve_batch(lm, pool, batch_prompts, 4)  # warm-up: kernels chosen, allocator grown
+            runs = [serve_batch(lm, pool, batch_prompts, new_tokens) for _ in range(repeats)]
+            tokens = [t for t, _ in runs]
+            seconds = [s for _, s in runs]
+            row.update(tokens_per_s=sum(tokens) / sum(seconds), seconds=[round(s, 3) for s in seconds],
+                       step_ms=1000 * sum(seconds) / (repeats * (new_tokens + 1)), new_tokens=tokens[0],
+                       distinct_cartridges=len(pool))
+            if lm.device.type == "cuda":
+                row["peak_gpu_gib"] = torch.cuda.max_memory_allocated(lm.device) / 2**30
+            del pool
+        except torch.OutOfMemoryError as err:
+            row["error"] = f"out of memory: {str(err).splitlines()[0]}"
+        if lm.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if k in document_sizes:  # what ICL pays per request besides decoding: the document's prefill
+            ids = torch.randint(0, len(lm.tokenizer), (k,)).tolist()
+            try:
+                _, row["prefill_s"] = timed(lm.device, lambda: lm.kv(ids))
+            except torch.OutOfMemoryError as err:
+                row["prefill_error"] = f"out of memory: {str(err).splitlines()[0]}"
+        if lm.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(lm.device)
+        rows.append(row)
+        log(json.dumps(row))
+    # requests/s: a batch of answers takes its decode time; ICL also prefills each request's document first
+    for row in rows:
+        if "tokens_per_s" in row:
+            decode_s = sum(row["seconds"]) / len(row["seconds"])
+            if row["kind"] == "cartridge" or "prefill_s" in row:
+                row["requests_per_s"] = row["batch"] / (decode_s + row["batch"] * row.get("prefill_s", 0.0))
+    ratios = {}
+    for c in (r for r in rows if r["kind"] == "cartridge" and "tokens_per_s" in r):
+        for d in (r for r in rows if r["kind"] == "ICL" and "tokens_per_s" in r):
+            ratios[f"cartridge {c['cache_tokens']} vs ICL {d['cache_tokens']}"] = {
+                "tokens_per_s": c["tokens_per_s"] / d["tokens_per_s"],
+                "requests_per_s": c["requests_per_s"] / d["requests_per_s"] if "requests_per_s" in d else None}
+    return {**extra, "attention": attention_paths(lm, max(sizes)), "budget_gib": budget_gib, "kv_bytes_per_token": per_token, "new_tokens": new_tokens, "repeats": repeats,
+            "rows": rows, "ratios": ratios, "paper_ratio": PAPER_THROUGHPUT_RATIO}
+
+
+# -- part 3: self-study ------------------------------------------------------------------------------------------
+def selfstudy(lm: LM, text: str, tokens: int, windows: int, conversations: int, per_chunk: int) -> dict[str, Any]:
+    """Training's useful FLOP/s against the measured bf16 matmul peak, and synthesis tokens/s against the raw batched
+    decode of the same model (as benchmarks.efficiency does on a CPU)."""
+    from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
+    from cartridges_sdk.build.training import TrainConfig
+    from cartridges_sdk.plugins import synthesizers, trainers
+
+    from . import methods
+    from .measure import matmul_peak, synthesis_yardstick
+
+    device = lm.device
+    n = 8192 if device.type == "cuda" else 512
+    peak = matmul_peak(lm.dtype, n=n, device=device)
+    ids = methods.document_ids(lm, text)
+    chunks = methods.raw_windows(ids, windows, seed=0)
+    start_cart = Cartridge.from_prefix(lm, ids, min(tokens, len(ids)))
+    trainer = trainers.create("torch", lm)
+    config = TrainConfig(objective="ntp", eval_fraction=0.0, checkpoint_every=10**6, checkpoint_seconds=1e9)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer.fit(start_cart, chunks[:2], lm, config, progress=False)  # warm-up: kernels chosen
+        _, train_s = timed(device, lambda: trainer.fit(start_cart, chunks, lm, config, progress=False,
+                                                       output_dir=Path(tmp) / "train"))
+    flops = methods.training_flops(lm, chunks, start_cart.num_tokens, 1)
+    train_tokens = sum(c.num_tokens for c in chunks)
+    synth_config = SynthesisConfig(num_conversations=conversations, conversations_per_chunk=per_chunk,
+                                   document_windows=0, seed=0)
+    raw = synthesis_yardstick(lm, ids, synth_config)
+    with tempfile.TemporaryDirectory() as tmp:
+        ds, synth_s = timed(device, lambda: synthesize(text, lm, Path(tmp) / "data", synth_config,
+                                                        synthesizer=synthesizers.create("hf", lm), progress=False))
+        generated = methods.generated_tokens(lm, list(ds))
+    result = {
+        "matmul_peak_flops": peak, "matmul_n": n,
+        "training": {"tokens": train_tokens, "seconds": train_s, "tokens_per_s": train_tokens / train_s,
+                     "useful_flops_per_s": flops / train_s, "mfu": flops / train_s / peak,
+                     "cartridge_tokens": start_cart.num_tokens, "windows": len(chunks)},
+        "synthesis": {"conversations": conversations, "per_chunk": per_chunk, "generated_tokens": generated,
+                      "seconds": synth_s, "tokens_per_s": generated / synth_s, "raw_decode_tokens_per_s": raw,
+                      "ratio": generated / synth_s / raw},
+    }
+    log(f"self-study: matmul peak {peak / 1e12:.1f} TFLOP/s; training {train_tokens / train_s:,.0f} tokens/s, "
+        f"MFU {result['training']['mfu']:.2f}; synthesis {generated / synth_s:,.0f} tokens/s = "
+        f"{result['synthesis']['ratio']:.2f} of raw batched decode ({raw:,.0f} tokens/s)")
+    return result
+
+
+# -- the commands ------------------------------------------------------------------------------------------------
+def prepare(folder: Path, data: Path, doc: int) -> None:
+    """What the GPU machine cannot fetch: the embedded model's tokenizer and one real document."""
+    lm = load_model()
+    folder.mkdir(parents=True, exist_ok=True)
+    lm.tokenizer.save_pretrained(folder / "tokenizer")
+    text = json.loads(data.read_text(encoding="utf-8").splitlines()[doc])["input"]
+    (folder / "document.txt").write_text(text, encoding="utf-8")
+    log(f"wrote {folder}/tokenizer and {folder}/document.txt ({len(lm.encode(text)):,} tokens, document {doc} of {data})")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print(NO_GPU, file=sys.stderr)
+        return 2
+    register_builtins()
+    dtype = getattr(torch, args.dtype)
+    result: dict[str, Any] = {"commit": provenance.commit(), "dirty": provenance.dirty(),
+                              "machine": provenance.machine(), "shape": args.shape, "dtype": args.dtype,
+                              "weights": "random"}
+    if device == "cuda":
+        # cuDNN's attention plans per shape, and decoding changes the key length every step (cudnn_check measures it)
+        result["cudnn_sdp_default"] = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        result["gpu"] = torch.cuda.get_device_name(0)
+        result["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
+    parts = args.parts.split(",")
+    out = args.out
+
+    def save() -> None:
+        atomic_write_json(out, result)
+
+    for part in parts:
+        try:
+            if part == "exactness":
+                result["exactness"] = exactness(device)
+            elif part in ("serving", "selfstudy"):
+                if "lm" not in locals():
+                    tok = tokenizer_of(args.assets, args.shape)
+                    (lm, build_s) = timed(torch.device(device), lambda: random_lm(args.shape, tok, device, dtype))
+                    log(f"built a random {args.shape} ({sum(p.numel() for p in lm.model.parameters()) / 1e9:.2f}B "
+                        f"parameters, {args.dtype}) on {device} in {build_s:.1f} s")
+                if part == "serving":
+                    sizes = [int(s) for s in args.cartridges.split(",")] + [int(s) for s in args.documents.split(",")]
+                    result["serving"] = serving(lm, sizes, {int(s) for s in args.documents.split(",")}, args.budget_gib,
+                                                args.new_tokens, args.repeats, args.max_batch)
+                else:
+                    result["selfstudy"] = selfstudy(lm, document_of(args.assets), args.train_tokens, args.windows,
+                                                    args.conversations, args.per_chunk)
+            else:
+                raise SystemExit(f"benchmarks.gpu: unknown part {part!r}; parts are exactness, serving, selfstudy.")
+        except SystemExit:
+            raise
+        except Exception as err:  # noqa: BLE001 - one part failing must not lose the others' figures
+            result[part] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+            log(f"{part} FAILED: {type(err).__name__}: {err}")
+        save()
+    log(f"wrote {out}")
+    print_table(result)
+    return 0 if all("error" not in result.get(p, {}) for p in parts) else 1
+
+
+def print_table(result: dict[str, Any]) -> None:
+    serving_result = result.get("serving", {})
+    if serving_result.get("rows"):
+        log(f"\n| cache (tokens) | kind | batch | decode tokens/s | step ms | requests/s |\n|---|---|---|---|---|---|")
+        for r in serving_result["rows"]:
+            if "tokens_per_s" in r:
+                log(f"| {r['cache_tokens']:,} | {r['kind']} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
+                    f"{r['step_ms']:.1f} | {r['requests_per_s']:.2f} |")
+            else:
+                log(f"| {r['cache_tokens']:,} | {r['kind']} | {r['batch']} | {r.get('error')} | | |")
+        for name, ratio in serving_result["ratios"].items():
+            requests = ratio["requests_per_s"]
+            log(f"{name}: {ratio['tokens_per_s']:.1f}x decode tokens/s, "
+                + (f"{requests:.1f}x requests/s" if requests else "requests/s not measured")
+                + f" (paper: {PAPER_THROUGHPUT_RATIO}x decode tokens/s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="write the tokenizer and a document the GPU machine needs")
+    prep.add_argument("folder", type=Path)
+    from .data import DEFAULT_DATA
+
+    prep.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    prep.add_argument("--doc", type=int, default=3)
+    go = sub.add_parser("run", help="measure (needs a CUDA GPU unless --device cpu)")
+    go.add_argument("--assets", type=Path, help="the folder `prepare` wrote (else: tiny shape, built-in texts)")
+    go.add_argument("--device", default="cuda")
+    go.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
+    go.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    go.add_argument("--parts", default="exactness,serving,selfstudy")
+    go.add_argument("--cartridges", default="512,2048", help="cartridge sizes p")
+    go.add_argument("--documents", default="8192,32768,131072", help="ICL document lengths")
+    go.add_argument("--budget-gib", type=float, help="KV budget every cache size shares (default: from free memory)")
+    go.add_argument("--max-batch", type=int, default=1024)
+    go.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per row (the paper: 128)")
+    go.add_argument("--repeats", type=int, default=2, help="timed runs per size, after one short warm-up")
+    go.add_argument("--train-tokens", type=int, default=2048, help="cartridge size trained (the paper's 2048)")
+    go.add_argument("--windows", type=int, default=64, help="256-token windows trained on")
+    go.add_argument("--conversations", type=int, default=128)
+    go.add_argument("--per-chunk", type=int, default=64, help="conversations decoded together per chunk")
+    go.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
+    args = parser.parse_args(argv)
+    if args.command == "prepare":
+        prepare(args.folder, args.data, args.doc)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
