@@ -92,6 +92,7 @@ def random_lm(shape: str, tokenizer: Any, device: str, dtype: torch.dtype, seed:
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     finally:
         torch.set_default_dtype(previous)
+    model.to(device)  # transformers may build on the CPU whatever the default device
     model.config._name_or_path = f"random-{shape}"
     return load_model(model.eval(), tokenizer)
 
