@@ -94,7 +94,7 @@ def random_lm(shape: str, tokenizer: Any, device: str, dtype: torch.dtype, seed:
         torch.set_default_dtype(previous)
     model.to(device)  # transformers may build on the CPU whatever the default device
     model.config._name_or_path = f"random-{shape}"
-    return load_model(model.eval(), tokenizer)
+    return load_model(model.eval(), tokenizer, device=device)
 
 
 def tokenizer_of(assets: Path | None, shape: str) -> Any:
