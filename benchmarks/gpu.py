@@ -19,6 +19,7 @@ what ICL pays on top, the document's prefill for every request, is timed on its 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -173,30 +174,68 @@ def random_cartridge(lm: LM, tokens: int, seed: int) -> Cartridge:
     return Cartridge(keys, values, meta, lm=lm)
 
 
-def attention_paths(lm: LM, length: int, batch: int = 4) -> dict[str, float]:
-    """Milliseconds of one decode step's masked attention over `batch` rows of `length` keys, in one layer of the
-    model's shape: SDPA with ``enable_gqa`` as transformers calls it, against the grouped heads folded into query
-    rows (`kv._folded_gqa`, what the runtime runs on CUDA)."""
+# the two ways the runtime can run one decoding token's attention on CUDA (kv.MATMUL_DECODE_MIN_KEYS picks by length)
+DECODE_PATHS = {"sdpa": 10**12, "matmul": 0}
+
+
+@contextlib.contextmanager
+def decode_path(name: str):
+    """Force the runtime's decode attention on CUDA to one path, whatever the key length."""
+    from cartridges_sdk import kv
+
+    before = kv.MATMUL_DECODE_MIN_KEYS
+    kv.MATMUL_DECODE_MIN_KEYS = DECODE_PATHS[name]
+    try:
+        yield
+    finally:
+        kv.MATMUL_DECODE_MIN_KEYS = before
+
+
+def attention_paths(lm: LM, shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Milliseconds and bandwidth of one decoding token's masked attention in one layer of the model's shape, for
+    each (rows, keys): SDPA with ``enable_gqa`` as transformers calls it, and the runtime's two folded paths (SDPA's
+    memory-efficient kernel, two batched matrix products), with each one's largest error against float32."""
     from cartridges_sdk.kv import _folded_gqa
 
     dev, dt = lm.device, lm.dtype
     heads = lm.model.config.num_attention_heads
-    q = torch.randn(batch, heads, 1, lm.head_dim, device=dev, dtype=dt)
-    k, v = (torch.randn(batch, lm.num_kv_heads, length, lm.head_dim, device=dev, dtype=dt) for _ in range(2))
-    mask = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=dev)
-    mask[0, ..., : length // 2] = False  # a padded row, as a batch of unequal prefixes has
-    calls = {"enable_gqa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-             "folded": lambda: _folded_gqa(q, k, v, mask, 0.0, None)}
-    out = {"batch": batch, "keys": length}
-    for name, call in calls.items():
+    out = []
+    for batch, length in shapes:
+        row: dict[str, Any] = {"rows": batch, "keys": length}
         try:
-            call()
-            _, seconds = timed(dev, lambda: [call() for _ in range(5)])
-            out[f"{name}_ms"] = 1000 * seconds / 5
-        except torch.OutOfMemoryError:
-            out[f"{name}_ms"] = None
-    del q, k, v
-    log(f"attention, one layer, {batch} rows x {length:,} keys: " + ", ".join(f"{n} {out.get(n + '_ms')}" for n in calls))
+            q = torch.randn(batch, heads, 1, lm.head_dim, device=dev, dtype=dt)
+            k, v = (torch.randn(batch, lm.num_kv_heads, length, lm.head_dim, device=dev, dtype=dt) for _ in range(2))
+            mask = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=dev)
+            mask[0, ..., : length // 2] = False  # a padded row, as a batch of unequal prefixes has
+            kv_bytes = 2 * k.numel() * k.element_size()
+            reference = torch.nn.functional.scaled_dot_product_attention(
+                q[:1].float(), k[:1].float(), v[:1].float(), attn_mask=mask[:1], enable_gqa=True).transpose(1, 2)
+
+            def folded(name):
+                def call():
+                    with decode_path(name):
+                        return _folded_gqa(q, k, v, mask, 0.0, None)[0]
+                return call
+
+            calls = {"enable_gqa": lambda: torch.nn.functional.scaled_dot_product_attention(
+                         q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2),
+                     "folded_sdpa": folded("sdpa"), "folded_matmul": folded("matmul")}
+            for name, call in calls.items():
+                try:
+                    first = call()
+                    row[f"{name}_error"] = float((first[:1].float() - reference).abs().max())
+                    _, seconds = timed(dev, lambda: [call() for _ in range(5)])
+                    row[f"{name}_ms"] = 1000 * seconds / 5
+                    row[f"{name}_tb_per_s"] = kv_bytes / (seconds / 5) / 1e12
+                except torch.OutOfMemoryError:
+                    row[f"{name}_ms"] = None
+            del q, k, v, mask, reference
+        except torch.OutOfMemoryError as err:
+            row["error"] = f"out of memory: {str(err).splitlines()[0]}"
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        out.append(row)
+        log(f"attention: {json.dumps(row)}")
     return out
 
 
@@ -219,19 +258,24 @@ def serve_batch(lm: LM, cartridges: list[Cartridge], prompts: list[list[int]], n
 
 
 def cudnn_check(lm: LM, tokens: int = 2048, batch: int = 64, new_tokens: int = 32) -> dict[str, Any]:
-    """Decode tokens/s of one batch with cuDNN's attention allowed and not. cuDNN builds a plan per shape, and a
-    decode's key length changes every step; the runs below keep it off (`run`) unless this shows it pays."""
+    """Decode tokens/s of one batch with cuDNN's attention kept out (`kv.decoding_kernels`, the runtime's default on
+    CUDA) and allowed, as SDPA would choose by itself: cuDNN builds a plan per shape, and a decode's key length
+    changes every step."""
     prompt = lm.prompt_ids([{"role": "user", "content": "What is it about?"}], after_cartridge=True)
     pool = [random_cartridge(lm, tokens, 0)]
     out: dict[str, Any] = {"cache_tokens": tokens, "batch": batch, "new_tokens": new_tokens}
+    from cartridges_sdk.hf import decode as decode_module
+
     for allowed in (False, True):
-        torch.backends.cuda.enable_cudnn_sdp(allowed)
+        kernels = decode_module.decoding_kernels
+        if allowed:  # what decoding did before it kept cuDNN out: SDPA's own choice
+            decode_module.decoding_kernels = lambda device: contextlib.nullcontext()
         try:
             serve_batch(lm, pool, [prompt] * batch, 4)
             made, seconds = serve_batch(lm, pool, [prompt] * batch, new_tokens)
-            out[f"tokens_per_s_cudnn_{'on' if allowed else 'off'}"] = made / seconds
+            out[f"tokens_per_s_cudnn_{'allowed' if allowed else 'kept_out'}"] = made / seconds
         finally:
-            torch.backends.cuda.enable_cudnn_sdp(False)
+            decode_module.decoding_kernels = kernels
     log(f"cuDNN attention: {json.dumps(out)}")
     return out
 
@@ -277,13 +321,17 @@ def serving(lm: LM, sizes: list[int], document_sizes: set[int], budget_gib: floa
         try:
             pool = [random_cartridge(lm, k, seed) for seed in range(min(batch, 4 if per_user < 2**30 else 1))]
             batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
-            serve_batch(lm, pool, batch_prompts, 4)  # warm-up: kernels chosen, allocator grown
-            runs = [serve_batch(lm, pool, batch_prompts, new_tokens) for _ in range(repeats)]
-            tokens = [t for t, _ in runs]
-            seconds = [s for _, s in runs]
-            row.update(tokens_per_s=sum(tokens) / sum(seconds), seconds=[round(s, 3) for s in seconds],
-                       step_ms=1000 * sum(seconds) / (repeats * (new_tokens + 1)), new_tokens=tokens[0],
-                       distinct_cartridges=len(pool))
+            paths = list(DECODE_PATHS) if lm.device.type == "cuda" else ["sdpa"]  # the folds are CUDA's alone
+            by_path = {}
+            for path in paths:
+                with decode_path(path):
+                    serve_batch(lm, pool, batch_prompts, 4)  # warm-up: kernels chosen, allocator grown
+                    runs = [serve_batch(lm, pool, batch_prompts, new_tokens) for _ in range(repeats)]
+                tokens, seconds = [t for t, _ in runs], [s for _, s in runs]
+                by_path[path] = {"tokens_per_s": sum(tokens) / sum(seconds), "seconds": [round(s, 3) for s in seconds],
+                                 "step_ms": 1000 * sum(seconds) / (repeats * (new_tokens + 1))}
+            best = max(by_path, key=lambda p: by_path[p]["tokens_per_s"])
+            row.update(by_path[best], path=best, paths=by_path, new_tokens=tokens[0], distinct_cartridges=len(pool))
             if lm.device.type == "cuda":
                 row["peak_gpu_gib"] = torch.cuda.max_memory_allocated(lm.device) / 2**30
             del pool
@@ -314,7 +362,8 @@ def serving(lm: LM, sizes: list[int], document_sizes: set[int], budget_gib: floa
             ratios[f"cartridge {c['cache_tokens']} vs ICL {d['cache_tokens']}"] = {
                 "tokens_per_s": c["tokens_per_s"] / d["tokens_per_s"],
                 "requests_per_s": c["requests_per_s"] / d["requests_per_s"] if "requests_per_s" in d else None}
-    return {**extra, "attention": attention_paths(lm, max(sizes)), "budget_gib": budget_gib, "kv_bytes_per_token": per_token, "new_tokens": new_tokens, "repeats": repeats,
+    shapes = [(r["batch"], r["cache_tokens"]) for r in rows if r["batch"] >= 1]
+    return {**extra, "attention": attention_paths(lm, shapes), "budget_gib": budget_gib, "kv_bytes_per_token": per_token, "new_tokens": new_tokens, "repeats": repeats,
             "rows": rows, "ratios": ratios, "paper_ratio": PAPER_THROUGHPUT_RATIO}
 
 
@@ -324,6 +373,7 @@ def selfstudy(lm: LM, text: str, tokens: int, windows: int, conversations: int, 
     decode of the same model (as benchmarks.efficiency does on a CPU)."""
     from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
     from cartridges_sdk.build.training import TrainConfig
+    from cartridges_sdk.kv import decoding_kernels
     from cartridges_sdk.plugins import synthesizers, trainers
 
     from . import methods
@@ -337,12 +387,20 @@ def selfstudy(lm: LM, text: str, tokens: int, windows: int, conversations: int, 
     start_cart = Cartridge.from_prefix(lm, ids, min(tokens, len(ids)))
     trainer = trainers.create("torch", lm)
     config = TrainConfig(objective="ntp", eval_fraction=0.0, checkpoint_every=10**6, checkpoint_seconds=1e9)
-    with tempfile.TemporaryDirectory() as tmp:
-        trainer.fit(start_cart, chunks[:2], lm, config, progress=False)  # warm-up: kernels chosen
-        _, train_s = timed(device, lambda: trainer.fit(start_cart, chunks, lm, config, progress=False,
-                                                       output_dir=Path(tmp) / "train"))
     flops = methods.training_flops(lm, chunks, start_cart.num_tokens, 1)
     train_tokens = sum(c.num_tokens for c in chunks)
+    training: dict[str, Any] = {"tokens": train_tokens, "cartridge_tokens": start_cart.num_tokens, "windows": len(chunks)}
+    # with SDPA's own kernel choice (cuDNN's included, on a GPU), then with cuDNN's attention kept out
+    for setting in ("default", "cudnn_kept_out") if device.type == "cuda" else ("default",):
+        with decoding_kernels(device) if setting != "default" else contextlib.nullcontext():
+            with tempfile.TemporaryDirectory() as tmp:
+                trainer.fit(start_cart, chunks[:2], lm, config, progress=False)  # warm-up: kernels chosen
+                _, train_s = timed(device, lambda: trainer.fit(start_cart, chunks, lm, config, progress=False,
+                                                               output_dir=Path(tmp) / "train"))
+        training[setting] = {"seconds": train_s, "tokens_per_s": train_tokens / train_s,
+                             "useful_flops_per_s": flops / train_s, "mfu": flops / train_s / peak}
+    best = max((v for k, v in training.items() if isinstance(v, dict)), key=lambda v: v["mfu"])
+    training.update(best)
     synth_config = SynthesisConfig(num_conversations=conversations, conversations_per_chunk=per_chunk,
                                    document_windows=0, seed=0)
     raw = synthesis_yardstick(lm, ids, synth_config)
@@ -352,15 +410,14 @@ def selfstudy(lm: LM, text: str, tokens: int, windows: int, conversations: int, 
         generated = methods.generated_tokens(lm, list(ds))
     result = {
         "matmul_peak_flops": peak, "matmul_n": n,
-        "training": {"tokens": train_tokens, "seconds": train_s, "tokens_per_s": train_tokens / train_s,
-                     "useful_flops_per_s": flops / train_s, "mfu": flops / train_s / peak,
-                     "cartridge_tokens": start_cart.num_tokens, "windows": len(chunks)},
+        "training": training,
         "synthesis": {"conversations": conversations, "per_chunk": per_chunk, "generated_tokens": generated,
                       "seconds": synth_s, "tokens_per_s": generated / synth_s, "raw_decode_tokens_per_s": raw,
                       "ratio": generated / synth_s / raw},
     }
-    log(f"self-study: matmul peak {peak / 1e12:.1f} TFLOP/s; training {train_tokens / train_s:,.0f} tokens/s, "
-        f"MFU {result['training']['mfu']:.2f}; synthesis {generated / synth_s:,.0f} tokens/s = "
+    log(f"self-study: matmul peak {peak / 1e12:.1f} TFLOP/s; training " + ", ".join(
+        f"{k}: {v['tokens_per_s']:,.0f} tokens/s, MFU {v['mfu']:.2f}" for k, v in training.items() if isinstance(v, dict))
+        + f"; synthesis {generated / synth_s:,.0f} tokens/s = "
         f"{result['synthesis']['ratio']:.2f} of raw batched decode ({raw:,.0f} tokens/s)")
     return result
 
@@ -387,9 +444,7 @@ def run(args: argparse.Namespace) -> int:
                               "machine": provenance.machine(), "shape": args.shape, "dtype": args.dtype,
                               "weights": "random"}
     if device == "cuda":
-        # cuDNN's attention plans per shape, and decoding changes the key length every step (cudnn_check measures it)
         result["cudnn_sdp_default"] = torch.backends.cuda.cudnn_sdp_enabled()
-        torch.backends.cuda.enable_cudnn_sdp(False)
         result["gpu"] = torch.cuda.get_device_name(0)
         result["gpu_memory_gib"] = torch.cuda.get_device_properties(0).total_memory / 2**30
     parts = args.parts.split(",")
@@ -431,13 +486,14 @@ def run(args: argparse.Namespace) -> int:
 def print_table(result: dict[str, Any]) -> None:
     serving_result = result.get("serving", {})
     if serving_result.get("rows"):
-        log(f"\n| cache (tokens) | kind | batch | decode tokens/s | step ms | requests/s |\n|---|---|---|---|---|---|")
+        log("\n| cache (tokens) | kind | batch | decode tokens/s | step ms | attention | requests/s |\n"
+            "|---|---|---|---|---|---|---|")
         for r in serving_result["rows"]:
             if "tokens_per_s" in r:
                 log(f"| {r['cache_tokens']:,} | {r['kind']} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
-                    f"{r['step_ms']:.1f} | {r['requests_per_s']:.2f} |")
+                    f"{r['step_ms']:.1f} | {r['path']} | {r.get('requests_per_s', 0):.2f} |")
             else:
-                log(f"| {r['cache_tokens']:,} | {r['kind']} | {r['batch']} | {r.get('error')} | | |")
+                log(f"| {r['cache_tokens']:,} | {r['kind']} | {r['batch']} | {r.get('error')} | | | |")
         for name, ratio in serving_result["ratios"].items():
             requests = ratio["requests_per_s"]
             log(f"{name}: {ratio['tokens_per_s']:.1f}x decode tokens/s, "

@@ -3,6 +3,7 @@ SDPA the HF model runs with, and `Recent`, what engines and the store keep of wh
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -262,6 +263,10 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
+# one decoding token over this many keys or more goes through two batched matrix products (`_matmul_attention`)
+# rather than SDPA's memory-efficient kernel, which runs one thread block per (row, KV head) over all the keys: with
+# a few long rows (documents in context) that leaves most of a GPU idle (docs/gpu.md has the measurements)
+MATMUL_DECODE_MIN_KEYS = 16384
 FOLDED_MASK_LIMIT = 2**28  # mask elements a fold may copy; past it the stock path is cheaper in memory
 
 
@@ -284,11 +289,38 @@ def _folded_gqa(query, key, value, attention_mask, dropout, scaling):
     kv_heads = key.shape[1]
     group = heads // kv_heads
     folded = query.reshape(b, kv_heads, group * q, d)  # query heads are grouped by KV head, in order
+    if q == 1 and key.shape[2] >= MATMUL_DECODE_MIN_KEYS:
+        out = _matmul_attention(folded, key, value, attention_mask, scaling)
+        return out.reshape(b, heads, q, d).transpose(1, 2).contiguous(), None
     mask = attention_mask.expand(-1, -1, q, -1)[:, :, None].expand(-1, -1, group, -1, -1)
     mask = mask.reshape(attention_mask.shape[0], 1, group * q, attention_mask.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling)
     return out.reshape(b, heads, q, d).transpose(1, 2).contiguous(), None
+
+
+def _matmul_attention(query, key, value, attention_mask, scaling):
+    """Attention of a few query rows per KV head as two batched matrix products, which read the keys and values
+    once with all of the GPU, whatever the batch. Scores are in the inputs' dtype and softmax in float32, as SDPA's
+    math path does; every row must see at least one key (a decoding token sees itself)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query * scale, key.transpose(-1, -2)).float()
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask
+    return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
+
+
+def decoding_kernels(device: torch.device):
+    """A context for a decode step's forward: on CUDA, SDPA may pick flash, memory-efficient or math kernels but not
+    cuDNN's, which builds a plan for every new shape, and a decode's key length changes every step (measured 3.6x
+    slower decoding on an H200, docs/gpu.md). Elsewhere it changes nothing."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def use_grouped_sdpa(model) -> bool:

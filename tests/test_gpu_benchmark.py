@@ -52,7 +52,9 @@ def test_every_part_on_a_cpu_with_a_tiny_shape(tmp_path):
     assert rows[96]["prefill_s"] > 0  # ICL's own cost per request
     assert set(result["serving"]["ratios"]) == {"cartridge 16 vs ICL 96", "cartridge 32 vs ICL 96"}
     attention = result["serving"]["attention"]
-    assert attention["enable_gqa_ms"] > 0 and attention["folded_ms"] > 0
+    assert [(a["rows"], a["keys"]) for a in attention] == [(rows[k]["batch"], k) for k in (16, 32, 96)]
+    for a in attention:  # every path computes the same attention, and is timed
+        assert all(a[f"{name}_ms"] > 0 and a[f"{name}_error"] < 1e-5 for name in ("enable_gqa", "folded_sdpa", "folded_matmul"))
     study = result["selfstudy"]
     assert 0 < study["training"]["mfu"] < 1.5
     assert study["synthesis"]["generated_tokens"] > 0 and study["synthesis"]["ratio"] > 0

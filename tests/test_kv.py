@@ -4,6 +4,7 @@ is given), and per-row prefix caches written once into room to grow."""
 import pytest
 import torch
 
+from cartridges_sdk import kv
 from cartridges_sdk.kv import _folded_gqa, _folds, rows_prefix_cache
 
 
@@ -11,9 +12,11 @@ def _stock(query, key, value, mask):
     return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
 
 
-@pytest.mark.parametrize("q", [1, 3])
+@pytest.mark.parametrize("q,path", [(1, "sdpa"), (1, "matmul"), (3, "sdpa")])
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "batch-broadcast", "query-broadcast"])
-def test_folded_gqa_equals_grouped_sdpa(q, mask_kind):
+def test_folded_gqa_equals_grouped_sdpa(q, path, mask_kind, monkeypatch):
+    # a decoding token (q = 1) over many keys takes two matrix products instead of SDPA's kernel
+    monkeypatch.setattr(kv, "MATMUL_DECODE_MIN_KEYS", 0 if path == "matmul" else 10**9)
     torch.manual_seed(0)
     b, heads, kv_heads, length, d = 2, 8, 2, 11, 16
     query = torch.randn(b, heads, q, d)

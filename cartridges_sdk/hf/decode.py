@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kit import Completion, ConfigError, ends_answer, GenerationParams, Layers, rows_prefix_cache, sample_next
+from ..kit import (Completion, ConfigError, decoding_kernels, ends_answer, GenerationParams, Layers, rows_prefix_cache,
+    sample_next)
 
 if TYPE_CHECKING:
     from ..kit import LM
@@ -75,10 +76,11 @@ def decode(
     step_ids, step_pos = ids, positions
     live = list(range(batch))  # the state row of each batch row still being decoded
     for _ in range(params.max_new_tokens):
-        result = lm.model(
-            input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True,
-            logits_to_keep=1,  # the prompt's own logits are never used
-        )
+        with decoding_kernels(device):
+            result = lm.model(
+                input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True,
+                logits_to_keep=1,  # the prompt's own logits are never used
+            )
         cache = result.past_key_values
         logits = result.logits[:, -1, :]
         token = sample_next(logits, params, generator)
