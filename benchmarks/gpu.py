@@ -367,6 +367,38 @@ def serving(lm: LM, sizes: list[int], document_sizes: set[int], budget_gib: floa
             "rows": rows, "ratios": ratios, "paper_ratio": PAPER_THROUGHPUT_RATIO}
 
 
+def profile_decode(lm: LM, shapes: list[tuple[int, int]], new_tokens: int, out_dir: Path) -> dict[str, Any]:
+    """Where a decode call's time goes, for each (cache tokens, rows): the profiler's top operators by device and by
+    host time, written as text next to the results."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = lm.prompt_ids([{"role": "user", "content": "What is it about?"}], after_cartridge=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if lm.device.type == "cuda" else [])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {}
+    for tokens, batch in shapes:
+        pool = [random_cartridge(lm, tokens, 0)]
+        serve_batch(lm, pool, [prompt] * batch, 2)  # warm-up
+        with profile(activities=activities) as prof:
+            made, seconds = serve_batch(lm, pool, [prompt] * batch, new_tokens)
+        averages = prof.key_averages()
+        tables = []
+        for key in ("device_time_total", "cuda_time_total", "cpu_time_total"):
+            try:
+                tables.append(f"sorted by {key}\n" + averages.table(sort_by=key, row_limit=30, max_name_column_width=70))
+            except (AttributeError, KeyError, ValueError, RuntimeError) as err:
+                tables.append(f"sorted by {key}: {err}")
+        name = f"profile-{tokens}x{batch}.txt"
+        (out_dir / name).write_text(f"{batch} rows after {tokens} cache tokens, {new_tokens} new tokens: "
+                                    f"{seconds:.3f} s profiled\n\n" + "\n\n".join(tables))
+        result[f"{tokens}x{batch}"] = {"file": name, "seconds": seconds, "tokens": made}
+        log(f"profiled {batch} rows x {tokens:,} cache tokens: {seconds:.2f} s for {new_tokens} tokens -> {name}")
+        del pool
+        if lm.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return result
+
+
 # -- part 3: self-study ------------------------------------------------------------------------------------------
 def selfstudy(lm: LM, text: str, tokens: int, windows: int, conversations: int, per_chunk: int) -> dict[str, Any]:
     """Training's useful FLOP/s against the measured bf16 matmul peak, and synthesis tokens/s against the raw batched
@@ -457,13 +489,16 @@ def run(args: argparse.Namespace) -> int:
         try:
             if part == "exactness":
                 result["exactness"] = exactness(device)
-            elif part in ("serving", "selfstudy"):
+            elif part in ("serving", "selfstudy", "profile"):
                 if "lm" not in locals():
                     tok = tokenizer_of(args.assets, args.shape)
                     (lm, build_s) = timed(torch.device(device), lambda: random_lm(args.shape, tok, device, dtype))
                     log(f"built a random {args.shape} ({sum(p.numel() for p in lm.model.parameters()) / 1e9:.2f}B "
                         f"parameters, {args.dtype}) on {device} in {build_s:.1f} s")
-                if part == "serving":
+                if part == "profile":
+                    shapes = [tuple(int(x) for x in pair.split("x")) for pair in args.profile.split(",")]
+                    result["profile"] = profile_decode(lm, shapes, args.new_tokens, out.parent)
+                elif part == "serving":
                     sizes = [int(s) for s in args.cartridges.split(",")] + [int(s) for s in args.documents.split(",")]
                     result["serving"] = serving(lm, sizes, {int(s) for s in args.documents.split(",")}, args.budget_gib,
                                                 args.new_tokens, args.repeats, args.max_batch)
@@ -471,7 +506,8 @@ def run(args: argparse.Namespace) -> int:
                     result["selfstudy"] = selfstudy(lm, document_of(args.assets), args.train_tokens, args.windows,
                                                     args.conversations, args.per_chunk)
             else:
-                raise SystemExit(f"benchmarks.gpu: unknown part {part!r}; parts are exactness, serving, selfstudy.")
+                raise SystemExit(f"benchmarks.gpu: unknown part {part!r}; parts are exactness, serving, selfstudy, "
+                                 "profile.")
         except SystemExit:
             raise
         except Exception as err:  # noqa: BLE001 - one part failing must not lose the others' figures
@@ -526,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--windows", type=int, default=64, help="256-token windows trained on")
     go.add_argument("--conversations", type=int, default=128)
     go.add_argument("--per-chunk", type=int, default=64, help="conversations decoded together per chunk")
+    go.add_argument("--profile", default="131072x4,8192x73,512x904",
+                    help="part 'profile': comma-separated CACHExROWS decode calls to profile")
     go.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))
     args = parser.parse_args(argv)
     if args.command == "prepare":
