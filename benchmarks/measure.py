@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from cartridges_sdk import Cartridge
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.build.evaluation import answer_logprobs, choose, kl, nll
-from cartridges_sdk.kv import prefix_cache
+from cartridges_sdk.kv import decoding_kernels, prefix_cache
 from cartridges_sdk.lm import LM
 from cartridges_sdk.build.synthesis import SynthesisConfig
 
@@ -136,16 +136,17 @@ def decode_throughput(lm: LM, cache_kv: Cartridge, batch: int, prompt: Sequence[
     cache, p = prefix_cache(lm, [cache_kv], batch, capacity=cache_kv.num_tokens + n + tokens + 1)
     dev = lm.device
     ids = torch.tensor(list(prompt), device=dev)[None].expand(batch, -1)
-    out = lm.model(input_ids=ids, position_ids=torch.arange(p, p + n, device=dev)[None].expand(batch, -1),
-                   past_key_values=cache, use_cache=True)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    synchronize(dev)
-    start = time.perf_counter()
-    for i in range(tokens):
-        pos = torch.full((batch, 1), p + n + i, device=dev)
-        out = lm.model(input_ids=token, position_ids=pos, past_key_values=out.past_key_values, use_cache=True)
+    with decoding_kernels(dev):  # the attention kernels the runtime's own decoding uses
+        out = lm.model(input_ids=ids, position_ids=torch.arange(p, p + n, device=dev)[None].expand(batch, -1),
+                       past_key_values=cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-    synchronize(dev)
+        synchronize(dev)
+        start = time.perf_counter()
+        for i in range(tokens):
+            pos = torch.full((batch, 1), p + n + i, device=dev)
+            out = lm.model(input_ids=token, position_ids=pos, past_key_values=out.past_key_values, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        synchronize(dev)
     return batch * tokens / (time.perf_counter() - start)
 
 

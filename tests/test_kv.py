@@ -65,3 +65,22 @@ def test_rows_prefix_cache_writes_each_row_once_into_room(tiny_llama):
     plain, width, _ = rows_prefix_cache(lm, rows)  # without capacity: an ordinary cache of the same content
     for mine, theirs in zip(plain.layers, cache.layers):
         assert torch.equal(mine.keys, theirs.keys[:, :, :5])
+
+
+def test_rows_sharing_a_cartridge_are_written_as_if_each_had_its_own(tiny_llama):
+    lm = tiny_llama
+    torch.manual_seed(1)
+
+    def prefix(n):
+        return [(torch.randn(lm.num_kv_heads, n, lm.head_dim), torch.randn(lm.num_kv_heads, n, lm.head_dim))
+                for _ in range(lm.num_layers)]
+
+    a, b = prefix(4), prefix(2)
+    shared = [a, b, a, a, None, b]  # a's rows are not in one run, b's neither: both ways of writing are used
+    own = [[(k.clone(), v.clone()) for k, v in r] if r else None for r in shared]
+    for capacity in (None, 12):
+        one, width, mask = rows_prefix_cache(lm, shared, capacity=capacity)
+        other, width2, mask2 = rows_prefix_cache(lm, own, capacity=capacity)
+        assert width == width2 == 4 and torch.equal(mask, mask2)
+        for x, y in zip(one.layers, other.layers):
+            assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
