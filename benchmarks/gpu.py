@@ -193,9 +193,10 @@ def decode_path(name: str):
 
 def attention_paths(lm: LM, shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
     """Milliseconds and bandwidth of one decoding token's masked attention in one layer of the model's shape, for
-    each (rows, keys): SDPA with ``enable_gqa`` as transformers calls it, and the runtime's two folded paths (SDPA's
-    memory-efficient kernel, two batched matrix products), with each one's largest error against float32."""
-    from cartridges_sdk.kv import _folded_gqa
+    each (rows, keys): SDPA with ``enable_gqa`` as transformers calls it (SDPA's own choice of kernel: on Hopper,
+    cuDNN's, which at one fixed shape plans once), and the runtime's two folded paths under its decoding kernels
+    (memory-efficient attention, two batched matrix products), with each one's largest error against float32."""
+    from cartridges_sdk.kv import _folded_gqa, decoding_kernels
 
     dev, dt = lm.device, lm.dtype
     heads = lm.model.config.num_attention_heads
@@ -213,7 +214,7 @@ def attention_paths(lm: LM, shapes: list[tuple[int, int]]) -> list[dict[str, Any
 
             def folded(name):
                 def call():
-                    with decode_path(name):
+                    with decode_path(name), decoding_kernels(dev):  # the kernels the runtime's decoding may use
                         return _folded_gqa(q, k, v, mask, 0.0, None)[0]
                 return call
 
@@ -329,7 +330,7 @@ def serving(lm: LM, sizes: list[int], document_sizes: set[int], budget_gib: floa
                     runs = [serve_batch(lm, pool, batch_prompts, new_tokens) for _ in range(repeats)]
                 tokens, seconds = [t for t, _ in runs], [s for _, s in runs]
                 by_path[path] = {"tokens_per_s": sum(tokens) / sum(seconds), "seconds": [round(s, 3) for s in seconds],
-                                 "step_ms": 1000 * sum(seconds) / (repeats * (new_tokens + 1))}
+                                 "step_ms": 1000 * sum(seconds) / (repeats * new_tokens)}  # the prompt's step too
             best = max(by_path, key=lambda p: by_path[p]["tokens_per_s"])
             row.update(by_path[best], path=best, paths=by_path, new_tokens=tokens[0], distinct_cartridges=len(pool))
             if lm.device.type == "cuda":

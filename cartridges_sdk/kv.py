@@ -113,8 +113,9 @@ def rows_prefix_cache(lm: LM, rows: Sequence[list[tuple[torch.Tensor, torch.Tens
     fills the last ``len_i`` of ``width`` slots. Returns the cache (None when no row has a prefix), the width, and
     a ``[rows, width]`` mask that is 1 on real prefix slots.
 
-    With `capacity`, each row is written once, straight into a buffer with room to grow: a batch of long prefixes
-    (many users, or documents in context) then takes one copy of memory, not two.
+    With `capacity`, each row of a full-attention layer is written once, straight into a buffer with room to grow: a
+    batch of long prefixes (many users, or documents in context) then takes one copy of memory, not two. (Other
+    layers, and all without `capacity`, are copied once more by transformers' own ``update``.)
     """
     lengths = [rows_layers[0][0].shape[1] if rows_layers else 0 for rows_layers in rows]
     width = max(lengths, default=0)
@@ -149,7 +150,7 @@ def rows_prefix_cache(lm: LM, rows: Sequence[list[tuple[torch.Tensor, torch.Tens
 
 def _rows_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     """Rows as a slice when they run in order (a plain strided copy), else as an index tensor (a scattered write,
-    measured 6x slower per byte on an H200)."""
+    which an H200 profile showed at 0.47 TB/s)."""
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return slice(rows[0], rows[0] + len(rows))
     return torch.tensor(rows, device=device)
@@ -256,7 +257,7 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
     if is_causal and key.shape[2] > query.shape[2]:
         key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
-    if query.device.type == "cuda" and _folds(query, key, attention_mask):
+    if _on_gpu(query) and dropout == 0 and _folds(query, key, attention_mask):
         return _folded_gqa(query, key, value, attention_mask, dropout, scaling)
     out = torch.nn.functional.scaled_dot_product_attention(
         query,
@@ -278,26 +279,34 @@ MATMUL_DECODE_MIN_KEYS = 65536
 FOLDED_MASK_LIMIT = 2**28  # mask elements a fold may copy; past it the stock path is cheaper in memory
 
 
+def _on_gpu(query) -> bool:
+    """Where the folded paths run: CUDA, whose masked SDPA kernels lack ``enable_gqa`` (CPU keeps the stock call)."""
+    return query.device.type == "cuda"
+
+
 def _folds(query, key, attention_mask) -> bool:
-    """Whether masked grouped-query attention goes through `_folded_gqa`: always for one query token (decoding),
-    and for more while the folded mask (one copy per query head of a group) stays small."""
+    """Whether masked grouped-query attention goes through `_folded_gqa`: a ``[batch or 1, 1, queries or 1, keys]``
+    mask, and always for one query token (decoding), for more while the folded mask (one copy per query head of a
+    group) stays small."""
     if attention_mask is None or key.shape[1] == query.shape[1] or query.shape[1] % key.shape[1]:
         return False
-    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
-        return False
     group, q = query.shape[1] // key.shape[1], query.shape[2]
+    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or attention_mask.shape[0] not in (1, query.shape[0]) \
+            or attention_mask.shape[2] not in (1, q) or attention_mask.shape[3] != key.shape[2]:
+        return False
     return q == 1 or attention_mask.shape[0] * group * q * attention_mask.shape[-1] <= FOLDED_MASK_LIMIT
 
 
 def _folded_gqa(query, key, value, attention_mask, dropout, scaling):
     """Masked grouped-query attention as plain attention: each KV head's group of query heads becomes extra query
-    rows. On CUDA, SDPA's memory-efficient kernel takes a mask but not ``enable_gqa``, and its math path copies every
-    KV head once per query head: with long cartridges or documents, most of a decode step (docs/gpu.md)."""
+    rows. On CUDA, SDPA's masked kernels do not take ``enable_gqa`` (cuDNN's does, but `decoding_kernels` keeps it
+    out), and its math path copies every KV head once per query head: 26 ms a layer at 4 rows of 131k keys on an
+    H200, against 5.6 ms folded (docs/gpu.md)."""
     b, heads, q, d = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
     folded = query.reshape(b, kv_heads, group * q, d)  # query heads are grouped by KV head, in order
-    if q == 1 and key.shape[2] >= MATMUL_DECODE_MIN_KEYS:
+    if q == 1 and key.shape[2] >= MATMUL_DECODE_MIN_KEYS and b * heads * key.shape[2] <= FOLDED_MASK_LIMIT:
         out = _matmul_attention(folded, key, value, attention_mask, scaling)
         return out.reshape(b, heads, q, d).transpose(1, 2).contiguous(), None
     mask = attention_mask.expand(-1, -1, q, -1)[:, :, None].expand(-1, -1, group, -1, -1)
@@ -309,8 +318,9 @@ def _folded_gqa(query, key, value, attention_mask, dropout, scaling):
 
 def _matmul_attention(query, key, value, attention_mask, scaling):
     """Attention of a few query rows per KV head as two batched matrix products, which read the keys and values
-    once with all of the GPU, whatever the batch. Scores are in the inputs' dtype and softmax in float32, as SDPA's
-    math path does; every row must see at least one key (a decoding token sees itself)."""
+    once with all of the GPU, whatever the batch. The scores come out of the product in the inputs' dtype (SDPA's
+    kernels keep them in float32: in bf16 this path's error is the larger, 4e-3 against 1e-3 at 512 keys,
+    docs/gpu.md) and softmax runs in float32; every row must see at least one key (a decoding token sees itself)."""
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = torch.matmul(query * scale, key.transpose(-1, -2)).float()
     if attention_mask.dtype == torch.bool:
@@ -322,8 +332,8 @@ def _matmul_attention(query, key, value, attention_mask, scaling):
 
 def decoding_kernels(device: torch.device):
     """A context for a decode step's forward: on CUDA, SDPA may pick flash, memory-efficient or math kernels but not
-    cuDNN's, which builds a plan for every new shape, and a decode's key length changes every step (measured 3.6x
-    slower decoding on an H200, docs/gpu.md). Elsewhere it changes nothing."""
+    cuDNN's, which builds a plan for every new shape, and a decode's key length changes every step (decoding was
+    3.5-3.6x slower with it on an H200, docs/gpu.md). Elsewhere it changes nothing."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -36,9 +36,12 @@ def test_fold_only_where_it_pays():
     query, key = torch.randn(1, 8, 4, 16), torch.randn(1, 2, 10, 16)
     assert not _folds(query, key, None)  # no mask: the flash kernels take enable_gqa themselves
     assert not _folds(query, torch.randn(1, 8, 10, 16), torch.ones(1, 1, 4, 10, dtype=torch.bool))  # no grouping
+    long_key = torch.randn(1, 2, 2**16, 16)
     big = torch.ones(1, 1, 4096, 1, dtype=torch.bool).expand(1, 1, 4096, 2**16)
-    assert not _folds(torch.randn(1, 8, 4096, 16), key, big)  # a long masked prefill: the copy would be huge
-    assert _folds(torch.randn(1, 8, 1, 16), key, big[:, :, :1])  # decoding always folds
+    assert not _folds(torch.randn(1, 8, 4096, 16), long_key, big)  # a long masked prefill: the copy would be huge
+    assert _folds(torch.randn(1, 8, 1, 16), long_key, big[:, :, :1])  # decoding always folds
+    assert not _folds(torch.randn(1, 8, 1, 16), key, big[:, :, :1])  # a mask of another length: the stock call
+    assert not _folds(query, key, torch.ones(1, 1, 2, 10, dtype=torch.bool))  # nor of another query length
 
 
 def test_rows_prefix_cache_writes_each_row_once_into_room(tiny_llama):
@@ -76,11 +79,31 @@ def test_rows_sharing_a_cartridge_are_written_as_if_each_had_its_own(tiny_llama)
                 for _ in range(lm.num_layers)]
 
     a, b = prefix(4), prefix(2)
-    shared = [a, b, a, a, None, b]  # a's rows are not in one run, b's neither: both ways of writing are used
-    own = [[(k.clone(), v.clone()) for k, v in r] if r else None for r in shared]
-    for capacity in (None, 12):
-        one, width, mask = rows_prefix_cache(lm, shared, capacity=capacity)
-        other, width2, mask2 = rows_prefix_cache(lm, own, capacity=capacity)
-        assert width == width2 == 4 and torch.equal(mask, mask2)
-        for x, y in zip(one.layers, other.layers):
-            assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+    # rows of one cartridge out of order (written through an index) and in one run (written as a slice)
+    for shared in ([a, b, a, a, None, b], [a, a, b, None, b, b]):
+        own = [[(k.clone(), v.clone()) for k, v in r] if r else None for r in shared]
+        for capacity in (None, 12):
+            one, width, mask = rows_prefix_cache(lm, shared, capacity=capacity)
+            other, width2, mask2 = rows_prefix_cache(lm, own, capacity=capacity)
+            assert width == width2 == 4 and torch.equal(mask, mask2)
+            for x, y in zip(one.layers, other.layers):
+                assert torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+
+
+@pytest.mark.parametrize("path", ["sdpa", "matmul"])
+def test_a_model_decoding_through_the_folds_keeps_the_runtime_contract(path, monkeypatch):
+    """The folds run on CUDA alone; here they are switched on for a CPU model, whose every padded batch and decoding
+    step then goes through them, and the runtime must still answer exactly as the text in context does."""
+    from cartridges_sdk import testing
+    from cartridges_sdk.hf import HFRuntime
+
+    calls = []
+    real = kv._folded_gqa
+    monkeypatch.setattr(kv, "_on_gpu", lambda query: True)
+    monkeypatch.setattr(kv, "_folded_gqa", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    monkeypatch.setattr(kv, "MATMUL_DECODE_MIN_KEYS", 0 if path == "matmul" else 10**9)
+    lm = testing.tiny_lm("qwen2")  # 4 query heads on 2 KV heads
+    with HFRuntime(lm) as runtime:
+        testing.check_runtime_exactness(runtime, lm)
+        testing.check_no_cross_talk(runtime, lm)
+    assert 1 in calls and any(q > 1 for q in calls)  # decoding steps and padded prompts both folded
