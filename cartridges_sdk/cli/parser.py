@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from .files import cmd_compact, cmd_compose, cmd_init, cmd_inspect
 from .selfstudy import cmd_build, cmd_merge, cmd_synthesize, cmd_train
+from .access import cmd_forget, cmd_keys
 from .use import cmd_ask, cmd_backends, cmd_mcp, cmd_models, cmd_serve, cmd_sync
 
 DESCRIPTION = "The ``cartridges`` command: make, inspect, compose and query cartridge files from a shell."
@@ -170,6 +171,12 @@ def _serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="bearer token clients must send (default: CARTRIDGES_API_KEY, else none)")
+    p.add_argument("--keys", metavar="FILE", help="a key per user instead, each opening only the cartridges it "
+                   "lists, with its own rate limit (made with `cartridges keys add`; re-read when it changes)")
+    p.add_argument("--audit-log", metavar="FILE", help="append one JSON line per request to FILE: time, key id, "
+                   "the request's user, cartridges used, status")
+    p.add_argument("--audit-questions", action="store_true", help="write each request's question into the audit "
+                   "log too (off by default: it may hold what the log must not)")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting before 429 (default 256)")
     p.add_argument("--max-batch", type=int, default=16, help="requests answered together at most (default 16)")
     p.add_argument("--memory-mb", type=int, default=1024,
@@ -216,6 +223,30 @@ def _sync(p: argparse.ArgumentParser) -> None:
     _model_args(p)
 
 
+def _keys(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["add", "rotate", "revoke", "allow", "deny", "list"],
+                   help="add a key (printed once), rotate one (a new key, same grant), revoke one, allow or deny it "
+                        "cartridges, or list the keys")
+    p.add_argument("id", nargs="?", help="the key's id, as the audit log names it (e.g. dr-ada)")
+    p.add_argument("names", nargs="*", help="allow/deny: cartridge names or patterns such as 'ward3-*'")
+    p.add_argument("--keys", required=True, metavar="FILE", help="the key file `cartridges serve --keys` reads")
+    p.add_argument("--allow", action="append", default=[], metavar="NAME",
+                   help="add: a cartridge the key opens, or a pattern ('*': every one); repeatable")
+    p.add_argument("--rate", default="60/minute",
+                   help="add: the key's rate limit, e.g. 60/minute, 5/second, 1000/day, or none (default 60/minute)")
+
+
+def _forget(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="the cartridge (the document's name in the store), e.g. a patient's")
+    p.add_argument("--store", required=True, help="the store's folder")
+    p.add_argument("--documents", metavar="FOLDER", help="the folder the store syncs from: the document is "
+                   "deleted there too, so no sync builds it again")
+    p.add_argument("--keys", metavar="FILE", help="a key file: the name is taken out of every allow-list")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="wait this long for a sync writing to the store (default: fail at once)")
+    _model_args(p)
+
+
 def _backends(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
 
@@ -256,6 +287,8 @@ COMMANDS: list[Command] = [
     ("sync", "keep a store in step with a folder of documents: one cartridge per document, only changes rebuilt",
      cmd_sync, _sync),
     ("serve", "serve a folder of cartridges over an OpenAI-compatible HTTP API", cmd_serve, _serve),
+    ("keys", "API keys for `cartridges serve --keys`: each opens only the cartridges it lists", cmd_keys, _keys),
+    ("forget", "delete a document from a store: its cartridge and every file made from it", cmd_forget, _forget),
     ("mcp", "an MCP server (stdio) whose tool asks a running `cartridges serve`, for IDEs and assistants", cmd_mcp,
      _mcp),
     ("models", "the models pulled by name from a package index: list them, or pull one", cmd_models, _models),

@@ -49,8 +49,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = backend_options(args, {"runtime": args.runtime})["runtime"]
     key = args.api_key or os.environ.get("CARTRIDGES_API_KEY") or None
+    if args.keys and args.api_key:
+        raise ConfigError("--api-key (one key for everything) and --keys (a key per user) exclude each other.")
+    key = None if args.keys else key  # a key file replaces CARTRIDGES_API_KEY
     config = ServeConfig(api_key=key, max_queue=args.max_queue, max_batch=args.max_batch,
-                         allowed_hosts=allowed_hosts(args.host, args.allowed_host))  # checked before the model loads
+                         allowed_hosts=allowed_hosts(args.host, args.allowed_host),  # checked before the model loads
+                         keys_file=args.keys, audit_log=args.audit_log, audit_questions=args.audit_questions)
+    if args.keys:
+        from ..serve.access import KeyFile
+
+        KeyFile(args.keys)  # a missing or bad key file stops the start, before the model loads
     sync_config = _sync_config(args) if args.watch else None
     study = _study_settings(args)
     if study is not None and not args.watch:
@@ -63,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         interval(args.watch_every, "--watch-every")  # before the model loads
     lm = common.model_for(args.model, device=args.device)
     store = CartridgeStore(args.store, lm, memory_budget=args.memory_mb * 2**20)
-    if key is None and not is_loopback(args.host):
+    if key is None and not args.keys and not is_loopback(args.host):
         print(f"warning: serving on {args.host} with no API key; anyone who can reach it can use it "
               "(--api-key or CARTRIDGES_API_KEY)", file=sys.stderr)
     runtime = lm.get_runtime(args.runtime, **options)

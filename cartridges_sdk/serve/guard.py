@@ -27,16 +27,31 @@ class BadRequest(Exception):
 class Guard:
     """A plain ASGI middleware that answers a request `check` refuses, and passes the rest through untouched
     (Starlette's BaseHTTPMiddleware would hide a client's disconnect from the endpoint, so a dropped request
-    would decode on)."""
+    would decode on). Each request carries a record (``scope["cartridges.audit"]``) that the endpoints fill in;
+    `done` gets it with the response's status once the response (a whole stream too) is over."""
 
-    def __init__(self, app: Any, check) -> None:
-        self.app, self.check = app, check
+    def __init__(self, app: Any, check, done=None) -> None:
+        self.app, self.check, self.done = app, check, done
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and (refused := self.check(scope)) is not None:
-            await refused(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        scope["cartridges.audit"] = {"key": None, "method": scope["method"], "path": scope["path"]}
+        status: int | None = None
+
+        async def sending(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refused = self.check(scope)
+            await (refused or self.app)(scope, receive, sending)
+        finally:
+            if self.done is not None:
+                self.done(scope, status)
 
 
 def host_name(host: str) -> str:

@@ -7,6 +7,10 @@ when asked. ``GET /v1/models`` lists the cartridges; ``GET /health`` says the se
 One thread drives the runtime (`engine.Engine`): requests wait in a bounded queue, and the ones waiting together
 are answered in one heterogeneous batch. A full queue answers 429 with ``retry-after``; bad input answers
 4xx naming the problem and never reaches the engine.
+
+With a key file (`access.KeyFile`), each key opens only the cartridges its allow-list names: it is listed, routed
+to and answered from those alone, and any other name is answered exactly as a name that does not exist (404), so
+a key learns nothing of what it may not read. An audit log (`audit.AuditLog`) records every request.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from ..checks import at_least_one
 from ..errors import ConfigError, IncompatibleCartridgeError
 from ..plugins import Runtime
 from ..requests import Completion, GenerationParams, GenerationRequest
+from .access import Grant, KeyFile, KeyFileError, RateLimits
+from .audit import AuditLog
 from .engine import Engine, Job
 from .guard import LOOPBACK_HOSTS, BadRequest, Guard, authorize, check_host, check_host_names, host_names
 from .store import SUFFIX, CartridgeStore, NotInStoreError, versions
@@ -68,6 +74,19 @@ class ServeConfig:
     max_new_tokens: int = attrs.field(default=2048, validator=at_least_one)
     # tokens an answer gets when a request does not say
     default_max_tokens: int = attrs.field(default=256, validator=at_least_one)
+    # a key file (`cartridges keys`): per-key allow-lists and rate limits, re-read when it changes; not with api_key
+    keys_file: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
+    # an append-only JSON-lines log of every request (who, which cartridges, status)
+    audit_log: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
+    # write each request's last user turn into the audit log too (off: it may hold what the log must not)
+    audit_questions: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.api_key is not None and self.keys_file is not None:
+            raise ConfigError("api_key (one key for everything) and keys_file (a key per user) exclude each other; "
+                              "give one. Add the shared key to the file with `cartridges keys add ID --allow '*'`.")
+        if self.audit_questions and self.audit_log is None:
+            raise ConfigError("audit_questions writes questions into the audit log; give audit_log too.")
 
 
 def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | None = None) -> Any:
@@ -76,6 +95,9 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     lm = store.model
     ids = itertools.count()
     state: dict[str, Any] = {"refreshed": 0.0}
+    keys = KeyFile(config.keys_file) if config.keys_file is not None else None  # a bad file stops the start
+    limits = RateLimits() if keys is not None else None
+    audit = AuditLog(config.audit_log, questions=config.audit_questions) if config.audit_log is not None else None
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -84,6 +106,8 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
             yield
         finally:
             await asyncio.to_thread(state["engine"].close)
+            if audit is not None:
+                audit.close()
 
     # with a key, the API's own pages (/docs, /redoc, /openapi.json) are behind it too: the guard below covers them
     app = FastAPI(title="cartridges-sdk", lifespan=lifespan)
@@ -100,43 +124,74 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
         return error(exc.status, exc.message, exc.param, exc.headers)
 
     def guard(scope: dict[str, Any]) -> JSONResponse | None:
-        """Every path: the Host and Origin checks first (DNS rebinding, web pages), then the key (all but /health);
-        a refusal, or None."""
+        """Every path: the Host and Origin checks first (DNS rebinding, web pages), then the key and its rate limit
+        (all but /health); a refusal, or None. The key's grant goes into the scope, for the endpoints."""
         headers = Headers(scope=scope)
         try:
             check_host(config.allowed_hosts, headers.get("host"), headers.get("origin"))
             if scope["path"] != "/health":
-                authorize(config.api_key, headers)
+                if keys is None:
+                    authorize(config.api_key, headers)
+                else:
+                    grant = scope[GRANT] = _grant(keys, headers)
+                    scope[AUDIT]["key"] = grant.key_id
+                    wait = limits.wait(grant)
+                    if wait is not None:
+                        raise BadRequest(429, f"This key's rate limit ({grant.rate}) is used up; retry in "
+                                         f"{wait:.0f} s.", headers={"retry-after": str(max(1, round(wait)))})
         except BadRequest as refused:
             return error(refused.status, refused.message, refused.param, refused.headers)
         return None
 
-    app.add_middleware(Guard, check=guard)
+    def done(scope: dict[str, Any], status: int | None) -> None:
+        if audit is not None and scope["path"] != "/health":
+            audit.write({**scope[AUDIT], "status": status if status is not None else 500})
+
+    app.add_middleware(Guard, check=guard, done=done)
 
     def refresh(force: bool = False) -> None:
         if force or time.monotonic() - state["refreshed"] > 1.0:  # a folder re-read at most once a second
             store.refresh()
             state["refreshed"] = time.monotonic()
 
+    def visible(grant: Grant | None) -> list[str]:
+        """The cartridges a request may see: all of them, or those its key opens."""
+        return store.names() if grant is None else grant.filter(store.names())
+
+    def not_found(name: str, grant: Grant | None) -> BadRequest:
+        """The 404 for a name the request cannot use. For a key with an allow-list it reads the same whether the
+        cartridge is missing or someone else's, and lists only the key's own."""
+        where = "in the store" if grant is None else "in the store for this key"
+        return BadRequest(404, f"No cartridge {name!r} {where}; it holds: {', '.join(visible(grant)[:50]) or 'none'} "
+                          f"(and 'auto', {lm.name!r}).", "model")
+
     def resolve(body: dict[str, Any], names: list[str] | None, messages: list[dict[str, str]],
-                params: GenerationParams) -> tuple[list[str], list[Any], int, int]:
+                params: GenerationParams, grant: Grant | None) -> tuple[list[str], list[Any], int, int]:
         """The request's cartridges (routed, for model='auto') and token counts, checked against the context. Runs
         off the event loop: it may read files, rebuild the routing index and tokenize a long conversation."""
         refresh()
         if names == [lm.name] and lm.name not in store:  # the bare model, no cartridge
             names = []
         if names is None:  # model="auto": routed by the last user turn, or all of them for a follow-up ("Why?")
+            among = None if grant is None else visible(grant)
+            if among == []:
+                raise BadRequest(404, "This key opens no cartridge in the store, so there is nothing to route to.",
+                                 "model")
             turns = [m["content"] for m in messages if m["role"] == "user"]
             for question in (turns[-1], "\n".join(turns)) if len(turns) > 1 else (turns[-1],):
                 try:
-                    routes = store.within(question, body["budget"]) if body.get("budget") else \
-                        store.route(question, k=body.get("k", 1))
+                    routes = store.within(question, body["budget"], among=among) if body.get("budget") else \
+                        store.route(question, k=body.get("k", 1), among=among)
                     names = [r.name for r in routes]
                     break
                 except ConfigError as err:
                     refused = err
             if names is None:
                 raise BadRequest(400, str(refused), "model")
+        barred = [n for n in names if grant is not None and not grant.allows(n)]
+        if barred:
+            refresh(True)  # as for a missing name, so the answer takes as long as one
+            raise not_found(barred[0], grant)
         try:
             cartridges = [store.get(n) for n in names]
         except NotInStoreError:
@@ -146,9 +201,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
                 why = store.refused().get(missing[0] + SUFFIX)
                 if why is not None:  # its file is there but was left out: say why, not just "no such cartridge"
                     raise BadRequest(404, f"The cartridge {missing[0]!r} is left out of the store: {why}", "model")
-                raise BadRequest(404, f"No cartridge {missing[0]!r} in the store; it holds: "
-                                 f"{', '.join(store.names()[:50]) or 'none'} (and 'auto', {lm.name!r}).",
-                                 "model") from None
+                raise not_found(missing[0], grant) from None
             cartridges = [store.get(n) for n in names]
         try:
             prompt_tokens = len(lm.prompt_ids(messages, after_cartridge=bool(cartridges)))
@@ -169,12 +222,14 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
         engine = state.get("engine")
         if engine is None or not engine.alive:
             return JSONResponse({"status": "down", "reason": "the engine thread is not running"}, status_code=503)
+        if keys is not None:  # no key is needed here, so it says nothing of the store (how many records it holds)
+            return {"status": "ok"}
         return {"status": "ok", "cartridges": len(store), "model": lm.name, "waiting": engine.jobs.qsize()}
 
     @app.get("/v1/models")
     async def models(request: Request):
         await asyncio.to_thread(refresh, True)
-        names = store.names()
+        names = visible(request.scope.get(GRANT))
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "cartridges"} for n in names]
         data.append({"id": "auto", "object": "model", "created": 0, "owned_by": "cartridges"})
         data.append({"id": lm.name, "object": "model", "created": 0, "owned_by": "cartridges"})
@@ -183,8 +238,13 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _read_json(request, config.max_body_bytes)
+        record = request.scope[AUDIT]
+        record.update(model=body.get("model"), user=body.get("user"))
         names, messages, params, stream, include_usage = _parse(body, config)
-        names, cartridges, prompt_tokens, used = await asyncio.to_thread(resolve, body, names, messages, params)
+        record.update(stream=stream, question=[m["content"] for m in messages if m["role"] == "user"][-1])
+        names, cartridges, prompt_tokens, used = await asyncio.to_thread(resolve, body, names, messages, params,
+                                                                         request.scope.get(GRANT))
+        record["cartridges"] = names
         job_request = GenerationRequest(messages, cartridges, params)
         loop = asyncio.get_running_loop()
         job = Job(job_request, stream, loop, asyncio.Queue() if stream else loop.create_future())
@@ -197,7 +257,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
         model = body["model"]
         usage = {"prompt_tokens": prompt_tokens, "cartridge_tokens": used}
         if stream:
-            return StreamingResponse(_events(job, rid, model, sources, usage, include_usage, scrub),
+            return StreamingResponse(_events(job, rid, model, sources, usage, include_usage, scrub, record),
                                      media_type="text/event-stream")
         try:
             out: Completion = await _wait(job, request)
@@ -231,7 +291,7 @@ async def _wait(job: Job, request: Any) -> Completion:
 
 
 async def _events(job: Job, rid: str, model: str, sources: dict[str, list], usage: dict[str, int],
-                  include_usage: bool, scrub) -> AsyncIterator[str]:
+                  include_usage: bool, scrub, record: dict[str, Any]) -> AsyncIterator[str]:
     """Server-sent events in the OpenAI chunk format, then usage (if asked for, as OpenAI does: a last chunk with no
     choices); a client that goes away cancels its decoding."""
     def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
@@ -246,6 +306,7 @@ async def _events(job: Job, rid: str, model: str, sources: dict[str, list], usag
             yield chunk({"content": piece})
         if isinstance(piece, BaseException):
             kind = "invalid_request_error" if isinstance(piece, REFUSALS) else "server_error"
+            record["error"] = kind  # the stream began with 200: the log says how it ended
             yield f"data: {json.dumps({'error': {'message': scrub(str(piece)), 'type': kind}})}\n\n"
             yield "data: [DONE]\n\n"  # the stream is over: clients waiting for the end marker stop here
             return
@@ -257,6 +318,28 @@ async def _events(job: Job, rid: str, model: str, sources: dict[str, list], usag
         yield "data: [DONE]\n\n"
     finally:
         job.cancelled.set()  # finished, or the client disconnected: either way, no more work for it
+
+
+GRANT = "cartridges.grant"  # the scope key of the request's grant (a key file's entry), set by the guard
+AUDIT = "cartridges.audit"  # the scope key of the request's audit record, filled in as the request is read
+
+
+def _grant(keys: KeyFile, headers: Headers) -> Grant:
+    """The grant of the request's bearer key: 401 without one that the file holds; 503 while the file is unreadable
+    (no request is let through on a file that may have revoked its key)."""
+    given = headers.get("authorization", "")
+    token = given[7:] if given.lower().startswith("bearer ") else ""
+    try:
+        grant = keys.authenticate(token) if token else None
+    except KeyFileError as err:
+        import logging
+
+        logging.getLogger("cartridges_sdk.serve").error("Refusing every request: %s", err)
+        raise BadRequest(503, "The server's key file cannot be read; its operator must fix it (the server's log "
+                         "says how).") from None
+    if grant is None:
+        raise BadRequest(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
+    return grant
 
 
 def _scrubber(root: Path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,12 +27,12 @@ from typing import Any
 import attrs
 
 from ..cartridge import Cartridge
-from ..errors import CartridgeError, ConfigError, NotInStoreError
-from ..files import atomic_write
+from ..errors import CartridgeError, ConfigError, NotInStoreError, StoreBusyError
+from ..files import atomic_write, folder_lock
 from ..kv import Recent
 from ..lm import LM
 from .documents import NAME, SUFFIX, name_problem
-from .sync import SyncConfig, SyncReport, document_record, self_study, sync
+from .sync import LOCK, WORK, SyncConfig, SyncReport, document_record, self_study, sync
 from .words import STOPWORDS, routing_text
 
 log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed
@@ -92,7 +93,9 @@ class CartridgeStore:
         self._refused: dict[Path, tuple[tuple[int, int], str]] = {}  # said once per version of a bad file
         self._linked_out: set[Path] = set()  # refused because they (or their corpus) link out of the folder
         self._memory: Recent[Cartridge] = Recent(budget=memory_budget, cost=lambda c: c.nbytes)  # loaded, by name
-        self._index: Any = None  # (bm25 retriever, name of each corpus), built when first routed after a change
+        # (bm25 retriever, name of each corpus) by the names routed among (None: all), built when first routed
+        # after a change; emptied by every change
+        self._index: dict[frozenset[str] | None, Any] = {}
         self._lock = threading.RLock()
         self.refresh()
 
@@ -125,7 +128,7 @@ class CartridgeStore:
                 cartridge, why = self._load(entry.path)
                 if cartridge is None:  # replaced or deleted since the folder was read: left out
                     del self._entries[name]
-                    self._index = None
+                    self._index = {}
                     raise NotInStoreError(f"The cartridge {name!r} can no longer be read ({why}); it is left out.")
             self._remember(name, cartridge)
             return cartridge
@@ -178,7 +181,7 @@ class CartridgeStore:
             self._entries[name] = _Entry(path, _stamp(path), corpus_path, corpus_path and _stamp(corpus_path),
                                          document_record(cartridge), cartridge.num_tokens)
             self._refused.pop(path, None)
-            self._index = None
+            self._index = {}
             return path
 
     def remove(self, name: str) -> None:
@@ -190,7 +193,46 @@ class CartridgeStore:
                 (self.root / f"{name}{suffix}").unlink(missing_ok=True)
             del self._entries[name]
             self._memory.pop(name)
-            self._index = None
+            self._index = {}
+
+    def forget(self, name: str, documents: str | os.PathLike | None = None, *, timeout: float = 0) -> list[Path]:
+        """Delete every file the store made from the document `name` (a patient's record, say): its cartridge, its
+        corpus text, self-study's work folders for it, and the copies other documents' trainings keep of it as a
+        distractor; and, given the folder the store syncs from (`documents`), the document itself, so the next sync
+        does not build it again. Drops it from memory and from routing. Returns the paths removed. Holds the sync
+        lock meanwhile (waiting `timeout` seconds for a running sync)."""
+        with folder_lock(self.root, name=LOCK, timeout=timeout, error=StoreBusyError,
+                         busy=f"A sync is writing to the store at {self.root}; wait for it, or pass a timeout."):
+            with self._lock:
+                self.refresh()
+                if name not in self._entries:
+                    self.get(name)  # raises, naming what the store holds
+                record = self._entries[name].document if self._entries[name].document else {}
+                removed: list[Path] = []
+                if documents is not None and record.get("name") == name:
+                    folder = Path(documents).resolve()
+                    source = (folder / record["origin"]).resolve()
+                    if source.parent != folder and folder not in source.parents:
+                        raise ConfigError(f"The document of {name!r} ({record['origin']!r}) is not inside {documents}.")
+                    if source.is_dir():
+                        shutil.rmtree(source)
+                        removed.append(source)
+                    elif source.exists():
+                        source.unlink()
+                        removed.append(source)
+                work = self.root / WORK
+                for folder in sorted(work.glob("*")) if work.is_dir() else ():
+                    if folder.name.rpartition("-")[0] == name:
+                        shutil.rmtree(folder)
+                        removed.append(folder)
+                        continue
+                    for copy in sorted(folder.glob(f"distractors*/{name}{SUFFIX}")):
+                        copy.unlink()
+                        removed.append(copy)
+                removed += [p for p in (self.root / f"{name}{CORPUS_SUFFIX}", self.root / f"{name}{SUFFIX}")
+                            if p.exists()]
+                self.remove(name)
+                return removed
 
     def sync(self, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None, *,
              timeout: float = 0, progress: bool = True) -> SyncReport:
@@ -277,7 +319,7 @@ class CartridgeStore:
                 return {n: (e.corpus, e.corpus_stamp) for n, e in entries.items()}
 
             if routing(seen) != routing(self._entries):
-                self._index = None
+                self._index = {}
             self._entries = seen
             return changes
 
@@ -287,10 +329,14 @@ class CartridgeStore:
 
     # ---- routing
 
-    def route(self, question: str, k: int = 1) -> list[Route]:
+    def route(self, question: str, k: int = 1, *, among: Sequence[str] | None = None) -> list[Route]:
         """The `k` cartridges whose corpora best match `question` (BM25), best first. Cartridges without a corpus text
         are never routed to, nor are those sharing no word with the question (fewer than `k` may come back); a
-        question sharing no word with any corpus is refused rather than answered by an arbitrary cartridge."""
+        question sharing no word with any corpus is refused rather than answered by an arbitrary cartridge.
+
+        `among` routes within those cartridges only, as if the store held nothing else: the index (and so every
+        word's weight) is built from their corpora alone, so neither the answer nor the refusal says anything of the
+        others (a clinician's key routes among their own patients)."""
         if not isinstance(question, str) or not question.strip():
             raise ConfigError("route needs a non-empty question.")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -298,7 +344,7 @@ class CartridgeStore:
         import bm25s
 
         with self._lock:
-            index = self._routing_index()
+            index = self._routing_index(None if among is None else frozenset(among))
         if index is None:
             raise ConfigError(f"No cartridge in the store at {self.root} has a corpus text ({CORPUS_SUFFIX}) to route "
                               "by; add cartridges with store.add(name, cartridge, corpus=text).")
@@ -313,12 +359,14 @@ class CartridgeStore:
                               f"store at {self.root}, so it cannot be routed; name the cartridges to use instead.")
         return [Route(name, score) for name, score in ranked]
 
-    def _routing_index(self) -> Any:
-        if self._index is None:
+    def _routing_index(self, among: frozenset[str] | None = None) -> Any:
+        if among not in self._index:
             import bm25s
 
             named = [(name, entry.corpus) for name, entry in sorted(self._entries.items())
-                     if entry.corpus is not None and self._inside(entry.corpus)]
+                     if entry.corpus is not None and self._inside(entry.corpus) and (among is None or name in among)]
+            if len(self._index) >= 256:  # one per key's allow-list: bounded
+                self._index.clear()
             if not named:
                 return None
             retriever = bm25s.BM25()
@@ -326,16 +374,16 @@ class CartridgeStore:
             retriever.index(bm25s.tokenize([routing_text(t) for t in texts], stopwords=STOPWORDS, show_progress=False),
                             show_progress=False)
             owners = [name for name, _ in named]
-            self._index = (retriever, owners)
-        return self._index
+            self._index[among] = (retriever, owners)
+        return self._index[among]
 
-    def within(self, question: str, budget: int) -> list[Route]:
+    def within(self, question: str, budget: int, *, among: Sequence[str] | None = None) -> list[Route]:
         """The cartridges `question` is routed to, best first, as many as fit in `budget` tokens together (at least
         the best one): a question that needs several documents ("which modules use X?") gets as many as the budget
-        holds."""
+        holds. `among` as for `route`."""
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ConfigError(f"budget={budget!r} must be a positive number of cartridge tokens.")
-        ranked = self.route(question, k=max(len(self), 1))
+        ranked = self.route(question, k=max(len(self), 1), among=among)
         picked, used = [], 0
         with self._lock:
             for route in ranked:

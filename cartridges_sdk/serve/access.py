@@ -1,0 +1,293 @@
+"""Who may read which cartridge: API keys kept hashed in a JSON file, each with the cartridges it opens and its own
+rate limit (docs/security.md).
+
+The file is re-read whenever it changes, so keys are added, revoked and rotated without restarting the server
+(`cartridges keys ...` writes it atomically, under a lock). The server keeps only SHA-256 hashes: a key is a random
+256-bit token, so a plain hash cannot be reversed, and a stolen file opens nothing. A file that turns unreadable
+while serving is not worked around: every request is refused (503) until it is fixed, so a bad edit can never leave
+a revoked key working.
+
+File layout::
+
+    {"format": "cartridges-keys/1",
+     "keys": {"dr-ada": {"sha256": "<hex>", "allow": ["patient-0001", "ward3-*"], "rate": "60/minute",
+                         "created": "2026-11-26T08:00:00Z"}}}
+
+``allow`` holds cartridge names or shell patterns (``*`` for every cartridge); ``rate`` is a `limits` string such
+as ``60/minute`` or ``1000/day``, or null for none.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ..errors import ConfigError
+from ..files import atomic_write_json, folder_lock
+
+FORMAT = "cartridges-keys/1"
+KEY_PREFIX = "ck-"
+KEY_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
+DEFAULT_RATE = "60/minute"
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def check_rate(rate: str | None) -> str | None:
+    """`rate` if `limits` reads it (``60/minute``, ``5/second``, ``1000/day``), or None for no limit."""
+    if rate is None or (isinstance(rate, str) and rate.lower() == "none"):
+        return None
+    if not isinstance(rate, str):
+        raise ConfigError(f"rate={rate!r} must be a string such as '60/minute', or 'none'.")
+    from limits import parse
+
+    try:
+        parse(rate)
+    except ValueError:
+        raise ConfigError(f"rate={rate!r} is not a rate; write it as COUNT/PERIOD, e.g. '60/minute', '5/second', "
+                          "'1000/day', or 'none'.") from None
+    return rate
+
+
+def _check_names(names: Iterable[str]) -> tuple[str, ...]:
+    names = tuple(names)
+    for name in names:
+        if not isinstance(name, str) or not name or any(c.isspace() for c in name) or "/" in name:
+            raise ConfigError(f"allow={name!r} must be a cartridge name or a pattern such as 'patient-*' ('*' for "
+                              "every cartridge), with no spaces or '/'.")
+    return names
+
+
+@attrs.frozen
+class Grant:
+    """What one key may do: the cartridges it opens (names or patterns), and its rate limit."""
+
+    key_id: str
+    allow: tuple[str, ...] = ()
+    rate: str | None = DEFAULT_RATE
+
+    def allows(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.allow)
+
+    def filter(self, names: Iterable[str]) -> list[str]:
+        """The `names` this key opens, in their order."""
+        return [n for n in names if self.allows(n)]
+
+
+class KeyFileError(ConfigError):
+    """The key file cannot be read as one; the message says where it goes wrong."""
+
+
+class KeyFile:
+    """The keys in `path`, re-read when the file changes (checked at each request: a stat costs microseconds)."""
+
+    def __init__(self, path: str | os.PathLike, *, create: bool = False):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int, int] | None = None
+        self._keys: dict[str, dict[str, Any]] = {}
+        self._broken: str | None = None
+        if create and not self.path.exists():
+            self._write({})
+        if not self.path.is_file():
+            raise KeyFileError(f"No key file at {self.path}; make one with `cartridges keys add ID --keys "
+                               f"{self.path} --allow NAME`.")
+        self._reload()
+        if self._broken:
+            raise KeyFileError(self._broken)
+
+    # ---- reading
+
+    def _reload(self) -> None:
+        """Read the file again if it changed since it was last read; a file that no longer reads breaks every key."""
+        try:
+            st = self.path.stat()
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError as err:
+            self._stamp, self._broken = None, f"The key file {self.path} cannot be read: {err.strerror}."
+            return
+        if stamp == self._stamp:
+            return
+        try:
+            self._keys, self._broken = _parse(self.path.read_text("utf-8"), self.path), None
+        except (OSError, UnicodeDecodeError, KeyFileError) as err:
+            self._keys, self._broken = {}, str(err)
+        self._stamp = stamp
+
+    def keys(self) -> dict[str, Grant]:
+        """Every key's grant, by key id."""
+        with self._lock:
+            self._reload()
+            if self._broken:
+                raise KeyFileError(self._broken)
+            return {key_id: _grant(key_id, entry) for key_id, entry in sorted(self._keys.items())}
+
+    def authenticate(self, token: str) -> Grant | None:
+        """The grant of the key `token`, or None. Every stored hash is compared, in constant time, so how long it
+        takes says nothing of which key came close. Raises `KeyFileError` while the file does not read."""
+        given = _hash(token).encode()
+        with self._lock:
+            self._reload()
+            if self._broken:
+                raise KeyFileError(self._broken)
+            found = None
+            for key_id, entry in self._keys.items():
+                if hmac.compare_digest(given, entry["sha256"].encode()):
+                    found = _grant(key_id, entry)
+            return found
+
+    # ---- writing (the `cartridges keys` commands)
+
+    def _edit(self, change) -> Any:
+        """Apply `change` to the current keys under the file's lock, and write them back atomically."""
+        with folder_lock(self.path.parent, name=f".{self.path.name}.lock", timeout=10,
+                         busy=f"Another process is writing {self.path}; try again."):
+            keys = _parse(self.path.read_text("utf-8"), self.path) if self.path.exists() else {}
+            out = change(keys)
+            self._write(keys)
+        with self._lock:
+            self._reload()
+        return out
+
+    def _write(self, keys: dict[str, dict[str, Any]]) -> None:
+        atomic_write_json(self.path, {"format": FORMAT, "keys": dict(sorted(keys.items()))})
+        os.chmod(self.path, 0o600)  # hashes only, but nobody else's business
+
+    def add(self, key_id: str, allow: Iterable[str] = (), rate: str | None = DEFAULT_RATE) -> str:
+        """A new key for `key_id`, opening `allow`; returns the key, the one time it is ever shown."""
+        if not isinstance(key_id, str) or not KEY_ID.match(key_id):
+            raise ConfigError(f"key id {key_id!r} must be 1-64 letters, digits, '.', '_', '@' or '-' (it names the "
+                              "key in the audit log; never put the key itself there).")
+        allow, rate = _check_names(allow), check_rate(rate)
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+
+        def change(keys):
+            if key_id in keys:
+                raise ConfigError(f"The key file already has a key {key_id!r}; rotate it (`cartridges keys rotate "
+                                  f"{key_id}`) or revoke it first.")
+            keys[key_id] = {"sha256": _hash(key), "allow": list(dict.fromkeys(allow)), "rate": rate,
+                            "created": _now()}
+        self._edit(change)
+        return key
+
+    def rotate(self, key_id: str) -> str:
+        """A new key for `key_id`, with the same grant; the old key stops working at once."""
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+
+        def change(keys):
+            _entry(keys, key_id, self.path).update(sha256=_hash(key), created=_now())
+        self._edit(change)
+        return key
+
+    def revoke(self, key_id: str) -> None:
+        self._edit(lambda keys: (_entry(keys, key_id, self.path), keys.pop(key_id)))
+
+    def allow(self, key_id: str, names: Iterable[str]) -> None:
+        """Let `key_id` open `names` (names or patterns) too."""
+        names = _check_names(names)
+
+        def change(keys):
+            entry = _entry(keys, key_id, self.path)
+            entry["allow"] = list(dict.fromkeys([*entry["allow"], *names]))
+        self._edit(change)
+
+    def deny(self, key_id: str, names: Iterable[str]) -> None:
+        """Take `names` (as written in the allow-list) from `key_id`."""
+        names = set(_check_names(names))
+
+        def change(keys):
+            entry = _entry(keys, key_id, self.path)
+            missing = sorted(names - set(entry["allow"]))
+            if missing:
+                raise ConfigError(f"Key {key_id!r} does not list {missing}; it lists {entry['allow']}.")
+            entry["allow"] = [n for n in entry["allow"] if n not in names]
+        self._edit(change)
+
+    def forget(self, name: str) -> list[str]:
+        """Take the cartridge `name` out of every allow-list that names it exactly (a deleted patient); returns the
+        key ids changed. Patterns are left alone: they name no one."""
+        def change(keys):
+            changed = [key_id for key_id, entry in sorted(keys.items()) if name in entry["allow"]]
+            for key_id in changed:
+                keys[key_id]["allow"] = [n for n in keys[key_id]["allow"] if n != name]
+            return changed
+        return self._edit(change)
+
+
+class RateLimits:
+    """Each key's rate limit, counted in a moving window in this process's memory (the `limits` library)."""
+
+    def __init__(self) -> None:
+        from limits.storage import MemoryStorage
+        from limits.strategies import MovingWindowRateLimiter
+
+        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+
+    def wait(self, grant: Grant) -> float | None:
+        """None if `grant`'s key may make one more request now (counted), else the seconds until it may."""
+        if grant.rate is None:
+            return None
+        import time
+
+        from limits import parse
+
+        item = parse(grant.rate)
+        if self._limiter.hit(item, grant.key_id):
+            return None
+        reset = self._limiter.get_window_stats(item, grant.key_id).reset_time
+        return max(reset - time.time(), 0.0)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _grant(key_id: str, entry: dict[str, Any]) -> Grant:
+    return Grant(key_id, tuple(entry["allow"]), entry.get("rate"))
+
+
+def _entry(keys: dict[str, dict[str, Any]], key_id: str, path: Path) -> dict[str, Any]:
+    if key_id not in keys:
+        raise ConfigError(f"The key file {path} has no key {key_id!r}; it has: {', '.join(sorted(keys)) or 'none'}.")
+    return keys[key_id]
+
+
+def _parse(text: str, path: Path) -> dict[str, dict[str, Any]]:
+    """The keys in a key file's text, every field checked (a hand edit gone wrong is named, not half read)."""
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise KeyFileError(f"The key file {path} is not valid JSON ({err}); fix it, or restore it.") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("keys"), dict):
+        raise KeyFileError(f"The key file {path} is not a {FORMAT} file ({{\"format\": \"{FORMAT}\", \"keys\": "
+                           "{...}}); make it with `cartridges keys add`.")
+    for key_id, entry in data["keys"].items():
+        where = f"The key file {path}, key {key_id!r}:"
+        if not KEY_ID.match(key_id) or not isinstance(entry, dict):
+            raise KeyFileError(f"{where} a key is an id (letters, digits, '.', '_', '@', '-') and an object.")
+        digest = entry.get("sha256")
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise KeyFileError(f"{where} 'sha256' must be the 64-hex-digit SHA-256 of the key.")
+        allow = entry.get("allow")
+        if not isinstance(allow, list):
+            raise KeyFileError(f"{where} 'allow' must be a list of cartridge names or patterns.")
+        try:
+            _check_names(allow)
+            check_rate(entry.get("rate"))
+        except ConfigError as err:
+            raise KeyFileError(f"{where} {err}") from None
+    return data["keys"]

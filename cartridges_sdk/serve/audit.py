@@ -1,0 +1,40 @@
+"""An append-only audit log of the server's requests: one JSON line each, saying who asked (the key's id and the
+request's ``user``), what for (path, model, the cartridges that answered), and how it ended (HTTP status, and the
+error of a stream that failed after it began). The question's text is written only when asked for (it may hold
+what the log must not). Lines are appended with ``O_APPEND`` and flushed to disk one by one, so a crash loses at most
+the request in flight and never rewrites what is there."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+
+class AuditLog:
+    """Appends request records to `path` (created if missing, never truncated)."""
+
+    def __init__(self, path: str | os.PathLike, *, questions: bool = False):
+        self.path = Path(path)
+        self.questions = questions
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._lock = threading.Lock()
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = {"time": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"), **record}
+        if not self.questions:
+            line.pop("question", None)
+        data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
+        with self._lock:
+            os.write(self._fd, data)  # one write of the whole line: appends never interleave
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1

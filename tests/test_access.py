@@ -1,0 +1,226 @@
+"""Per-key access to a real `cartridges serve` on 127.0.0.1: two clinicians' keys over one store of patients, where
+neither ever gets an answer, a name or a routing hit from the other's patients (by name, composed, under `auto`,
+streamed, and in every error); keys changed in the file without a restart; rate limits; the audit log; and deleting
+a patient (`CartridgeStore.forget`, `cartridges forget`, `cartridges keys`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cartridges_sdk import Cartridge, CartridgeStore, ConfigError
+from cartridges_sdk.cli import main as cli
+from cartridges_sdk.serve.access import KeyFile
+from cartridges_sdk.serve.server import ServeConfig, create_app
+from cartridges_sdk.testing import serving
+
+# each record has words no other has (its diagnosis, its town): a question with them routes there and nowhere else
+RECORDS = {
+    "patient-ada": "Patient Ada Quill, born 1961 in Harrow. Diagnosis: sarcoidosis. Medication: prednisone 20 mg.",
+    "patient-ben": "Patient Ben Oduya, born 1974 in Tarrow. Diagnosis: gout. Medication: allopurinol 100 mg daily.",
+    "patient-cy": "Patient Cy Marlowe, born 1958 in Fenwick. Diagnosis: myasthenia gravis. Medication: pyridostigmine.",
+    "patient-dee": "Patient Dee Lantern, born 1990 in Oxley. Diagnosis: hemochromatosis. Treatment: phlebotomy.",
+}
+MINE = {"dr-a": ["patient-ada", "patient-ben"], "dr-b": ["patient-cy", "patient-dee"]}
+
+
+@pytest.fixture(scope="module")
+def clinic(tmp_path_factory, tiny_llama):
+    """A store of four patients, a key file with a key for each clinician, an audit log, and a real server."""
+    root = tmp_path_factory.mktemp("clinic")
+    store = CartridgeStore(root / "store", tiny_llama)
+    for name, text in RECORDS.items():
+        store.add(name, Cartridge.from_prefix(tiny_llama, text, 8), corpus=text)
+    keys = KeyFile(root / "keys.json", create=True)
+    tokens = {who: keys.add(who, names, rate="1000/minute") for who, names in MINE.items()}
+    config = ServeConfig(keys_file=root / "keys.json", audit_log=root / "audit.jsonl")
+    with serving(create_app(store, tiny_llama.get_runtime("hf"), config)) as url:
+        yield url, tokens, keys, root
+
+
+def call(url: str, token: str | None, body: dict, path: str = "/chat/completions") -> tuple[int, str, list[str]]:
+    """(status, the whole raw response, the cartridges it says answered), streamed or not."""
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    if body.get("stream"):
+        with httpx.stream("POST", url + path, json=body, headers=headers, timeout=120) as r:
+            raw = r.read().decode()
+        used = [json.loads(line[6:]).get("cartridges", []) for line in raw.splitlines() if line.startswith("data: {")]
+        return r.status_code, raw, sorted({n for names in used for n in names})
+    r = httpx.post(url + path, json=body, headers=headers, timeout=120)
+    return r.status_code, r.text, r.json().get("cartridges", []) if r.status_code == 200 else []
+
+
+def ask(model: str, question: str, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 3, "temperature": 0,
+            **extra}
+
+
+def diagnosis(name: str) -> str:
+    return RECORDS[name].split("Diagnosis: ")[1].split(".")[0]
+
+
+def town(name: str) -> str:
+    return RECORDS[name].split(" in ")[1].split(".")[0]
+
+
+def others(who: str) -> list[str]:
+    return [n for n in RECORDS if n not in MINE[who]]
+
+
+def no_leak(raw: str, who: str) -> None:
+    """Nothing of another clinician's patients in a response: not their names, not their records' words."""
+    own = " ".join(RECORDS[n] for n in MINE[who])
+    for name in others(who):
+        assert name not in raw
+        for word in {w.strip(".,:") for w in RECORDS[name].split()} - set(own.replace(".", " ").split()):
+            if len(word) >= 4 and word.isalpha():  # its own words: names, town, diagnosis, drugs
+                assert word not in raw
+
+
+@pytest.mark.parametrize("who", sorted(MINE))
+def test_a_clinician_sees_lists_and_is_answered_from_their_own_patients_only(clinic, who):
+    url, tokens, _, _ = clinic
+    token, own = tokens[who], MINE[who]
+    listed = httpx.get(f"{url}/models", headers={"authorization": f"Bearer {token}"}).json()
+    names = [m["id"] for m in listed["data"]]
+    assert set(own) <= set(names) and not set(others(who)) & set(names)
+    for stream in (False, True):
+        status, raw, used = call(url, token, ask(own[0], "What is the diagnosis?", stream=stream))
+        assert status == 200 and used == [own[0]]
+        no_leak(raw, who)
+        # each of the other's patients, by name, composed with an own one, or as the `user`: a 404 that reads as for
+        # a cartridge that does not exist, listing only the clinician's own
+        for model, listed_names in [(n, None) for n in others(who)] + [(own[0], [own[1], n]) for n in others(who)]:
+            extra = {"cartridges": listed_names} if listed_names else {}
+            status, raw, used = call(url, token, ask(model, "What is the diagnosis?", stream=stream, **extra))
+            assert status == 404 and used == []
+            missing = call(url, token, ask("patient-nobody", "What is the diagnosis?", stream=stream))
+            barred = raw.replace(next(n for n in others(who) if n in raw), "patient-nobody")
+            assert json.loads(barred) == json.loads(missing[1])  # same text: existence is not revealed
+            no_leak(barred, who)  # beyond the name the request itself sent
+
+
+@pytest.mark.parametrize("who", sorted(MINE))
+def test_auto_routes_among_a_clinicians_own_patients_only(clinic, who):
+    url, tokens, _, _ = clinic
+    token = tokens[who]
+    for stream in (False, True):
+        for name in RECORDS:  # a question in each patient's own words
+            question = f"Who has {diagnosis(name)} and lives in {town(name)}?"
+            for extra in ({}, {"k": 3}, {"budget": 100}):
+                status, raw, used = call(url, token, ask("auto", question, stream=stream, **extra))
+                if name in MINE[who]:
+                    assert status == 200 and name in used
+                # the other's patient's words: refused as matching nothing (the index holds the own corpora only),
+                # or answered by an own patient for a word they share ("Patient", "born") - never by the other's
+                assert status in (200, 400) and set(used) <= set(MINE[who])
+                no_leak(raw.replace(question, ""), who)  # beyond the question the request itself sent
+    # a question that only the other's records answer, and shares no word with the own: refused, naming nothing
+    other = others(who)[0]
+    status, raw, used = call(url, token, ask("auto", diagnosis(other)))
+    assert status == 400 and "shares no word" in raw
+    no_leak(raw.replace(diagnosis(other), ""), who)
+
+
+def test_keys_are_checked_and_changed_without_a_restart(clinic):
+    url, tokens, keys, root = clinic
+    assert call(url, None, ask("patient-ada", "q"))[0] == 401
+    assert call(url, tokens["dr-a"] + "x", ask("patient-ada", "q"))[0] == 401
+    health = httpx.get(url.removesuffix("/v1") + "/health").json()
+    assert health == {"status": "ok"}  # no key needed there: it says nothing of the store
+    temp = keys.add("locum", ["patient-cy"], rate="3/minute")  # refusals count too
+    assert call(url, temp, ask("patient-cy", "q"))[0] == 200
+    assert call(url, temp, ask("patient-ada", "q"))[0] == 404
+    keys.allow("locum", ["patient-a*"])  # a pattern
+    assert call(url, temp, ask("patient-ada", "q"))[0] == 200
+    status, raw, _ = call(url, temp, ask("patient-ada", "q"))  # its own rate limit, counted per key
+    assert status == 429 and "3/minute" in raw
+    assert call(url, tokens["dr-a"], ask("patient-ada", "q"))[0] == 200  # the others are not held back
+    new = keys.rotate("locum")
+    assert call(url, temp, ask("patient-cy", "q"))[0] == 401
+    keys.revoke("locum")
+    assert call(url, new, ask("patient-cy", "q"))[0] == 401
+    # a key file broken by hand: every request is refused until it is fixed (a revoked key never comes back)
+    saved = (root / "keys.json").read_text()
+    (root / "keys.json").write_text(saved[:-5])
+    status, raw, _ = call(url, tokens["dr-a"], ask("patient-ada", "q"))
+    assert status == 503 and "key file" in raw and str(root) not in raw
+    (root / "keys.json").write_text(saved)
+    assert call(url, tokens["dr-a"], ask("patient-ada", "q"))[0] == 200
+
+
+def test_the_audit_log_says_who_used_what_and_never_the_question(clinic):
+    url, tokens, _, root = clinic
+    log = root / "audit.jsonl"
+    before = len(log.read_text().splitlines())
+    secret = "Does the patient drink alcohol?"
+    call(url, tokens["dr-b"], ask("patient-cy", secret, user="nurse-7"))
+    call(url, tokens["dr-b"], ask("patient-ada", secret))
+    call(url, tokens["dr-b"], ask("auto", "Who has myasthenia gravis?", stream=True))
+    call(url, None, ask("patient-cy", secret))
+    lines = [json.loads(line) for line in log.read_text().splitlines()[before:]]
+    assert secret not in log.read_text()
+    assert [(r["key"], r["status"], r.get("cartridges")) for r in lines] == [
+        ("dr-b", 200, ["patient-cy"]), ("dr-b", 404, None), ("dr-b", 200, ["patient-cy"]), (None, 401, None)]
+    assert lines[0]["user"] == "nurse-7" and lines[2]["stream"] is True and lines[0]["time"].endswith("+00:00")
+    assert oct(os.stat(log).st_mode & 0o777) == "0o600"
+
+
+def test_a_key_file_and_a_single_key_exclude_each_other(tmp_path):
+    with pytest.raises(ConfigError, match="exclude each other"):
+        ServeConfig(api_key="sk-one", keys_file=tmp_path / "keys.json")
+    (tmp_path / "bad.json").write_text('{"format": "cartridges-keys/1", "keys": {"x": {"sha256": "no"}}}')
+    with pytest.raises(ConfigError, match="'sha256' must be"):
+        KeyFile(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="not a rate"):
+        KeyFile(tmp_path / "k.json", create=True).add("dr-x", ["p"], rate="often")
+
+
+def test_forgetting_a_patient_removes_every_file_made_from_the_record(tmp_path, tiny_llama, capsys):
+    docs = tmp_path / "records"
+    docs.mkdir()
+    for name, text in RECORDS.items():
+        (docs / f"{name}.txt").write_text(text)
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    store.sync(docs, progress=False)
+    work = store.root / ".work"
+    # what self-study leaves: the patient's own work folder, and a copy of it among another's distractors
+    (work / "patient-ada.txt-0123456789abcdef").mkdir(parents=True)
+    (work / "patient-ben.txt-fedcba9876543210" / "distractors").mkdir(parents=True)
+    store.get("patient-ada.txt").save(work / "patient-ben.txt-fedcba9876543210/distractors/patient-ada.txt.safetensors")
+    tiny_llama.model.save_pretrained(tmp_path / "tiny")  # the command loads its model by path
+    tiny_llama.tokenizer.save_pretrained(tmp_path / "tiny")
+    keys = KeyFile(tmp_path / "keys.json", create=True)
+    keys.add("dr-a", ["patient-ada.txt", "patient-ben.txt"])
+    keys.add("dr-all", ["*"])
+    code = cli(["forget", "patient-ada.txt", "--store", str(store.root), "--documents", str(docs),
+                "--keys", str(tmp_path / "keys.json"), "--model", str(tmp_path / "tiny")])
+    out = capsys.readouterr().out
+    assert code == 0
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if "patient-ada" in str(p))
+    assert left == []
+    for gone in ("records/patient-ada.txt", "patient-ada.txt.safetensors", "patient-ada.txt.corpus.txt",
+                 ".work/patient-ada.txt-0123456789abcdef", "distractors/patient-ada.txt.safetensors",
+                 "from key dr-a's allow-list"):
+        assert gone in out
+    assert keys.keys()["dr-a"].allow == ("patient-ben.txt",) and keys.keys()["dr-all"].allow == ("*",)
+    store.refresh()
+    assert "patient-ada.txt" not in store and store.sync(docs, progress=False).counts()["num_added"] == 0
+
+
+def test_the_keys_command_prints_a_key_once_and_keeps_only_its_hash(tmp_path, capsys):
+    path = str(tmp_path / "keys.json")
+    assert cli(["keys", "add", "dr-a", "--keys", path, "--allow", "patient-1", "--rate", "10/minute"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("ck-") and key not in Path(path).read_text()
+    assert KeyFile(path).authenticate(key).allow == ("patient-1",)
+    assert cli(["keys", "allow", "dr-a", "patient-2", "--keys", path]) == 0
+    assert "allow patient-1, patient-2" in capsys.readouterr().out
+    assert cli(["keys", "rotate", "dr-a", "--keys", path]) == 0
+    assert KeyFile(path).authenticate(key) is None
+    assert cli(["keys", "revoke", "dr-zed", "--keys", path]) == 2
+    assert "has no key 'dr-zed'; it has: dr-a" in capsys.readouterr().err
