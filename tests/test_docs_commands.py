@@ -104,6 +104,10 @@ SUBSTITUTIONS = [
         r"python \1 --source my_repo --model default --tokens 32 --max-tokens 8 --store store",
         "the sample my_repo/ with the embedded model, not httpx with the 0.5B reader (minutes); .venv/bin is first "
         "on the tests' PATH"),
+    Sub(r"examples/medical_records/README\.md", SH, r"^\.venv/bin/python (examples/medical_records/app\.py)$",
+        r"python \1 --patients 2 --model default --tokens 32 --max-tokens 8 --work work",
+        "2 patients with the embedded model in the page's folder, not 6 with the 0.5B reader (minutes), and not "
+        "into the repository's examples/"),
     Sub(r"docs/llamacpp\.md", SH, r"/models/my-model\.Q4_K_M\.gguf", "{gguf}",
         "a GGUF of the student's model: the embedded one"),
 ]
