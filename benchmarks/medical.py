@@ -4,8 +4,9 @@ context and BM25 RAG over the record at the cartridge's size.
 
     python -m benchmarks.medical --patients 6 --model qwen2.5-coder-0.5b --tokens 256
 
-Per question (four options, one right), each method's chosen letter (the option letter the model ranks first) and
-the gold answer's NLL:
+Per question (four options, one right), for each method: the option letter the model ranks first (``correct``); the
+option whose text it finds likeliest as the answer to the question asked without options (``likeliest``: how small
+models are scored on multiple choice); and the gold answer's NLL:
 
 - ``none``: the question alone (the options' prior);
 - ``record``: the patient's whole record in context (the ceiling a cartridge stands in for);
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, CartridgeStore, SyncConfig, load_model
+from cartridges_sdk.build.evaluation import answer_logprobs, nll
 
 from . import provenance
 from .codebase import rag_context
@@ -75,6 +77,7 @@ def run(lm, work: Path, patients: int, seed: int, tokens: int, questions: int | 
             routed = store.route(q["question"], among=own)[0].name
             row = {"patient": p.name, "kind": q["kind"], "routed_right": routed == p.name,
                    **{f"{m}_correct": bool(s["correct"][0]) for m, s in scores.items()},
+                   **{f"{m}_likeliest": likeliest(lm, q, ctx) == q["right"] for m, ctx in contexts.items()},
                    **{f"{m}_nll": round(s["nll"][0], 4) for m, s in scores.items()}}
             print(row, flush=True)
             rows.append(row)
@@ -90,6 +93,9 @@ def run(lm, work: Path, patients: int, seed: int, tokens: int, questions: int | 
         "accuracy": {m: round(mean([r[f"{m}_correct"] for r in rows]), 3) for m in methods},
         "accuracy_by_kind": {k: {m: round(mean([r[f"{m}_correct"] for r in rows if r["kind"] == k]), 3)
                                  for m in methods} for k in kinds},
+        "accuracy_likeliest": {m: round(mean([r[f"{m}_likeliest"] for r in rows]), 3) for m in methods},
+        "accuracy_likeliest_by_kind": {k: {m: round(mean([r[f"{m}_likeliest"] for r in rows if r["kind"] == k]), 3)
+                                           for m in methods} for k in kinds},
         "closure": {m: round(sum(r["none_nll"] - r[f"{m}_nll"] for r in rows) / gap, 3) if gap else None
                     for m in ("cartridge", "rag")},
         "routed_right": round(mean([r["routed_right"] for r in rows]), 3),
@@ -99,6 +105,14 @@ def run(lm, work: Path, patients: int, seed: int, tokens: int, questions: int | 
                                "record": round(mean(list(record_tokens.values())) * per_token / 2**20, 2)},
         "rows": rows,
     }
+
+
+def likeliest(lm, q: dict, context: Context) -> str:
+    """The option whose text, as the answer to the question asked without options, the model finds likeliest (mean
+    log-probability per token): how a model too small to answer with a letter is scored on multiple choice."""
+    options = [line[3:] for line in q["question"].splitlines()[1:]]
+    scores = [-nll(answer_logprobs(lm, q["ask"], o, **context.kwargs()), lm, o) for o in options]
+    return options[max(range(len(options)), key=scores.__getitem__)]
 
 
 def main() -> None:

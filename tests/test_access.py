@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -92,7 +93,7 @@ def test_a_clinician_sees_lists_and_is_answered_from_their_own_patients_only(cli
         status, raw, used = call(url, token, ask(own[0], "What is the diagnosis?", stream=stream))
         assert status == 200 and used == [own[0]]
         no_leak(raw, who)
-        # each of the other's patients, by name, composed with an own one, or as the `user`: a 404 that reads as for
+        # each of the other's patients, by name or composed with an own one: a 404 that reads as for
         # a cartridge that does not exist, listing only the clinician's own
         for model, listed_names in [(n, None) for n in others(who)] + [(own[0], [own[1], n]) for n in others(who)]:
             extra = {"cartridges": listed_names} if listed_names else {}
@@ -162,10 +163,16 @@ def test_the_audit_log_says_who_used_what_and_never_the_question(clinic):
     call(url, tokens["dr-b"], ask("patient-ada", secret))
     call(url, tokens["dr-b"], ask("auto", "Who has myasthenia gravis?", stream=True))
     call(url, None, ask("patient-cy", secret))
-    lines = [json.loads(line) for line in log.read_text().splitlines()[before:]]
+    assert call(url, tokens["dr-b"], ask("patient-cy", secret, user={"x": 1}))[0] == 400
+    for _ in range(100):  # a line is written once its response is over, so just after the client has it
+        lines = [json.loads(line) for line in log.read_text().splitlines()[before:]]
+        if len(lines) >= 5:
+            break
+        time.sleep(0.05)
     assert secret not in log.read_text()
     assert [(r["key"], r["status"], r.get("cartridges")) for r in lines] == [
-        ("dr-b", 200, ["patient-cy"]), ("dr-b", 404, None), ("dr-b", 200, ["patient-cy"]), (None, 401, None)]
+        ("dr-b", 200, ["patient-cy"]), ("dr-b", 404, None), ("dr-b", 200, ["patient-cy"]), (None, 401, None),
+        ("dr-b", 400, None)]
     assert lines[0]["user"] == "nurse-7" and lines[2]["stream"] is True and lines[0]["time"].endswith("+00:00")
     assert oct(os.stat(log).st_mode & 0o777) == "0o600"
 

@@ -58,6 +58,7 @@ def test_the_medical_benchmark_on_the_default_model(tmp_path, default_lm):
     result = medical.run(default_lm, tmp_path, 2, 0, 32, questions=2)
     assert result["patients"] == 2 and result["questions"] == 4
     assert set(result["accuracy"]) == {"none", "record", "cartridge", "rag"}
+    assert set(result["accuracy_likeliest"]) == {"none", "record", "cartridge", "rag"}
     assert all(0 <= a <= 1 for a in result["accuracy"].values()) and 0 <= result["routed_right"] <= 1
     assert result["kv_mib_per_request"]["cartridge"] < result["kv_mib_per_request"]["record"]
     # the store holds one cartridge per patient, from their folder

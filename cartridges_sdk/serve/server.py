@@ -239,7 +239,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     async def chat(request: Request):
         body = await _read_json(request, config.max_body_bytes)
         record = request.scope[AUDIT]
-        record.update(model=body.get("model"), user=body.get("user"))
+        record.update(model=str(body.get("model"))[:200], user=str(body.get("user"))[:256] if "user" in body else None)
         names, messages, params, stream, include_usage = _parse(body, config)
         record.update(stream=stream, question=[m["content"] for m in messages if m["role"] == "user"][-1])
         names, cartridges, prompt_tokens, used = await asyncio.to_thread(resolve, body, names, messages, params,
@@ -417,6 +417,10 @@ def _parse(body: dict[str, Any], config: ServeConfig):
     messages = [_message(i, m) for i, m in enumerate(messages)]
     if not any(m["role"] == "user" for m in messages):
         raise BadRequest(400, "'messages' needs at least one user turn.", "messages")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > 256):
+        raise BadRequest(400, "'user' must be a string of at most 256 characters (it names the end user in the "
+                         "audit log).", "user")
     if body.get("n", 1) != 1:
         raise BadRequest(400, "Only n=1 is supported.", "n")
     for name in ("presence_penalty", "frequency_penalty"):
