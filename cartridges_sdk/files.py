@@ -13,12 +13,12 @@ from typing import Any
 from .errors import ConfigError
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
+def atomic_write(path: str | os.PathLike, write: Callable[[str], object], *, mode: int | None = None) -> Path:
     """Call `write(tmp)` on a temporary file beside `path`, flush it to disk, then rename it over `path`.
 
     A crash or an exception leaves the previous file (or none) and no temporary file behind. The file gets the
-    permissions the umask gives new files (others sharing a store can read it), and the rename itself is made
-    durable by syncing the folder.
+    permissions the umask gives new files (others sharing a store can read it), or `mode` (0o600: the owner's only,
+    from its first byte); the rename itself is made durable by syncing the folder.
     """
     path = Path(path)
     if path.is_dir():
@@ -28,7 +28,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Pat
     os.close(fd)
     try:
         write(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes files private (0600)
+        os.chmod(tmp, 0o666 & ~_umask() if mode is None else mode)  # mkstemp makes files private (0600)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -15,6 +15,7 @@ import pytest
 
 from cartridges_sdk import Cartridge, CartridgeStore, ConfigError
 from cartridges_sdk.cli import main as cli
+from cartridges_sdk.errors import NotInStoreError
 from cartridges_sdk.serve.access import KeyFile
 from cartridges_sdk.serve.server import ServeConfig, create_app
 from cartridges_sdk.testing import serving
@@ -185,6 +186,14 @@ def test_a_key_file_and_a_single_key_exclude_each_other(tmp_path):
         KeyFile(tmp_path / "bad.json")
     with pytest.raises(ConfigError, match="not a rate"):
         KeyFile(tmp_path / "k.json", create=True).add("dr-x", ["p"], rate="often")
+    with pytest.raises(ConfigError, match="not a rate"):  # `limits` would keep the first and drop the rest
+        KeyFile(tmp_path / "k.json").add("dr-x", ["p"], rate="60/minute,5/second")
+    # a hand-written "none" is no limit, as `keys add --rate none` writes null
+    keys = KeyFile(tmp_path / "k.json")
+    keys.add("dr-y", ["p"], rate="1/minute")
+    text = (tmp_path / "k.json").read_text().replace('"1/minute"', '"none"')
+    (tmp_path / "k.json").write_text(text)
+    assert keys.keys()["dr-y"].rate is None
 
 
 def test_forgetting_a_patient_removes_every_file_made_from_the_record(tmp_path, tiny_llama, capsys):
@@ -211,12 +220,31 @@ def test_forgetting_a_patient_removes_every_file_made_from_the_record(tmp_path, 
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if "patient-ada" in str(p))
     assert left == []
     for gone in ("records/patient-ada.txt", "patient-ada.txt.safetensors", "patient-ada.txt.corpus.txt",
-                 ".work/patient-ada.txt-0123456789abcdef", "distractors/patient-ada.txt.safetensors",
-                 "from key dr-a's allow-list"):
+                 ".work/patient-ada.txt-0123456789abcdef", "from key dr-a's allow-list",
+                 ".work/patient-ben.txt-fedcba9876543210"):  # trained among her: its checkpoints go too
         assert gone in out
     assert keys.keys()["dr-a"].allow == ("patient-ben.txt",) and keys.keys()["dr-all"].allow == ("*",)
     store.refresh()
     assert "patient-ada.txt" not in store and store.sync(docs, progress=False).counts()["num_added"] == 0
+    # a document already deleted and synced away leaves copies in others' work folders: forget finds them on disk
+    (docs / "patient-cy.txt").unlink()
+    version = store.records()["patient-dee.txt"]["sha256"][:16]  # sync keeps the work of current versions only
+    kept = work / f"patient-dee.txt-{version}" / "distractors"
+    kept.mkdir(parents=True)
+    store.get("patient-cy.txt").save(kept / "patient-cy.txt.safetensors")
+    store.sync(docs, progress=False)
+    assert "patient-cy.txt" not in store
+    assert store.forget("patient-cy.txt") == [kept.parent] and not kept.parent.exists()
+    with pytest.raises(NotInStoreError, match="No cartridge 'patient-cy.txt'"):
+        store.forget("patient-cy.txt")
+    # a document that is a link: the link goes, never what it points to
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text(RECORDS["patient-dee"])
+    (docs / "patient-dee.txt").unlink()
+    (docs / "patient-dee.txt").symlink_to(outside)
+    store.sync(docs, progress=False)
+    assert store.forget("patient-dee.txt", docs)[0] == docs / "patient-dee.txt"
+    assert outside.exists() and not (docs / "patient-dee.txt").is_symlink()
 
 
 def test_the_keys_command_prints_a_key_once_and_keeps_only_its_hash(tmp_path, capsys):

@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 
 from ..errors import ConfigError
-from ..files import atomic_write_json, folder_lock
+from ..files import atomic_write, folder_lock
 
 FORMAT = "cartridges-keys/1"
 KEY_PREFIX = "ck-"
@@ -56,6 +56,8 @@ def check_rate(rate: str | None) -> str | None:
     from limits import parse
 
     try:
+        if "," in rate or ";" in rate:  # `limits` would read one and drop the rest
+            raise ValueError(rate)
         parse(rate)
     except ValueError:
         raise ConfigError(f"rate={rate!r} is not a rate; write it as COUNT/PERIOD, e.g. '60/minute', '5/second', "
@@ -102,7 +104,7 @@ class KeyFile:
         self._keys: dict[str, dict[str, Any]] = {}
         self._broken: str | None = None
         if create and not self.path.exists():
-            self._write({})
+            self._edit(lambda keys: None)  # under the lock: two `keys add` on a new file must not lose a key
         if not self.path.is_file():
             raise KeyFileError(f"No key file at {self.path}; make one with `cartridges keys add ID --keys "
                                f"{self.path} --allow NAME`.")
@@ -124,7 +126,10 @@ class KeyFile:
             return
         try:
             self._keys, self._broken = _parse(self.path.read_text("utf-8"), self.path), None
-        except (OSError, UnicodeDecodeError, KeyFileError) as err:
+        except OSError as err:  # passing (too many open files...): read again at the next request
+            self._keys, self._broken, self._stamp = {}, f"The key file {self.path} cannot be read: {err}.", None
+            return
+        except (UnicodeDecodeError, KeyFileError) as err:
             self._keys, self._broken = {}, str(err)
         self._stamp = stamp
 
@@ -164,8 +169,9 @@ class KeyFile:
         return out
 
     def _write(self, keys: dict[str, dict[str, Any]]) -> None:
-        atomic_write_json(self.path, {"format": FORMAT, "keys": dict(sorted(keys.items()))})
-        os.chmod(self.path, 0o600)  # hashes only, but nobody else's business
+        text = json.dumps({"format": FORMAT, "keys": dict(sorted(keys.items()))}, indent=2)
+        # hashes only, but nobody else's business: the temporary file is private from its first byte
+        atomic_write(self.path, lambda tmp: Path(tmp).write_text(text), mode=0o600)
 
     def add(self, key_id: str, allow: Iterable[str] = (), rate: str | None = DEFAULT_RATE) -> str:
         """A new key for `key_id`, opening `allow`; returns the key, the one time it is ever shown."""
@@ -257,7 +263,7 @@ def _now() -> str:
 
 
 def _grant(key_id: str, entry: dict[str, Any]) -> Grant:
-    return Grant(key_id, tuple(entry["allow"]), entry.get("rate"))
+    return Grant(key_id, tuple(entry["allow"]), check_rate(entry.get("rate")))  # "none" (hand-written) is None
 
 
 def _entry(keys: dict[str, dict[str, Any]], key_id: str, path: Path) -> dict[str, Any]:
@@ -270,6 +276,8 @@ def _parse(text: str, path: Path) -> dict[str, dict[str, Any]]:
     """The keys in a key file's text, every field checked (a hand edit gone wrong is named, not half read)."""
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise KeyFileError(f"The key file {path} is nested too deeply to be a key file; restore it.") from None
     except ValueError as err:
         raise KeyFileError(f"The key file {path} is not valid JSON ({err}); fix it, or restore it.") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("keys"), dict):

@@ -37,7 +37,8 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        scope["cartridges.audit"] = {"key": None, "method": scope["method"], "path": scope["path"]}
+        # the path as sent, cut short: a refused request must not write kilobytes into the log
+        scope["cartridges.audit"] = {"key": None, "method": scope["method"][:16], "path": scope["path"][:200]}
         status: int | None = None
 
         async def sending(message) -> None:

@@ -129,6 +129,9 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
         headers = Headers(scope=scope)
         try:
             check_host(config.allowed_hosts, headers.get("host"), headers.get("origin"))
+            if audit is not None and audit.broken and scope["path"] != "/health":
+                raise BadRequest(503, "The server cannot write its audit log; its operator must fix that (the "
+                                 "server's log says why).", headers={"retry-after": "10"})
             if scope["path"] != "/health":
                 if keys is None:
                     authorize(config.api_key, headers)
@@ -157,6 +160,14 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     def visible(grant: Grant | None) -> list[str]:
         """The cartridges a request may see: all of them, or those its key opens."""
         return store.names() if grant is None else grant.filter(store.names())
+
+    def grant_of(request: Request) -> Grant | None:
+        """The request's grant; with a key file, a request the guard let through without one is refused rather
+        than shown every cartridge (a route added later, a path the guard reads differently)."""
+        grant = request.scope.get(GRANT)
+        if keys is not None and grant is None:
+            raise BadRequest(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
+        return grant
 
     def not_found(name: str, grant: Grant | None) -> BadRequest:
         """The 404 for a name the request cannot use. For a key with an allow-list it reads the same whether the
@@ -229,7 +240,7 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     @app.get("/v1/models")
     async def models(request: Request):
         await asyncio.to_thread(refresh, True)
-        names = visible(request.scope.get(GRANT))
+        names = visible(grant_of(request))
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "cartridges"} for n in names]
         data.append({"id": "auto", "object": "model", "created": 0, "owned_by": "cartridges"})
         data.append({"id": lm.name, "object": "model", "created": 0, "owned_by": "cartridges"})
@@ -238,12 +249,15 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _read_json(request, config.max_body_bytes)
+        grant = grant_of(request)
         record = request.scope[AUDIT]
         record.update(model=str(body.get("model"))[:200], user=str(body.get("user"))[:256] if "user" in body else None)
         names, messages, params, stream, include_usage = _parse(body, config)
         record.update(stream=stream, question=[m["content"] for m in messages if m["role"] == "user"][-1])
+        if names is not None:  # the names asked for, refused ones too: a key probing for others' shows in the log
+            record["asked"] = [n[:200] for n in names[:16]]
         names, cartridges, prompt_tokens, used = await asyncio.to_thread(resolve, body, names, messages, params,
-                                                                         request.scope.get(GRANT))
+                                                                         grant)
         record["cartridges"] = names
         job_request = GenerationRequest(messages, cartridges, params)
         loop = asyncio.get_running_loop()
