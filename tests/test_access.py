@@ -174,6 +174,7 @@ def test_the_audit_log_says_who_used_what_and_never_the_question(clinic):
     assert [(r["key"], r["status"], r.get("cartridges")) for r in lines] == [
         ("dr-b", 200, ["patient-cy"]), ("dr-b", 404, None), ("dr-b", 200, ["patient-cy"]), (None, 401, None),
         ("dr-b", 400, None)]
+    assert lines[1]["asked"] == ["patient-ada"]  # the refused name a key asked for, for whoever reads the log
     assert lines[0]["user"] == "nurse-7" and lines[2]["stream"] is True and lines[0]["time"].endswith("+00:00")
     assert oct(os.stat(log).st_mode & 0o777) == "0o600"
 
