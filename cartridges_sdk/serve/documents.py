@@ -22,6 +22,7 @@ from ..errors import ConfigError
 
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")  # what a store serves; also the API's model name
 SUFFIX = ".safetensors"  # a cartridge's file is NAME + SUFFIX
+CORPUS_SUFFIX = ".corpus.txt"  # the text routing reads for NAME
 MAX_BYTES = 8 * 2**20  # a bigger file is most likely data, not a document
 UNITS = ("file", "folder")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,17 +26,15 @@ from typing import Any
 import attrs
 
 from ..cartridge import Cartridge
-from ..errors import CartridgeError, ConfigError, NotInStoreError, StoreBusyError
-from ..files import atomic_write, folder_lock
+from ..errors import CartridgeError, ConfigError, NotInStoreError
+from ..files import atomic_write
 from ..kv import Recent
 from ..lm import LM
-from .documents import NAME, SUFFIX, name_problem
-from .sync import LOCK, WORK, SyncConfig, SyncReport, document_record, self_study, sync
+from .documents import CORPUS_SUFFIX, NAME, SUFFIX, name_problem
+from .sync import SyncConfig, SyncReport, document_record, forget, self_study, sync
 from .words import STOPWORDS, routing_text
 
 log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed
-
-CORPUS_SUFFIX = ".corpus.txt"
 
 
 @attrs.frozen
@@ -198,38 +195,19 @@ class CartridgeStore:
     def forget(self, name: str, documents: str | os.PathLike | None = None, *, timeout: float = 0) -> list[Path]:
         """Delete every file the store made from the document `name` (a patient's record, say): its cartridge, its
         corpus text, self-study's work folders for it, and the work folders of other documents' trainings that kept
-        a copy of it as a distractor (their checkpoints were trained among it; they start again); and, given the
-        folder the store syncs from (`documents`), the document itself, so the next sync does not build it again.
-        Works on what is on disk, so a cartridge already dropped from the store (its document deleted and synced, or
-        its file left out) is cleaned up too. Drops it from memory and from routing. Returns the paths removed.
-        Holds the sync lock meanwhile (waiting `timeout` seconds for a running sync)."""
-        if not isinstance(name, str) or name_problem(name) is not None:
-            raise ConfigError(f"name={name!r} is not a cartridge name (letters, digits, '.', '_', '-').")
-        with folder_lock(self.root, name=LOCK, timeout=timeout, error=StoreBusyError,
-                         busy=f"A sync is writing to the store at {self.root}; wait for it, or pass a timeout."):
-            with self._lock:
-                self.refresh()
-                entry = self._entries.get(name)
-                record = (entry.document if entry is not None else None) or {}
-                removed: list[Path] = []
-                if documents is not None and record.get("name") == name:
-                    removed += _remove_document(Path(documents), record["origin"], name)
-                work = self.root / WORK
-                for folder in sorted(work.glob("*")) if work.is_dir() else ():
-                    if folder.name.rpartition("-")[0] == name or any(folder.glob(f"distractors*/{name}{SUFFIX}")):
-                        shutil.rmtree(folder)
-                        removed.append(folder)
-                for path in (self.root / f"{name}{CORPUS_SUFFIX}", self.root / f"{name}{SUFFIX}"):
-                    if path.exists() or path.is_symlink():  # the cartridge last: killed between, sync still sees it
-                        path.unlink()
-                        removed.append(path)
-                if not removed and entry is None:
-                    self.get(name)  # raises, naming what the store holds
-                self._entries.pop(name, None)
-                self._memory.pop(name)
-                self._refused = {p: v for p, v in self._refused.items() if p.exists()}
-                self._index = {}
-                return removed
+        a copy of it as a distractor (they start again); and, given the folder the store syncs from (`documents`),
+        the document itself, so the next sync does not build it again. Works from what is on disk, so a cartridge
+        already dropped from the store is cleaned up too. Returns the paths removed. Holds the sync lock meanwhile
+        (waiting `timeout` seconds for a running sync)."""
+        return forget(self, name, documents, timeout=timeout)
+
+    def _drop(self, name: str) -> None:
+        """Forget `name` in memory: its entry, its loaded cartridge, the routing indexes (its files are gone)."""
+        with self._lock:
+            self._entries.pop(name, None)
+            self._memory.pop(name)
+            self._refused = {p: v for p, v in self._refused.items() if p.exists()}
+            self._index = {}
 
     def sync(self, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None, *,
              timeout: float = 0, progress: bool = True) -> SyncReport:
@@ -405,21 +383,6 @@ class CartridgeStore:
         parts = [self.get(n) for n in names]
         text = self.model.ask(question, cartridges=parts, runtime=runtime, runtime_options=runtime_options, **gen)
         return StoreAnswer(text=text, cartridges=tuple(names), versions=versions(parts))
-
-
-def _remove_document(folder: Path, origin: str, name: str) -> list[Path]:
-    """Delete the document at `origin` (as sync recorded it) in `folder`; a link is removed itself, never what it
-    points to (another patient's file, a mount outside)."""
-    if not origin or os.path.isabs(origin) or os.path.normpath(origin).split(os.sep)[0] == "..":
-        raise ConfigError(f"The document of {name!r} ({origin!r}) is not inside {folder}; delete it by hand.")
-    source = folder / os.path.normpath(origin)
-    if source.is_symlink() or source.is_file():
-        source.unlink()
-    elif source.is_dir():
-        shutil.rmtree(source)  # does not follow links inside it
-    else:
-        return []
-    return [source]
 
 
 def versions(cartridges: Sequence[Cartridge]) -> tuple[str | None, ...]:
