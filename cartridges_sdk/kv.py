@@ -279,9 +279,16 @@ MATMUL_DECODE_MIN_KEYS = 65536
 FOLDED_MASK_LIMIT = 2**28  # mask elements a fold may copy; past it the stock path is cheaper in memory
 
 
+def _on_cuda(device: torch.device) -> bool:
+    """Whether work already placed on `device` runs on CUDA, whose attention kernels need the paths below (a check of
+    where tensors are, never a choice of where they go): the folded grouped-query paths (its masked SDPA kernels
+    lack ``enable_gqa``; CPU keeps the stock call) and the decoding kernels without cuDNN's."""
+    return device.type == "cuda"
+
+
 def _on_gpu(query) -> bool:
-    """Where the folded paths run: CUDA, whose masked SDPA kernels lack ``enable_gqa`` (CPU keeps the stock call)."""
-    return query.device.type == "cuda"
+    """Where the folded paths run (`_on_cuda`)."""
+    return _on_cuda(query.device)
 
 
 def _folds(query, key, attention_mask) -> bool:
@@ -334,7 +341,7 @@ def decoding_kernels(device: torch.device):
     """A context for a decode step's forward: on CUDA, SDPA may pick flash, memory-efficient or math kernels but not
     cuDNN's, which builds a plan for every new shape, and a decode's key length changes every step (decoding was
     3.5-3.6x slower with it on an H200, docs/gpu.md). Elsewhere it changes nothing."""
-    if device.type != "cuda":
+    if not _on_cuda(torch.device(device)):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

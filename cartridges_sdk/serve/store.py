@@ -188,9 +188,7 @@ class CartridgeStore:
                 self.get(name)  # raises, naming what the store holds
             for suffix in (CORPUS_SUFFIX, SUFFIX):  # the cartridge last: killed between, sync still sees it
                 (self.root / f"{name}{suffix}").unlink(missing_ok=True)
-            del self._entries[name]
-            self._memory.pop(name)
-            self._index = {}
+            self._drop(name)
 
     def forget(self, name: str, documents: str | os.PathLike | None = None, *, timeout: float = 0) -> list[Path]:
         """Delete every file the store made from the document `name` (a patient's record, say): its cartridge, its
