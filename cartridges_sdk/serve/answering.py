@@ -1,0 +1,147 @@
+"""What a framework integration (LangChain, LlamaIndex) answers with: one cartridge, named cartridges of a store, or
+a store's cartridges routed per question. The integrations translate messages and errors; the choice of cartridges,
+the request and its usage counts live here once, so both frameworks answer the same question the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import attrs
+
+from ..cartridge import Cartridge
+from ..errors import ConfigError
+from ..requests import Completion, GenerationParams, GenerationRequest, Message
+from .store import CartridgeStore
+from .sync import document_record
+
+PREVIEW_CHARS = 400  # how much of a routed cartridge's corpus a retriever shows as the document's text
+
+
+@attrs.frozen
+class Chosen:
+    """A cartridge picked to answer, with what a framework shows as its source: the store's name for it, its routing
+    score (None when named or given), the document version (SHA-256) it stands for, and the opening of its corpus."""
+
+    name: str
+    cartridge: Cartridge
+    score: float | None = None
+    version: str | None = None
+    preview: str = ""
+    origin: str | None = None
+
+    def metadata(self) -> dict[str, Any]:
+        """What a framework's document or source node carries, JSON-ready."""
+        return {"cartridge": self.name, "score": self.score, "sha256": self.version, "source": self.origin or self.name,
+                "tokens": self.cartridge.num_tokens}
+
+
+@attrs.frozen
+class Usage:
+    """Token counts of one answer: the prompt (chat turns, without the cartridges' KV) and the new tokens."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cartridge_tokens: int
+    finish_reason: str
+
+
+def _positive(_inst: Any, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigError(f"{attribute.name}={value!r} must be a positive int.")
+
+
+@attrs.frozen
+class Answerer:
+    """Answers chat turns with `cartridge`, or with `store`'s cartridges: `names` when given, else the best `k` for
+    the question (or as many as fit `budget` tokens). `runtime` is a runtime name or object, as for `lm.chat`."""
+
+    cartridge: Cartridge | None = None
+    store: CartridgeStore | None = None
+    k: int = attrs.field(default=1, validator=_positive)
+    budget: int | None = attrs.field(default=None, validator=_positive)
+    names: tuple[str, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    runtime: Any = "hf"
+    runtime_options: dict[str, Any] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.cartridge is None) == (self.store is None):
+            raise ConfigError("Give exactly one of cartridge= (one Cartridge) or store= (a CartridgeStore, routed per "
+                              f"question); got cartridge={self.cartridge!r:.60} and store={self.store!r:.60}.")
+        if self.cartridge is not None and not isinstance(self.cartridge, Cartridge):
+            raise ConfigError(f"cartridge={self.cartridge!r:.60} must be a Cartridge (Cartridge.load(path, model=lm)).")
+        if self.cartridge is not None and self.cartridge.lm is None:
+            raise ConfigError("The cartridge has no model to answer with; load it with Cartridge.load(path, model=lm).")
+        if self.store is not None and not isinstance(self.store, CartridgeStore):
+            raise ConfigError(f"store={self.store!r:.60} must be a CartridgeStore (CartridgeStore(folder, lm)).")
+
+    @property
+    def model(self) -> Any:
+        return self.cartridge.lm if self.cartridge is not None else self.store.model
+
+    def choose(self, question: str, names: Sequence[str] | None = None) -> list[Chosen]:
+        """The cartridges that answer `question`: `names` (of the store) when given, else this answerer's."""
+        if self.cartridge is not None:
+            if names:
+                raise ConfigError(f"cartridges={list(names)!r} names store cartridges, but this answers with one "
+                                  "cartridge; build it with store= to pick cartridges by name.")
+            record = document_record(self.cartridge) or {}
+            return [Chosen(record.get("name") or "cartridge", self.cartridge, version=record.get("sha256"),
+                           origin=record.get("origin"))]
+        names = list(names) if names else list(self.names) if self.names else None
+        if names is not None:
+            routes = [(n, None) for n in names]
+        elif self.budget is not None:
+            routes = [(r.name, r.score) for r in self.store.within(question, self.budget)]
+        else:
+            routes = [(r.name, r.score) for r in self.store.route(question, self.k)]
+        out = []
+        for name, score in routes:
+            cartridge = self.store.get(name)
+            record = document_record(cartridge) or {}
+            corpus = self.store.corpus_path(name)
+            preview = _opening(corpus.read_text("utf-8", errors="replace") if corpus is not None else None)
+            out.append(Chosen(name, cartridge, score, record.get("sha256"), preview, record.get("origin")))
+        return out
+
+    def request(self, messages: Sequence[Message], chosen: Sequence[Chosen], **gen: Any) -> GenerationRequest:
+        if not messages:
+            raise ConfigError("No messages to answer; send at least one user message.")
+        return GenerationRequest(list(messages), [c.cartridge for c in chosen], GenerationParams.from_kwargs(gen))
+
+    def answer(self, messages: Sequence[Message], chosen: Sequence[Chosen], **gen: Any) -> tuple[str, Usage]:
+        """The answer to the conversation with the `chosen` cartridges before it, and its token counts."""
+        request = self.request(messages, chosen, **gen)
+        completion = self._runtime().generate([request])[0]
+        return completion.text, self._usage(request, completion)
+
+    def stream(self, messages: Sequence[Message], chosen: Sequence[Chosen],
+               **gen: Any) -> Generator[str, None, Usage]:
+        """Yield the answer's text as it comes; return its token counts when read to the end."""
+        request = self.request(messages, chosen, **gen)
+        completion = yield from self._runtime().stream(request)
+        return self._usage(request, completion)
+
+    def _runtime(self) -> Any:
+        return self.model._runtime(self.runtime, self.runtime_options)
+
+    def _usage(self, request: GenerationRequest, completion: Completion) -> Usage:
+        prompt = len(self.model.prompt_ids(list(request.messages), after_cartridge=bool(request.cartridges)))
+        return Usage(prompt, len(completion.token_ids), sum(c.num_tokens for c in request.cartridges),
+                     completion.finish_reason)
+
+
+def last_user_text(messages: Sequence[Message]) -> str:
+    """The question a store routes by: the last user turn's text."""
+    for message in reversed(messages):
+        if message["role"] == "user":
+            return message["content"]
+    raise ConfigError("The conversation has no user message to route by; end it with the user's question.")
+
+
+def _opening(text: str | None) -> str:
+    if not text:
+        return ""
+    text = text.strip()
+    return text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS].rsplit(" ", 1)[0] + " ..."

@@ -1,0 +1,141 @@
+"""`ChatCartridges`: a LangChain chat model that answers with a cartridge, or with the cartridges a store routes each
+question to, in place of a chat model fed retrieved text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.documents import Document
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict, PrivateAttr, model_validator
+
+from cartridges_sdk.serve.answering import Answerer, Chosen, Usage, last_user_text
+
+from .errors import CartridgesInvalidRequestError, langchain_errors
+
+ROLES = {"human": "user", "ai": "assistant", "system": "system"}
+
+
+class ChatCartridges(BaseChatModel):
+    """Answers with `cartridge`, or with `store`'s cartridges: those named in `cartridges`, else the best `k` for the
+    last user message (or as many as fit `budget` cartridge tokens). A call may name its own with
+    ``invoke(..., cartridges=[...])``: store names, or the documents `CartridgeRetriever` returned. Each answer's
+    ``response_metadata["cartridges"]`` says which cartridges gave it."""
+
+    cartridge: Any = None
+    store: Any = None
+    cartridges: list[str] | None = None
+    k: int = 1
+    budget: int | None = None
+    runtime: Any = "hf"
+    runtime_options: dict[str, Any] | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    _answerer: Answerer = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _build(self) -> ChatCartridges:
+        with langchain_errors():
+            self._answerer = Answerer(self.cartridge, self.store, self.k, self.budget, self.cartridges, self.runtime,
+                                      self.runtime_options)
+        return self
+
+    @property
+    def _llm_type(self) -> str:
+        return "cartridges"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self._answerer.model.name, "cartridges": self.cartridges, "k": self.k, "budget": self.budget,
+                "runtime": self.runtime if isinstance(self.runtime, str) else type(self.runtime).__name__,
+                "max_tokens": self.max_tokens, "temperature": self.temperature}
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        with langchain_errors():
+            turns, chosen, gen = self._prepare(messages, stop, kwargs)
+            text, usage = self._answerer.answer(turns, chosen, **gen)
+        message = AIMessage(content=text, response_metadata=_metadata(chosen, usage),
+                            usage_metadata=_usage_metadata(usage))
+        return ChatResult(generations=[ChatGeneration(message=message,
+                                                      generation_info={"finish_reason": usage.finish_reason})],
+                          llm_output={"model_name": self._answerer.model.name})
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        with langchain_errors():
+            turns, chosen, gen = self._prepare(messages, stop, kwargs)
+            pieces = self._answerer.stream(turns, chosen, **gen)
+            while True:
+                try:
+                    piece = next(pieces)
+                except StopIteration as done:
+                    usage: Usage = done.value
+                    break
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+                if run_manager:
+                    run_manager.on_llm_new_token(piece, chunk=chunk)
+                yield chunk
+        yield ChatGenerationChunk(
+            message=AIMessageChunk(content="", response_metadata=_metadata(chosen, usage),
+                                   usage_metadata=_usage_metadata(usage), chunk_position="last"),
+            generation_info={"finish_reason": usage.finish_reason})
+
+    def _prepare(self, messages: Sequence[BaseMessage], stop: list[str] | None,
+                 kwargs: dict[str, Any]) -> tuple[list[dict[str, str]], list[Chosen], dict[str, Any]]:
+        turns = [_turn(m) for m in messages]
+        named = _names(kwargs.pop("cartridges", None))
+        gen = {"max_new_tokens": kwargs.pop("max_tokens", self.max_tokens),
+               "temperature": kwargs.pop("temperature", self.temperature), "top_p": kwargs.pop("top_p", self.top_p),
+               "seed": kwargs.pop("seed", self.seed), "stop": tuple(stop or ())}
+        if kwargs:
+            raise CartridgesInvalidRequestError(f"Unknown setting(s) {sorted(kwargs)} for ChatCartridges; it takes "
+                                                "cartridges, max_tokens, temperature, top_p and seed.")
+        question = last_user_text(turns) if self.store is not None and not named else ""
+        return turns, self._answerer.choose(question, named), gen
+
+
+def _turn(message: BaseMessage) -> dict[str, str]:
+    role = ROLES.get(message.type) or (message.role if message.type == "chat" else None)
+    if role not in ("user", "assistant", "system"):
+        raise CartridgesInvalidRequestError(
+            f"A {type(message).__name__} (type {message.type!r}) cannot be sent to a cartridge; send system, human "
+            "and AI messages (tool calls are not supported).")
+    if isinstance(message.content, str):
+        return {"role": role, "content": message.content}
+    parts = [p if isinstance(p, str) else p.get("text") if p.get("type") == "text" else None for p in message.content]
+    if any(p is None for p in parts):
+        raise CartridgesInvalidRequestError("Only text content can be sent to a cartridge; this message has "
+                                            f"{[p.get('type') for p in message.content if isinstance(p, dict)]}.")
+    return {"role": role, "content": "".join(parts)}
+
+
+def _names(given: Any) -> list[str] | None:
+    """Store names from a list of names, or of the documents `CartridgeRetriever` returned."""
+    if given is None:
+        return None
+    if isinstance(given, (str, Document)):
+        given = [given]
+    names = [g.metadata.get("cartridge") if isinstance(g, Document) else g for g in given]
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise CartridgesInvalidRequestError(f"cartridges={given!r:.120} must be store names or documents from "
+                                            "CartridgeRetriever (with metadata['cartridge']).")
+    return names
+
+
+def _metadata(chosen: Sequence[Chosen], usage: Usage) -> dict[str, Any]:
+    return {"cartridges": [c.name for c in chosen], "versions": [c.version for c in chosen],
+            "cartridge_tokens": usage.cartridge_tokens, "finish_reason": usage.finish_reason}
+
+
+def _usage_metadata(usage: Usage) -> dict[str, int]:
+    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens}

@@ -1,0 +1,107 @@
+"""ChatCartridges and CartridgeRetriever against the real langchain-core (and ChatOpenAI against a real `cartridges
+serve`), on the embedded default model: each path gives the SDK's own answer, says which cartridges gave it, and
+raises LangChain's errors."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from langchain_core.exceptions import ModelInvalidRequestError, ModelNotFoundError
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
+
+from cartridges_langchain import CartridgeRetriever, ChatCartridges
+from cartridges_sdk import Cartridge, CartridgeStore
+from cartridges_sdk.errors import ConfigError, NotInStoreError
+from cartridges_sdk.testing.fixtures import lm  # noqa: F401  (the embedded model, one per module)
+
+HARROW = (Path(__file__).parents[3] / "examples" / "data" / "harrow_point.txt").read_text("utf-8")
+CATS = "The cat shelter in Ostend keeps forty cats. Volunteers feed them twice a day and the vet visits on Fridays."
+QUESTION = "When was the lighthouse built?"
+
+
+@pytest.fixture(scope="module")
+def store(lm, tmp_path_factory):  # noqa: F811
+    s = CartridgeStore(tmp_path_factory.mktemp("store"), lm)
+    s.add("harrow", Cartridge.from_prefix(lm, HARROW, 64), corpus=HARROW)
+    s.add("cats", Cartridge.from_prefix(lm, CATS, 16), corpus=CATS)
+    return s
+
+
+def test_invoke_stream_and_async_give_the_sdks_answer_and_name_the_cartridges(store):
+    expected = store.ask(QUESTION, max_new_tokens=12)
+    assert expected.cartridges == ("harrow",)
+    llm = ChatCartridges(store=store, max_tokens=12)
+    answer = llm.invoke(QUESTION)
+    assert answer.content == expected.text
+    assert answer.response_metadata["cartridges"] == ["harrow"]
+    assert answer.response_metadata["cartridge_tokens"] == 64
+    assert answer.usage_metadata["output_tokens"] == 12 and answer.usage_metadata["input_tokens"] > 5
+    chunks = list(llm.stream(QUESTION))
+    assert len(chunks) > 3 and "".join(c.content for c in chunks) == expected.text
+    assert chunks[-1].response_metadata["cartridges"] == ["harrow"]
+    assert asyncio.run(llm.ainvoke(QUESTION)).content == expected.text
+
+    async def pieces():
+        return [c.content async for c in llm.astream(QUESTION)]
+
+    assert "".join(asyncio.run(pieces())) == expected.text
+    # a conversation routes by its last user turn; system and assistant turns go to the model as they are
+    turns = [SystemMessage("Answer briefly."), HumanMessage("Tell me about cats."), AIMessage("They are fed."),
+             HumanMessage(QUESTION)]
+    assert llm.invoke(turns).response_metadata["cartridges"] == ["harrow"]
+
+
+def test_the_retriever_names_the_cartridges_and_a_chain_answers_with_them(store):
+    docs = CartridgeRetriever(store=store, k=2).invoke("How many cats does the shelter keep?")
+    assert [d.metadata["cartridge"] for d in docs] == ["cats"]  # the lighthouse shares no word with it
+    assert docs[0].page_content.startswith("The cat shelter") and docs[0].metadata["score"] > 0
+    llm = ChatCartridges(store=store, max_tokens=8)
+    # a RAG chain's shape, with the retriever and the model swapped: the sources come back beside the answer
+    chain = RunnableParallel(docs=CartridgeRetriever(store=store), question=RunnablePassthrough()) | RunnableLambda(
+        lambda x: {"answer": llm.invoke(x["question"], cartridges=x["docs"]), "sources": x["docs"]})
+    out = chain.invoke(QUESTION)
+    assert [d.metadata["cartridge"] for d in out["sources"]] == ["harrow"]
+    assert out["answer"].content == store.ask(QUESTION, cartridges=["harrow"], max_new_tokens=8).text
+    # named cartridges win over routing; one cartridge needs no store
+    assert llm.invoke(QUESTION, cartridges=["cats"]).response_metadata["cartridges"] == ["cats"]
+    one = ChatCartridges(cartridge=store.get("harrow"), max_tokens=8)
+    assert one.invoke(QUESTION).content == out["answer"].content
+
+
+def test_errors_are_langchains_and_the_sdks(store):
+    llm = ChatCartridges(store=store, max_tokens=4)
+    with pytest.raises(ModelInvalidRequestError, match="shares no word") as refused:
+        llm.invoke("zzqx wvvy")
+    assert isinstance(refused.value, ConfigError)
+    with pytest.raises(ModelNotFoundError, match="No cartridge 'nope'") as missing:
+        llm.invoke(QUESTION, cartridges=["nope"])
+    assert isinstance(missing.value, NotInStoreError)
+    with pytest.raises(ModelInvalidRequestError, match="ToolMessage"):
+        llm.invoke([HumanMessage(QUESTION), ToolMessage("42", tool_call_id="t1")])
+    with pytest.raises(ModelInvalidRequestError, match="Unknown setting"):
+        llm.invoke(QUESTION, frequency_penalty=1.0)
+    # a bad setting is refused where the model is made, as pydantic's ValidationError (a ValueError) says
+    with pytest.raises(ValueError, match="exactly one of cartridge"):
+        ChatCartridges()
+    with pytest.raises(ValueError, match="k=0 must be a positive int"):
+        CartridgeRetriever(store=store, k=0)
+
+
+def test_chat_openai_against_cartridges_serve(store):
+    from langchain_openai import ChatOpenAI
+
+    from cartridges_sdk.serve.background import serving
+    from cartridges_sdk.serve.server import ServeConfig, create_app
+
+    expected = store.ask(QUESTION, max_new_tokens=10).text
+    with serving(create_app(store, store.model.get_runtime("hf"), ServeConfig())) as url:
+        chat = ChatOpenAI(base_url=url, api_key="none", model="harrow", max_tokens=10, temperature=0, max_retries=0)
+        assert chat.invoke(QUESTION).content == expected
+        assert "".join(c.content for c in chat.stream(QUESTION)) == expected
+        routed = ChatOpenAI(base_url=url, api_key="none", model="auto", max_tokens=10, temperature=0, max_retries=0)
+        assert asyncio.run(routed.ainvoke(QUESTION)).content == expected
+        with pytest.raises(ModelNotFoundError):
+            ChatOpenAI(base_url=url, api_key="none", model="nope", max_retries=0).invoke(QUESTION)

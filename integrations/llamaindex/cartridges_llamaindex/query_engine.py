@@ -1,0 +1,47 @@
+"""`CartridgeQueryEngine`: where a LlamaIndex RAG query engine stood, it routes each query to a store's cartridges and
+answers with them; the response's source nodes name those cartridges (score, document version, corpus opening)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from llama_index.core.base.base_query_engine import BaseQueryEngine
+from llama_index.core.base.response.schema import RESPONSE_TYPE, Response, StreamingResponse
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from cartridges_sdk.serve.answering import Answerer
+
+
+class CartridgeQueryEngine(BaseQueryEngine):
+    """Answers a query with the best `k` cartridges of `store` for it (or as many as fit `budget` tokens).
+    `streaming=True` returns a `StreamingResponse`; `gen` are generation settings (max_tokens, temperature, ...)."""
+
+    def __init__(self, store: Any, *, k: int = 1, budget: int | None = None, runtime: Any = "hf",
+                 streaming: bool = False, callback_manager: CallbackManager | None = None, **gen: Any):
+        self._answerer = Answerer(store=store, k=k, budget=budget, runtime=runtime)
+        self._streaming = streaming
+        self._gen = {"max_new_tokens": gen.pop("max_tokens", 256), **gen}
+        self._answerer.request([{"role": "user", "content": "?"}], [], **self._gen)  # bad settings fail here
+        super().__init__(callback_manager)
+
+    def _get_prompt_modules(self) -> dict[str, Any]:
+        return {}
+
+    def _query(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
+        question = query_bundle.query_str
+        chosen = self._answerer.choose(question)
+        nodes = [NodeWithScore(node=TextNode(text=c.preview, metadata=c.metadata()), score=c.score) for c in chosen]
+        turns = [{"role": "user", "content": question}]
+        meta = {"cartridges": [c.name for c in chosen], "versions": [c.version for c in chosen]}
+        if self._streaming:
+            return StreamingResponse(response_gen=self._answerer.stream(turns, chosen, **self._gen),
+                                     source_nodes=nodes, metadata=meta)
+        text, usage = self._answerer.answer(turns, chosen, **self._gen)
+        return Response(response=text, source_nodes=nodes,
+                        metadata={**meta, "prompt_tokens": usage.prompt_tokens,
+                                  "completion_tokens": usage.completion_tokens})
+
+    async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
+        return await asyncio.to_thread(self._query, query_bundle)

@@ -1,0 +1,77 @@
+"""CartridgeLLM and CartridgeQueryEngine against the real llama-index-core, on the embedded default model: each path
+gives the SDK's own answer and names the cartridges that gave it."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from llama_index.core.llms import ChatMessage
+
+from cartridges_llamaindex import CartridgeLLM, CartridgeQueryEngine
+from cartridges_sdk import Cartridge, CartridgeStore
+from cartridges_sdk.errors import ConfigError, NotInStoreError
+from cartridges_sdk.testing.fixtures import lm  # noqa: F401  (the embedded model, one per module)
+
+HARROW = (Path(__file__).parents[3] / "examples" / "data" / "harrow_point.txt").read_text("utf-8")
+CATS = "The cat shelter in Ostend keeps forty cats. Volunteers feed them twice a day and the vet visits on Fridays."
+QUESTION = "When was the lighthouse built?"
+
+
+@pytest.fixture(scope="module")
+def store(lm, tmp_path_factory):  # noqa: F811
+    s = CartridgeStore(tmp_path_factory.mktemp("store"), lm)
+    s.add("harrow", Cartridge.from_prefix(lm, HARROW, 64), corpus=HARROW)
+    s.add("cats", Cartridge.from_prefix(lm, CATS, 16), corpus=CATS)
+    return s
+
+
+def test_complete_chat_stream_and_async_give_the_sdks_answer(store):
+    expected = store.ask(QUESTION, max_new_tokens=10).text
+    llm = CartridgeLLM(store=store, max_tokens=10)
+    assert llm.metadata.is_chat_model and llm.metadata.num_output == 10
+    done = llm.complete(QUESTION)
+    assert done.text == expected and done.raw["cartridges"] == ["harrow"] and done.raw["completion_tokens"] == 10
+    streamed = list(llm.stream_complete(QUESTION))
+    assert "".join(r.delta for r in streamed) == expected == streamed[-1].text
+    assert streamed[-1].raw["cartridges"] == ["harrow"]
+    turns = [ChatMessage(role="system", content="Answer briefly."), ChatMessage(role="user", content=QUESTION)]
+    assert llm.chat(turns).message.content == store.model.chat(
+        [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}],
+        [store.get("harrow")], max_new_tokens=10)
+    assert "".join(r.delta for r in llm.stream_chat(turns)) == llm.chat(turns).message.content
+    assert asyncio.run(llm.acomplete(QUESTION)).text == expected
+
+    async def pieces():
+        return [r.delta async for r in await llm.astream_complete(QUESTION)]
+
+    assert "".join(asyncio.run(pieces())) == expected
+    assert llm.complete(QUESTION, cartridges=["cats"]).raw["cartridges"] == ["cats"]
+
+
+def test_query_engine_answers_with_routed_cartridges_and_shows_them_as_sources(store):
+    expected = store.ask(QUESTION, max_new_tokens=10).text
+    engine = CartridgeQueryEngine(store, k=2, max_tokens=10)
+    response = engine.query(QUESTION)
+    assert response.response == expected and response.metadata["cartridges"] == ["harrow"]
+    [source] = response.source_nodes
+    assert source.node.metadata["cartridge"] == "harrow" and source.score > 0
+    assert source.node.text.startswith(HARROW[:40])
+    streaming = CartridgeQueryEngine(store, streaming=True, max_tokens=10).query(QUESTION)
+    assert "".join(streaming.response_gen) == expected
+    assert asyncio.run(engine.aquery(QUESTION)).response == expected
+
+
+def test_errors_name_the_problem(store):
+    llm = CartridgeLLM(store=store, max_tokens=4)
+    with pytest.raises(ConfigError, match="shares no word"):
+        llm.complete("zzqx wvvy")
+    with pytest.raises(NotInStoreError, match="No cartridge 'nope'"):
+        llm.complete(QUESTION, cartridges=["nope"])
+    with pytest.raises(ConfigError, match="'tool' message"):
+        llm.chat([ChatMessage(role="tool", content="42")])
+    with pytest.raises(ValueError, match="exactly one of cartridge"):
+        CartridgeLLM()
+    with pytest.raises(ConfigError, match="Unknown generation setting"):
+        CartridgeQueryEngine(store, frequency_penalty=1.0)
