@@ -1,0 +1,252 @@
+"""Cartridges against RAG on the same questions: real long-document QA sets, the same reader, the same prompt budget.
+
+    python -m benchmarks.vs_rag --model qwen2.5-coder-0.5b --docs 3 --questions 4 --tokens 256
+
+Per data set (QASPER, QuALITY, TPO from ../shared/evaldata), `--docs` documents make one corpus: one store of
+cartridges (one per document, compacted by the store's sync; `--selfstudy N` also trains each by self-study on N
+conversations) and one RAG index (passages of every document: `benchmarks/rag.py`). Each question is answered with:
+
+- ``none``: the question alone;            ``icl``: its own document in context (the ceiling);
+- ``bm25`` / ``dense``: RAG's best passages, up to `--tokens` prompt tokens;
+- ``cartridge`` / ``selfstudy``: the cartridge the store routes the question to (`store.route`, top 1), `--tokens`
+  tokens of KV each: the same budget as RAG's prompt, held as KV instead of prompt text.
+
+Quality: gold-answer closure (how much of the none-to-ICL drop in the gold answer's NLL a method recovers) and, on
+multiple-choice sets, the share of questions where the right option's text is the likeliest answer. Cost: prompt
+tokens, KV bytes per user, time to first token and decode tokens/s at 1 and 32 concurrent users (one document, the
+first of the first set), and seconds to build (and, per document, to update). Run it alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from cartridges_sdk import Cartridge, CartridgeStore, SyncConfig, load_model
+from cartridges_sdk.build.evaluation import answer_logprobs, nll
+from cartridges_sdk.errors import ConfigError
+from cartridges_sdk.kv import prefix_cache
+
+from . import provenance
+from .data import EVALDATA, Corpus, load_corpora
+from .measure import Context, decode_throughput, kv_bytes_per_token, mean, score_questions, synchronize
+from .rag import Retriever, passages
+
+DATASETS = {"qasper": "scientific_qa_dev.jsonl", "quality": "quality_dev.jsonl", "tpo": "tpo_dev.jsonl"}
+METHODS = ("none", "icl", "bm25", "dense", "cartridge", "selfstudy")
+LABELS = {"none": "no context", "icl": "whole document in context", "bm25": "RAG, BM25", "dense": "RAG, dense (MiniLM)",
+          "cartridge": "routed cartridge (compacted)", "selfstudy": "routed cartridge (self-studied)"}
+_OPTION = re.compile(r"^\s*\(?([A-Z])[).]\s+(.*\S)\s*$", re.MULTILINE)
+
+
+def options(question: str) -> tuple[str, list[str]]:
+    """The question's stem and its options' texts, in letter order."""
+    found = _OPTION.findall(question)
+    first = _OPTION.search(question)
+    return question[: first.start()].strip() if first else question, [text for _, text in found]
+
+
+def likeliest(lm, question: str, context: Context) -> int:
+    """The option whose text the model finds likeliest (mean log-probability per token) as the answer to the stem
+    asked without options: how a small reader is scored on multiple choice (it picks letters at chance)."""
+    stem, texts = options(question)
+    scores = [-nll(answer_logprobs(lm, stem, t, **context.kwargs()), lm, t) for t in texts]
+    return max(range(len(texts)), key=scores.__getitem__)
+
+
+def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, selfstudy: int) -> tuple[dict, dict]:
+    """The stores a run answers from (compacted; self-studied when `selfstudy` > 0), made once and resumed."""
+    texts = {c.name: c.text for c in corpora}
+    stores, seconds = {}, {}
+    start = time.perf_counter()
+    stores["cartridge"] = CartridgeStore(work / f"compact-{tokens}", lm)
+    report = stores["cartridge"].sync(texts, SyncConfig(tokens=tokens))
+    seconds["cartridge"] = time.perf_counter() - start if report.added or report.updated else None
+    if selfstudy:
+        start = time.perf_counter()
+        stores["selfstudy"] = CartridgeStore(work / f"selfstudy-{tokens}-{selfstudy}", lm)
+        stores["selfstudy"].sync(texts, SyncConfig(tokens=tokens))
+        stores["selfstudy"].self_study(texts, SyncConfig(tokens=tokens), {"num_conversations": selfstudy})
+        seconds["selfstudy"] = time.perf_counter() - start
+    return stores, seconds
+
+
+def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Path, methods: Sequence[str],
+                selfstudy: int) -> dict:
+    corpora = load_corpora(path, list(range(docs)))
+    stores, build = build_stores(lm, corpora, tokens, work, selfstudy if "selfstudy" in methods else 0)
+    chunks = passages([c.text for c in corpora])
+    retrievers = {kind: Retriever(kind, [p for _, p in chunks], work) for kind in ("bm25", "dense") if kind in methods}
+    build.update({kind: r.seconds for kind, r in retrievers.items()})
+    rows = []
+    for c in corpora:
+        ids = lm.encode(c.text)
+        if lm.max_context and len(ids) + 512 > lm.max_context:
+            raise ConfigError(f"{c.name} has {len(ids)} tokens; with a question it does not fit {lm.name}'s "
+                              f"{lm.max_context}-token context, so ICL cannot be the reference. Pick a longer-context "
+                              "model (--model qwen2.5-coder-0.5b) or another set.")
+        # the document in context as the KV of all its tokens: the same scores (the exactness property), one prefill
+        whole = Context(cartridge=Cartridge.from_prefix(lm, ids, len(ids)))
+        for q in c.questions[:questions]:
+            contexts = {"none": Context(), "icl": whole}
+            for kind, r in retrievers.items():
+                contexts[kind] = Context(document=tuple(r.context(lm, q.question, tokens)))
+            routed = {}
+            for kind, store in stores.items():
+                try:
+                    routed[kind] = store.route(q.question)[0].name
+                except ConfigError:  # shares no word with any document: answered with nothing, as a router would
+                    routed[kind] = None
+                contexts[kind] = Context(cartridge=store.get(routed[kind]) if routed[kind] else None)
+            scores = score_questions(lm, [q], contexts, icl="icl", desc=c.name)
+            row = {"doc": c.name, "question": q.question[:120], "routed": routed,
+                   "routed_right": {k: v == c.name for k, v in routed.items()},
+                   "nll": {m: round(s["nll"][0], 4) for m, s in scores.items()},
+                   "kl": {m: round(s["kl"][0], 4) for m, s in scores.items()},
+                   "rag_tokens": {k: len(contexts[k].document or ()) for k in retrievers}}
+            if q.multiple_choice:
+                gold = q.options.index(q.gold)
+                row["likeliest_right"] = {m: likeliest(lm, q.question, ctx) == gold for m, ctx in contexts.items()}
+            rows.append(row)
+            print(row, flush=True)
+    used = list(contexts)
+    gap = mean([r["nll"]["none"] - r["nll"]["icl"] for r in rows])
+    mc = [r for r in rows if "likeliest_right" in r]
+    return {
+        "data": path.name, "docs": docs, "questions": len(rows), "methods": used,
+        "doc_tokens": round(mean([len(lm.encode(c.text)) for c in corpora])),
+        "nll": {m: round(mean([r["nll"][m] for r in rows]), 4) for m in used},
+        "closure": {m: round(mean([r["nll"]["none"] - r["nll"][m] for r in rows]) / gap, 3) if gap > 0 else None
+                    for m in used},
+        "kl": {m: round(mean([r["kl"][m] for r in rows]), 4) for m in used},
+        "mc_accuracy": {m: round(mean([r["likeliest_right"][m] for r in mc]), 3) for m in used} if mc else None,
+        "routed_right": {k: round(mean([r["routed_right"][k] for r in rows]), 3) for k in stores},
+        "build_seconds": {k: round(v, 1) if v is not None else None for k, v in build.items()},
+        "rows": rows,
+    }
+
+
+@torch.inference_mode()
+def first_token_seconds(lm, prompts: Sequence[Sequence[int]], cartridge: Cartridge | None) -> float:
+    """Seconds until every one of `prompts` (one per user, arriving together) has its first token: prefills of up
+    to 4,096 tokens at a time (a long document's attention would not fit 32 rows at once), after `cartridge`'s KV."""
+    n = len(prompts[0])
+    rows = max(1, min(len(prompts), 4096 // n))
+    dev = lm.device
+    synchronize(dev)
+    start = time.perf_counter()
+    for i in range(0, len(prompts), rows):
+        batch = torch.tensor([list(p) for p in prompts[i: i + rows]], device=dev)
+        cache, p = prefix_cache(lm, [cartridge], len(batch), capacity=cartridge.num_tokens + n + 1) if cartridge \
+            else (None, 0)
+        out = lm.model(input_ids=batch, position_ids=torch.arange(p, p + n, device=dev)[None].expand(len(batch), -1),
+                       past_key_values=cache, use_cache=True)
+        out.logits[:, -1].argmax(-1).tolist()
+    synchronize(dev)
+    return time.perf_counter() - start
+
+
+def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, store: CartridgeStore, users: Sequence[int],
+          decode: int, icl_users: Sequence[int] = (1,)) -> list[dict]:
+    """Per method and number of concurrent users: prompt tokens, KV bytes per user, time to first token, decode rate.
+    ICL is timed at `icl_users` only: on a CPU its prefill is compute-bound, so 32 users take 32 times one."""
+    q = corpus.questions[0].question
+    turn = [{"role": "user", "content": q}]
+    doc = lm.encode(corpus.text)
+    rag = retriever.context(lm, q, tokens) if retriever else doc[:tokens]
+    cartridge = store.get(store.route(q)[0].name)
+    after = lm.prompt_ids(turn, after_cartridge=True)
+    setups = {"none": (lm.prompt_ids(turn), None), "icl": (lm.prompt_ids(turn, prefix_ids=doc), None),
+              "rag": (lm.prompt_ids(turn, prefix_ids=rag), None), "cartridge": (after, cartridge)}
+    per_token = kv_bytes_per_token(lm)
+    out = []
+    for method, (prompt, cart) in setups.items():
+        held = len(prompt) + (cart.num_tokens if cart else 0)  # KV a user holds once its prompt is read
+        # decoding reads the same KV whatever it holds: the context as a prefix, the chat turn after it
+        ahead = prompt[: len(prompt) - len(after)] if method != "none" else prompt[:2]  # "none": 2 tokens, ~nothing
+        context = cart or Cartridge.from_prefix(lm, ahead, len(ahead))
+        for n in users if method != "icl" else [u for u in users if u in icl_users]:
+            out.append({"method": method, "users": n, "prompt_tokens": len(prompt),
+                        "kv_mib_per_user": round((held + decode) * per_token / 2**20, 2),
+                        "first_token_s": round(first_token_seconds(lm, [prompt] * n, cart), 3),
+                        "decode_tokens_per_s": round(decode_throughput(lm, context, n, after, decode), 1)})
+            print(out[-1], flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="a named model, or 'default' (the 135M)")
+    parser.add_argument("--sets", default="qasper,quality,tpo", help=f"comma-separated, of {sorted(DATASETS)}")
+    parser.add_argument("--data-dir", type=Path, default=EVALDATA)
+    parser.add_argument("--docs", type=int, default=3, help="documents per set: one corpus, one store, one RAG index")
+    parser.add_argument("--questions", type=int, default=4, help="at most this many per document")
+    parser.add_argument("--tokens", type=int, default=256, help="cartridge tokens, and RAG's prompt budget")
+    parser.add_argument("--methods", default="none,icl,bm25,dense,cartridge", help=f"of {','.join(METHODS)}")
+    parser.add_argument("--selfstudy", type=int, default=32, help="self-study conversations (with 'selfstudy')")
+    parser.add_argument("--users", default="1,32", help="concurrent users for the speed figures ('' skips them)")
+    parser.add_argument("--icl-users", default="1", help="the --users ICL is timed at (its prefill is the slow part)")
+    parser.add_argument("--decode", type=int, default=16, help="new tokens per user in the decode-rate figure")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/vs-rag"), help="a scratch folder (stores, resumable)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS] + [s for s in args.sets.split(",") if s not in DATASETS]
+    if bad or not {"none", "icl"} <= set(methods):
+        parser.error(f"unknown {bad}; --methods must include none and icl (the reference); sets: {sorted(DATASETS)}")
+    lm = load_model(None if args.model == "default" else args.model)
+    start = time.perf_counter()
+    result = {"model": lm.name, "tokens": args.tokens, "kv_bytes_per_token": kv_bytes_per_token(lm), "sets": {}}
+    for name in args.sets.split(","):
+        work = args.work / f"{args.model}-{name}-{args.docs}"
+        result["sets"][name] = run_dataset(lm, args.data_dir / DATASETS[name], args.docs, args.questions,
+                                           args.tokens, work, methods, args.selfstudy)
+    if args.users:
+        first = args.sets.split(",")[0]
+        corpus = load_corpora(args.data_dir / DATASETS[first], [0])[0]
+        work = args.work / f"{args.model}-{first}-{args.docs}"
+        retriever = Retriever("bm25", [p for _, p in passages([c.text for c in load_corpora(
+            args.data_dir / DATASETS[first], list(range(args.docs)))])], work)
+        result["speed"] = speed(lm, corpus, args.tokens, retriever, CartridgeStore(work / f"compact-{args.tokens}", lm),
+                                [int(u) for u in args.users.split(",")], args.decode,
+                                [int(u) for u in args.icl_users.split(",") if u])
+    result.update({"seconds": round(time.perf_counter() - start, 1), "commit": provenance.commit(),
+                   "dirty": provenance.dirty(), "machine": provenance.machine()})
+    out = args.out or Path("benchmarks/results") / f"vs_rag-{args.model}-{args.tokens}.json"
+    provenance.save(result, out)
+    print(table(result))
+
+
+def table(result: dict) -> str:
+    """The head-to-head as markdown: quality per set, then cost per method."""
+    sets = result["sets"]
+    methods = list(dict.fromkeys(m for s in sets.values() for m in s["methods"]))
+    lines = ["| method | " + " | ".join(f"{n} closure | {n} MC acc." if sets[n]["mc_accuracy"] else f"{n} closure"
+                                        for n in sets) + " |"]
+    lines.append("|---" * (1 + sum(2 if s["mc_accuracy"] else 1 for s in sets.values())) + "|")
+    for m in methods:
+        cells = []
+        for s in sets.values():
+            cells.append(_f(s["closure"].get(m)))
+            if s["mc_accuracy"]:
+                cells.append(_f(s["mc_accuracy"].get(m)))
+        lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
+    if result.get("speed"):
+        lines += ["", "| method | users | prompt tokens | KV MiB/user | first token s | decode tokens/s |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['method']} | {r['users']} | {r['prompt_tokens']:,} | {r['kv_mib_per_user']} | "
+                  f"{r['first_token_s']} | {r['decode_tokens_per_s']} |" for r in result["speed"]]
+    return "\n".join(lines)
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+if __name__ == "__main__":
+    main()
