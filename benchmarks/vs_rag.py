@@ -20,6 +20,7 @@ first of the first set), and seconds to build (and, per document, to update). Ru
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import time
 from collections.abc import Sequence
@@ -71,7 +72,12 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, selfstu
         start = time.perf_counter()
         stores["selfstudy"] = CartridgeStore(work / f"selfstudy-{tokens}-{selfstudy}", lm)
         stores["selfstudy"].sync(texts, SyncConfig(tokens=tokens))
-        stores["selfstudy"].self_study(texts, SyncConfig(tokens=tokens), {"num_conversations": selfstudy})
+        # as many raw-text windows as conversations: the SDK's recipe at a CPU's budget
+        stores["selfstudy"].self_study(texts, SyncConfig(tokens=tokens),
+                                       {"num_conversations": selfstudy, "document_windows": selfstudy})
+        untrained = [n for n, r in stores["selfstudy"].records().items() if r.get("method") != "self-study"]
+        if untrained:  # sync keeps a compacted cartridge when training fails: it must not be scored as trained
+            raise ConfigError(f"self-study did not finish for {untrained} (see the log above); run again to resume.")
         seconds["selfstudy"] = time.perf_counter() - start
     return stores, seconds
 
@@ -194,7 +200,14 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=16, help="new tokens per user in the decode-rate figure")
     parser.add_argument("--work", type=Path, default=Path("/tmp/vs-rag"), help="a scratch folder (stores, resumable)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--plots", type=Path, default=Path("docs/img"), help="where the two figures are written")
+    parser.add_argument("--from", dest="saved", type=Path, default=None,
+                        help="re-make the table and figures from a saved result, running nothing")
     args = parser.parse_args()
+    if args.saved:
+        result = json.loads(args.saved.read_text())
+        print(table(result), *plots(result, args.plots), sep="\n")
+        return
     methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in methods if m not in METHODS] + [s for s in args.sets.split(",") if s not in DATASETS]
     if bad or not {"none", "icl"} <= set(methods):
@@ -219,7 +232,55 @@ def main() -> None:
                    "dirty": provenance.dirty(), "machine": provenance.machine()})
     out = args.out or Path("benchmarks/results") / f"vs_rag-{args.model}-{args.tokens}.json"
     provenance.save(result, out)
-    print(table(result))
+    print(table(result), *plots(result, args.plots), sep="\n")
+
+
+def plots(result: dict, folder: Path) -> list[Path]:
+    """Quality per set and method (closure; MC accuracy), and first-token time and decode rate per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    sets = result["sets"]
+    methods = [m for m in METHODS if any(m in s["methods"] for s in sets.values()) and m != "icl"]
+    panels = [("closure", "gold-answer closure (ICL = 1)")] + [("mc_accuracy", "multiple-choice accuracy")] * any(
+        s["mc_accuracy"] for s in sets.values())
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.6), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
+        names = [n for n in sets if sets[n][key]]
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            ax.bar([j + i * width for j in range(len(names))], [sets[n][key].get(m) or 0 for n in names], width,
+                   label=LABELS[m])
+        if key == "mc_accuracy":
+            ax.axhline(0.25, color="gray", lw=0.8, ls="--")
+            ax.axhline(mean([sets[n][key]["icl"] for n in names]), color="black", lw=0.8, label="ICL (mean)")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
+        ax.set_title(title, fontsize=10)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{result['model']}, {result['tokens']} tokens of cartridge or RAG context", fontsize=10)
+    fig.tight_layout()
+    paths = [folder / "vs-rag-quality.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+    if result.get("speed"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+        rows = result["speed"]
+        labels = [f"{r['method']}\n{r['users']} user{'s' * (r['users'] > 1)}" for r in rows]
+        axes[0].bar(labels, [r["first_token_s"] for r in rows])
+        axes[0].set_yscale("log")
+        axes[0].set_title("seconds until every user has a first token (log)", fontsize=10)
+        axes[1].bar(labels, [r["decode_tokens_per_s"] for r in rows])
+        axes[1].set_title("decode tokens/s, all users together", fontsize=10)
+        for ax in axes:
+            ax.tick_params(axis="x", labelsize=7)
+        fig.tight_layout()
+        paths.append(folder / "vs-rag-speed.png")
+        fig.savefig(paths[1], dpi=120)
+        plt.close(fig)
+    return paths
 
 
 def table(result: dict) -> str:

@@ -98,7 +98,7 @@ SUBSTITUTIONS = [
     Sub(".*", SH, r"--tokens 2048\b", "--tokens 256", "the sample my_repo/ holds about 900 tokens; a compacted "
         "start needs at least p"),
     Sub(".*", SH, r"\bcartridges ask ", "cartridges ask --max-new-tokens 24 ", "short answers"),
-    Sub(r"docs/(store|openai|sync)\.md", PY | SH, r"\b8000\b", "{port}", "the server listens on a free port"),
+    Sub(r"docs/(store|openai|sync|vs-rag)\.md", PY | SH, r"\b8000\b", "{port}", "the server listens on a free port"),
     Sub(r"docs/openai\.md", SH, r"\bMODEL_DIR\b", "{model_dir}", "the folder the SDK loads the default model from"),
     Sub(r"examples/codebase_assistant/README\.md", SH, r"^\.venv/bin/python (examples/codebase_assistant/assistant\.py)$",
         r"python \1 --source my_repo --model default --tokens 32 --max-tokens 8 --store store",
@@ -174,6 +174,7 @@ AROUND: dict[tuple[str, str], tuple[str, str]] = {
 SERVERS: dict[tuple[str, str], str] = {
     ("docs/store.md", "cartridges serve"): "/health",
     ("docs/sync.md", "cartridges serve"): "/health",
+    ("docs/vs-rag.md", "cartridges serve"): "/health",
     ("docs/openai.md", "vllm.entrypoints.openai.api_server"): "/v1/models",
 }
 

@@ -25,8 +25,8 @@ LAYERS = {
               "build.windows", "build.synthesis", "build.memory", "build.distractors", "build.checkpoint",
               "build.loss", "build.training", "build.compaction", "build.evaluation", "build.selfstudy", "build"],
     # serving them
-    "serve": ["serve.background", "serve.words", "serve.documents", "serve.sync", "serve.store", "serve.watch", "serve.guard",
-              "serve.access", "serve.audit", "serve.parse", "serve.engine", "serve.server", "serve.mcp_tool", "serve"],
+    "serve": ["serve.background", "serve.words", "serve.documents", "serve.sync", "serve.store", "serve.answering",
+              "serve.watch", "serve.guard", "serve.access", "serve.audit", "serve.parse", "serve.engine", "serve.server", "serve.mcp_tool", "serve"],
     # for plugin authors' tests
     "testing": ["testing.fakes", "testing.contract", "testing.isolation", "testing.fixtures", "testing"],
     # the entry points: the command line and the public API
