@@ -259,7 +259,7 @@ def plots(result: dict, folder: Path) -> list[Path]:
             ax.axhline(mean([sets[n][key]["icl"] for n in names]), color="black", lw=0.8, label="ICL (mean)")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
         ax.set_title(title, fontsize=10)
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=7)
     fig.suptitle(f"{result['model']}, {result['tokens']} tokens of cartridge or RAG context", fontsize=10)
     fig.tight_layout()
     paths = [folder / "vs-rag-quality.png"]
