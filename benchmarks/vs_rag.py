@@ -14,7 +14,8 @@ conversations) and one RAG index (passages of every document: `benchmarks/rag.py
 Quality: gold-answer closure (how much of the none-to-ICL drop in the gold answer's NLL a method recovers) and, on
 multiple-choice sets, the share of questions where the right option's text is the likeliest answer. Cost: prompt
 tokens, KV bytes per user, time to first token and decode tokens/s at 1 and 32 concurrent users (one document, the
-first of the first set), and seconds to build (and, per document, to update). Run it alone on the machine.
+first of the first set), and seconds to build (an edited document re-makes its own cartridge only: its share of
+the build). Run it alone on the machine.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ def likeliest(lm, question: str, context: Context) -> int:
     return max(range(len(texts)), key=scores.__getitem__)
 
 
-def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, selfstudy: int) -> tuple[dict, dict]:
-    """The stores a run answers from (compacted; self-studied when `selfstudy` > 0), made once and resumed."""
+def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, selfstudy: dict) -> tuple[dict, dict]:
+    """The stores a run answers from: compacted, and self-studied with `selfstudy`'s settings (`Cartridge.from_corpus`
+    keyword arguments) when given; made once, resumed when a run is interrupted."""
     texts = {c.name: c.text for c in corpora}
     stores, seconds = {}, {}
     start = time.perf_counter()
@@ -70,11 +72,10 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, selfstu
     seconds["cartridge"] = time.perf_counter() - start if report.added or report.updated else None
     if selfstudy:
         start = time.perf_counter()
-        stores["selfstudy"] = CartridgeStore(work / f"selfstudy-{tokens}-{selfstudy}", lm)
+        tag = "-".join(f"{v}" for _, v in sorted(selfstudy.items()))
+        stores["selfstudy"] = CartridgeStore(work / f"selfstudy-{tokens}-{tag}", lm)
         stores["selfstudy"].sync(texts, SyncConfig(tokens=tokens))
-        # as many raw-text windows as conversations: the SDK's recipe at a CPU's budget
-        stores["selfstudy"].self_study(texts, SyncConfig(tokens=tokens),
-                                       {"num_conversations": selfstudy, "document_windows": selfstudy})
+        stores["selfstudy"].self_study(texts, SyncConfig(tokens=tokens), selfstudy)
         untrained = [n for n, r in stores["selfstudy"].records().items() if r.get("method") != "self-study"]
         if untrained:  # sync keeps a compacted cartridge when training fails: it must not be scored as trained
             raise ConfigError(f"self-study did not finish for {untrained} (see the log above); run again to resume.")
@@ -83,9 +84,9 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, selfstu
 
 
 def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Path, methods: Sequence[str],
-                selfstudy: int) -> dict:
+                selfstudy: dict | None = None) -> dict:
     corpora = load_corpora(path, list(range(docs)))
-    stores, build = build_stores(lm, corpora, tokens, work, selfstudy if "selfstudy" in methods else 0)
+    stores, build = build_stores(lm, corpora, tokens, work, (selfstudy or {}) if "selfstudy" in methods else {})
     chunks = passages([c.text for c in corpora])
     retrievers = {kind: Retriever(kind, [p for _, p in chunks], work) for kind in ("bm25", "dense") if kind in methods}
     build.update({kind: r.seconds for kind, r in retrievers.items()})
@@ -194,7 +195,8 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=4, help="at most this many per document")
     parser.add_argument("--tokens", type=int, default=256, help="cartridge tokens, and RAG's prompt budget")
     parser.add_argument("--methods", default="none,icl,bm25,dense,cartridge", help=f"of {','.join(METHODS)}")
-    parser.add_argument("--selfstudy", type=int, default=32, help="self-study conversations (with 'selfstudy')")
+    parser.add_argument("--selfstudy", type=int, default=128,
+                        help="self-study conversations, with 'selfstudy' in --methods (the SDK's default recipe)")
     parser.add_argument("--users", default="1,32", help="concurrent users for the speed figures ('' skips them)")
     parser.add_argument("--icl-users", default="1", help="the --users ICL is timed at (its prefill is the slow part)")
     parser.add_argument("--decode", type=int, default=16, help="new tokens per user in the decode-rate figure")
@@ -218,7 +220,7 @@ def main() -> None:
     for name in args.sets.split(","):
         work = args.work / f"{args.model}-{name}-{args.docs}"
         result["sets"][name] = run_dataset(lm, args.data_dir / DATASETS[name], args.docs, args.questions,
-                                           args.tokens, work, methods, args.selfstudy)
+                                           args.tokens, work, methods, {"num_conversations": args.selfstudy})
     if args.users:
         first = args.sets.split(",")[0]
         corpus = load_corpora(args.data_dir / DATASETS[first], [0])[0]

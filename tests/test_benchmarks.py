@@ -286,7 +286,8 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     data = _write(tmp_path / "set.jsonl", [(TEXT[:half], FREE), (TEXT[half:], MC)])
     assert vs_rag.options(MC[1][0]) == ("Which sea?", ["the north one", "the south one", "the east one"])
     methods_ = ["none", "icl", "bm25", "dense", "cartridge", "selfstudy"]
-    result = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", methods_, 2)
+    result = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", methods_,
+                                {"num_conversations": 2, "document_windows": 2})
     assert result["questions"] == 4 and result["methods"] == methods_
     gap = sum(r["nll"]["none"] - r["nll"]["icl"] for r in result["rows"])
     if gap > 0:  # a random model may read the document as noise: then closure is undefined, not made up
@@ -301,7 +302,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     direct = nll(answer_logprobs(lm, q[0], q[1], document=retriever.context(lm, q[0], 16)), lm, q[1])
     assert result["rows"][0]["nll"]["bm25"] == pytest.approx(direct, abs=1e-3)
     assert all(result["build_seconds"][k] > 0 for k in ("cartridge", "selfstudy", "dense", "bm25"))
-    studied = vs_rag.CartridgeStore(tmp_path / "work" / "selfstudy-16-2", lm)
+    studied = vs_rag.CartridgeStore(tmp_path / "work" / "selfstudy-16-2-2", lm)
     assert {r["method"] for r in studied.records().values()} == {"self-study"}
     corpus = load_corpora(data, [0])[0]
     store = vs_rag.CartridgeStore(tmp_path / "work" / "compact-16", lm)

@@ -5,6 +5,8 @@ the request and its usage counts live here once, so both frameworks answer the s
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -17,6 +19,31 @@ from .store import CartridgeStore
 from .sync import document_record
 
 PREVIEW_CHARS = 400  # how much of a routed cartridge's corpus a retriever shows as the document's text
+# one lock per engine: frameworks call from thread pools (LangChain's batch, async forms in worker threads), and an
+# engine need not be thread-safe (docs/writing-a-backend.md). A stream takes it for each step only, so streams and
+# calls interleave (a ContinuousRuntime holds each one's reports for it), and a step may run on any thread.
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def engine_lock(runtime: Any) -> threading.Lock:
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(runtime, threading.Lock())
+
+
+def _stepped(steps: Generator[str, None, Any], lock: threading.Lock) -> Generator[str, None, Any]:
+    """`steps`, each of its steps (and its closing) taken under `lock`."""
+    try:
+        while True:
+            with lock:
+                try:
+                    piece = next(steps)
+                except StopIteration as done:
+                    return done.value
+            yield piece
+    finally:
+        with lock:
+            steps.close()
 
 
 @attrs.frozen
@@ -101,7 +128,7 @@ class Answerer:
             cartridge = self.store.get(name)
             record = document_record(cartridge) or {}
             corpus = self.store.corpus_path(name)
-            preview = _opening(corpus.read_text("utf-8", errors="replace") if corpus is not None else None)
+            preview = _opening(_head(corpus) if corpus is not None else None)
             out.append(Chosen(name, cartridge, score, record.get("sha256"), preview, record.get("origin")))
         return out
 
@@ -113,14 +140,17 @@ class Answerer:
     def answer(self, messages: Sequence[Message], chosen: Sequence[Chosen], **gen: Any) -> tuple[str, Usage]:
         """The answer to the conversation with the `chosen` cartridges before it, and its token counts."""
         request = self.request(messages, chosen, **gen)
-        completion = self._runtime().generate([request])[0]
+        runtime = self._runtime()
+        with engine_lock(runtime):
+            completion = runtime.generate([request])[0]
         return completion.text, self._usage(request, completion)
 
     def stream(self, messages: Sequence[Message], chosen: Sequence[Chosen],
                **gen: Any) -> Generator[str, None, Usage]:
         """Yield the answer's text as it comes; return its token counts when read to the end."""
         request = self.request(messages, chosen, **gen)
-        completion = yield from self._runtime().stream(request)
+        runtime = self._runtime()
+        completion = yield from _stepped(runtime.stream(request), engine_lock(runtime))
         return self._usage(request, completion)
 
     def _runtime(self) -> Any:
@@ -138,6 +168,12 @@ def last_user_text(messages: Sequence[Message]) -> str:
         if message["role"] == "user":
             return message["content"]
     raise ConfigError("The conversation has no user message to route by; end it with the user's question.")
+
+
+def _head(path: Any) -> str:
+    """The start of a corpus file: enough for a preview, without reading a whole document per question."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read(PREVIEW_CHARS * 2)
 
 
 def _opening(text: str | None) -> str:

@@ -1,10 +1,9 @@
 """LangChain integration of cartridges-sdk: `ChatCartridges` (a chat model) and `CartridgeRetriever` (which
-cartridges a question goes to). docs/vs-rag.md shows them in a chain."""
+cartridges a question goes to). Errors are LangChain's `ModelError` classes and the SDK's at once (`errors.py`).
+docs/vs-rag.md shows them in a chain."""
 
 from .chat_model import ChatCartridges
-from .errors import (CartridgesAPIError, CartridgesConnectionError, CartridgesInvalidRequestError,
-                     CartridgesNotFoundError, CartridgesRateLimitError)
+from .errors import langchain_class
 from .retriever import CartridgeRetriever
 
-__all__ = ["CartridgeRetriever", "ChatCartridges", "CartridgesAPIError", "CartridgesConnectionError",
-           "CartridgesInvalidRequestError", "CartridgesNotFoundError", "CartridgesRateLimitError"]
+__all__ = ["CartridgeRetriever", "ChatCartridges", "langchain_class"]

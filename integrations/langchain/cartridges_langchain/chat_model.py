@@ -15,7 +15,7 @@ from pydantic import ConfigDict, PrivateAttr, model_validator
 
 from cartridges_sdk.serve.answering import Answerer, Chosen, Usage, last_user_text
 
-from .errors import CartridgesInvalidRequestError, langchain_errors
+from .errors import invalid_request, langchain_errors
 
 ROLES = {"human": "user", "ai": "assistant", "system": "system"}
 
@@ -54,9 +54,13 @@ class ChatCartridges(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self._answerer.model.name, "cartridges": self.cartridges, "k": self.k, "budget": self.budget,
+        # what LangChain's answer cache keys on: everything that changes an answer
+        source = {"cartridge": self.cartridge.fingerprint} if self.cartridge is not None else {
+            "store": str(self.store.root), "cartridges": self.cartridges, "k": self.k, "budget": self.budget}
+        return {"model": self._answerer.model.name, **source,
                 "runtime": self.runtime if isinstance(self.runtime, str) else type(self.runtime).__name__,
-                "max_tokens": self.max_tokens, "temperature": self.temperature}
+                "runtime_options": self.runtime_options, "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
@@ -97,7 +101,7 @@ class ChatCartridges(BaseChatModel):
                "temperature": kwargs.pop("temperature", self.temperature), "top_p": kwargs.pop("top_p", self.top_p),
                "seed": kwargs.pop("seed", self.seed), "stop": tuple(stop or ())}
         if kwargs:
-            raise CartridgesInvalidRequestError(f"Unknown setting(s) {sorted(kwargs)} for ChatCartridges; it takes "
+            raise invalid_request(f"Unknown setting(s) {sorted(kwargs)} for ChatCartridges; it takes "
                                                 "cartridges, max_tokens, temperature, top_p and seed.")
         question = last_user_text(turns) if self.store is not None and not named else ""
         return turns, self._answerer.choose(question, named), gen
@@ -106,14 +110,14 @@ class ChatCartridges(BaseChatModel):
 def _turn(message: BaseMessage) -> dict[str, str]:
     role = ROLES.get(message.type) or (message.role if message.type == "chat" else None)
     if role not in ("user", "assistant", "system"):
-        raise CartridgesInvalidRequestError(
+        raise invalid_request(
             f"A {type(message).__name__} (type {message.type!r}) cannot be sent to a cartridge; send system, human "
             "and AI messages (tool calls are not supported).")
     if isinstance(message.content, str):
         return {"role": role, "content": message.content}
     parts = [p if isinstance(p, str) else p.get("text") if p.get("type") == "text" else None for p in message.content]
     if any(p is None for p in parts):
-        raise CartridgesInvalidRequestError("Only text content can be sent to a cartridge; this message has "
+        raise invalid_request("Only text content can be sent to a cartridge; this message has "
                                             f"{[p.get('type') for p in message.content if isinstance(p, dict)]}.")
     return {"role": role, "content": "".join(parts)}
 
@@ -126,7 +130,7 @@ def _names(given: Any) -> list[str] | None:
         given = [given]
     names = [g.metadata.get("cartridge") if isinstance(g, Document) else g for g in given]
     if not names or not all(isinstance(n, str) and n for n in names):
-        raise CartridgesInvalidRequestError(f"cartridges={given!r:.120} must be store names or documents from "
+        raise invalid_request(f"cartridges={given!r:.120} must be store names or documents from "
                                             "CartridgeRetriever (with metadata['cartridge']).")
     return names
 

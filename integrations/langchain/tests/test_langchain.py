@@ -12,9 +12,11 @@ from langchain_core.exceptions import ModelInvalidRequestError, ModelNotFoundErr
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
 
-from cartridges_langchain import CartridgeRetriever, ChatCartridges
+from cartridges_langchain import CartridgeRetriever, ChatCartridges, langchain_class
+from cartridges_langchain.errors import as_langchain
 from cartridges_sdk import Cartridge, CartridgeStore
-from cartridges_sdk.errors import ConfigError, NotInStoreError
+from cartridges_sdk.errors import (ConfigError, IncompatibleCartridgeError, NotInStoreError, RateLimitedError,
+                                   TransientBackendError)
 from cartridges_sdk.testing.fixtures import lm  # noqa: F401  (the embedded model, one per module)
 
 HARROW = (Path(__file__).parents[3] / "examples" / "data" / "harrow_point.txt").read_text("utf-8")
@@ -54,6 +56,22 @@ def test_invoke_stream_and_async_give_the_sdks_answer_and_name_the_cartridges(st
     assert llm.invoke(turns).response_metadata["cartridges"] == ["harrow"]
 
 
+def test_concurrent_calls_share_the_engine_and_keep_their_answers(store):
+    # batch runs calls on a thread pool, async forms in worker threads: each answer is still its own
+    llm = ChatCartridges(store=store, max_tokens=8)
+    questions = [QUESTION, "Who built the lighthouse?", "How many cats does the shelter keep?", "How tall is it?"]
+    alone = [llm.invoke(q).content for q in questions]
+    assert [m.content for m in llm.batch(questions)] == alone
+
+    async def together():
+        async def streamed(q):
+            return "".join([c.content async for c in llm.astream(q)])
+        return await asyncio.gather(*(streamed(q) if i % 2 else llm.ainvoke(q) for i, q in enumerate(questions)))
+
+    got = asyncio.run(together())
+    assert [g if isinstance(g, str) else g.content for g in got] == alone
+
+
 def test_the_retriever_names_the_cartridges_and_a_chain_answers_with_them(store):
     docs = CartridgeRetriever(store=store, k=2).invoke("How many cats does the shelter keep?")
     assert [d.metadata["cartridge"] for d in docs] == ["cats"]  # the lighthouse shares no word with it
@@ -83,6 +101,11 @@ def test_errors_are_langchains_and_the_sdks(store):
         llm.invoke([HumanMessage(QUESTION), ToolMessage("42", tool_call_id="t1")])
     with pytest.raises(ModelInvalidRequestError, match="Unknown setting"):
         llm.invoke(QUESTION, frequency_penalty=1.0)
+    # every SDK error is LangChain's class and its own exact class, attributes kept
+    busy = as_langchain(RateLimitedError("busy", retry_after=2.5))
+    assert isinstance(busy, RateLimitedError) and isinstance(busy, TransientBackendError) and busy.retry_after == 2.5
+    assert busy.is_retryable and str(busy) == "busy"
+    assert issubclass(langchain_class(IncompatibleCartridgeError), (IncompatibleCartridgeError, ModelInvalidRequestError))
     # a bad setting is refused where the model is made, as pydantic's ValidationError (a ValueError) says
     with pytest.raises(ValueError, match="exactly one of cartridge"):
         ChatCartridges()

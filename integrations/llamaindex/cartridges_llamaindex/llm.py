@@ -60,56 +60,61 @@ class CartridgeLLM(CustomLLM):
     # -- chat ------------------------------------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        turns, chosen, gen = self._prepare([_turn(m) for m in messages], kwargs)
-        text, usage = self._answerer.answer(turns, chosen, **gen)
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), raw=_raw(chosen, usage))
+        return self._chat(messages, kwargs)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        turns, chosen, gen = self._prepare([_turn(m) for m in messages], kwargs)
-
-        def pieces() -> ChatResponseGen:
-            text = ""
-            for piece, usage in _read(self._answerer.stream(turns, chosen, **gen)):
-                text += piece
-                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=piece,
-                                   raw=_raw(chosen, usage) if usage else None)
-        return pieces()
+        return self._stream([_turn(m) for m in messages], kwargs, _chat_piece)
 
     # -- completion: the prompt as one user turn --------------------------------------------------------------
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._complete(prompt, kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._stream([{"role": "user", "content": prompt}], kwargs, _completion_piece)
+
+    # -- async: routing and the engine run in worker threads, so an event loop keeps serving while it decodes --
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await asyncio.to_thread(self._chat, messages, kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await asyncio.to_thread(self._complete, prompt, kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        turns = [_turn(m) for m in messages]
+        return in_thread(await asyncio.to_thread(self._stream, turns, kwargs, _chat_piece))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        turns = [{"role": "user", "content": prompt}]
+        return in_thread(await asyncio.to_thread(self._stream, turns, kwargs, _completion_piece))
+
+    # -- the work, without LlamaIndex's callback events (the public methods above send them once) -------------
+    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
+        turns, chosen, gen = self._prepare([_turn(m) for m in messages], kwargs)
+        text, usage = self._answerer.answer(turns, chosen, **gen)
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), raw=_raw(chosen, usage))
+
+    def _complete(self, prompt: str, kwargs: dict[str, Any]) -> CompletionResponse:
         turns, chosen, gen = self._prepare([{"role": "user", "content": prompt}], kwargs)
         text, usage = self._answerer.answer(turns, chosen, **gen)
         return CompletionResponse(text=text, raw=_raw(chosen, usage))
 
-    @llm_completion_callback()
-    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        turns, chosen, gen = self._prepare([{"role": "user", "content": prompt}], kwargs)
+    def _stream(self, turns: list[dict[str, str]], kwargs: dict[str, Any], make: Any) -> Any:
+        """Route and check now (errors surface at the call); generate as the caller reads."""
+        turns, chosen, gen = self._prepare(turns, kwargs)
 
-        def pieces() -> CompletionResponseGen:
+        def pieces():
             text = ""
             for piece, usage in _read(self._answerer.stream(turns, chosen, **gen)):
                 text += piece
-                yield CompletionResponse(text=text, delta=piece, raw=_raw(chosen, usage) if usage else None)
+                yield make(text, piece, _raw(chosen, usage) if usage else None)
         return pieces()
-
-    # -- async: the engine runs in a worker thread, so an event loop keeps serving while it decodes -----------
-    @llm_chat_callback()
-    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await asyncio.to_thread(self.chat, messages, **kwargs)
-
-    @llm_completion_callback()
-    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
-
-    @llm_chat_callback()
-    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return _in_thread(self.stream_chat(messages, **kwargs))
-
-    @llm_completion_callback()
-    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        return _in_thread(self.stream_complete(prompt, formatted, **kwargs))
 
     def _prepare(self, turns: list[dict[str, str]], kwargs: dict[str, Any]) -> tuple[list, list[Chosen], dict]:
         named = kwargs.pop("cartridges", None)
@@ -141,7 +146,15 @@ def _read(pieces):
             return
 
 
-async def _in_thread(gen):
+def _chat_piece(text: str, delta: str, raw: dict | None) -> ChatResponse:
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta, raw=raw)
+
+
+def _completion_piece(text: str, delta: str, raw: dict | None) -> CompletionResponse:
+    return CompletionResponse(text=text, delta=delta, raw=raw)
+
+
+async def in_thread(gen):
     """A sync generator read in a worker thread, one item at a time, as an async generator."""
     end = object()
     while (item := await asyncio.to_thread(next, gen, end)) is not end:

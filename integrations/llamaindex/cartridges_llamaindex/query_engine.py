@@ -7,11 +7,13 @@ import asyncio
 from typing import Any
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
-from llama_index.core.base.response.schema import RESPONSE_TYPE, Response, StreamingResponse
+from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from cartridges_sdk.serve.answering import Answerer
+
+from .llm import in_thread
 
 
 class CartridgeQueryEngine(BaseQueryEngine):
@@ -44,4 +46,8 @@ class CartridgeQueryEngine(BaseQueryEngine):
                                   "completion_tokens": usage.completion_tokens})
 
     async def _aquery(self, query_bundle: QueryBundle) -> RESPONSE_TYPE:
-        return await asyncio.to_thread(self._query, query_bundle)
+        response = await asyncio.to_thread(self._query, query_bundle)
+        if isinstance(response, StreamingResponse):  # read in worker threads, as LlamaIndex's async streams are
+            return AsyncStreamingResponse(response_gen=in_thread(response.response_gen),
+                                          source_nodes=response.source_nodes, metadata=response.metadata)
+        return response

@@ -62,6 +62,12 @@ def test_query_engine_answers_with_routed_cartridges_and_shows_them_as_sources(s
     assert "".join(streaming.response_gen) == expected
     assert asyncio.run(engine.aquery(QUESTION)).response == expected
 
+    async def streamed():  # an async query with streaming=True streams asynchronously, as LlamaIndex's own engines do
+        response = await CartridgeQueryEngine(store, streaming=True, max_tokens=10).aquery(QUESTION)
+        return [piece async for piece in response.async_response_gen()]
+
+    assert "".join(asyncio.run(streamed())) == expected
+
 
 def test_errors_name_the_problem(store):
     llm = CartridgeLLM(store=store, max_tokens=4)
