@@ -133,7 +133,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
         "kl": {m: round(mean([r["kl"][m] for r in rows]), 4) for m in used},
         "mc_accuracy": {m: round(mean([r["likeliest_right"][m] for r in mc]), 3) for m in used} if mc else None,
         "routed_right": {k: round(mean([r["routed_right"][k] for r in rows]), 3) for k in stores},
-        "build_seconds": {k: round(v, 1) if v is not None else None for k, v in build.items()},
+        "build_seconds": {k: round(v, 3) if v is not None else None for k, v in build.items()},
         "rows": rows,
     }
 
