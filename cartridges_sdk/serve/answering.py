@@ -18,6 +18,7 @@ from ..requests import Completion, GenerationParams, GenerationRequest, Message
 from .store import CartridgeStore
 from .sync import document_record
 
+CALL_SETTINGS = ("max_tokens", "temperature", "top_p", "seed")  # what a framework call may set, by OpenAI's names
 PREVIEW_CHARS = 400  # how much of a routed cartridge's corpus a retriever shows as the document's text
 # one lock per engine: frameworks call from thread pools (LangChain's batch, async forms in worker threads), and an
 # engine need not be thread-safe (docs/writing-a-backend.md). A stream takes it for each step only, so streams and
@@ -131,6 +132,18 @@ class Answerer:
             preview = _opening(_head(corpus) if corpus is not None else None)
             out.append(Chosen(name, cartridge, score, record.get("sha256"), preview, record.get("origin")))
         return out
+
+    def plan(self, turns: Sequence[Message], names: Sequence[str] | None, call: dict[str, Any],
+             defaults: dict[str, Any], stop: Sequence[str] = ()) -> tuple[list[Chosen], dict[str, Any]]:
+        """The cartridges for a conversation (`names`, else routed by its last user turn) and its generation
+        settings: a call's own `call` keyword arguments (of `CALL_SETTINGS`) over the integration's `defaults`."""
+        unknown = sorted(set(call) - set(CALL_SETTINGS))
+        if unknown:
+            raise ConfigError(f"Unknown setting(s) {unknown}; a call takes cartridges and {', '.join(CALL_SETTINGS)}.")
+        merged = {**defaults, **call}
+        gen = {"max_new_tokens" if k == "max_tokens" else k: merged[k] for k in CALL_SETTINGS if k in merged}
+        question = last_user_text(turns) if self.store is not None and not names else ""
+        return self.choose(question, names), {**gen, "stop": tuple(stop)}
 
     def request(self, messages: Sequence[Message], chosen: Sequence[Chosen], **gen: Any) -> GenerationRequest:
         if not messages:

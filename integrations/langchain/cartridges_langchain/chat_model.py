@@ -13,7 +13,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, PrivateAttr, model_validator
 
-from cartridges_sdk.serve.answering import Answerer, Chosen, Usage, last_user_text
+from cartridges_sdk.serve.answering import Answerer, Chosen, Usage
 
 from .errors import invalid_request, langchain_errors
 
@@ -97,14 +97,9 @@ class ChatCartridges(BaseChatModel):
                  kwargs: dict[str, Any]) -> tuple[list[dict[str, str]], list[Chosen], dict[str, Any]]:
         turns = [_turn(m) for m in messages]
         named = _names(kwargs.pop("cartridges", None))
-        gen = {"max_new_tokens": kwargs.pop("max_tokens", self.max_tokens),
-               "temperature": kwargs.pop("temperature", self.temperature), "top_p": kwargs.pop("top_p", self.top_p),
-               "seed": kwargs.pop("seed", self.seed), "stop": tuple(stop or ())}
-        if kwargs:
-            raise invalid_request(f"Unknown setting(s) {sorted(kwargs)} for ChatCartridges; it takes "
-                                                "cartridges, max_tokens, temperature, top_p and seed.")
-        question = last_user_text(turns) if self.store is not None and not named else ""
-        return turns, self._answerer.choose(question, named), gen
+        defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                    "seed": self.seed}
+        return (turns, *self._answerer.plan(turns, named, kwargs, defaults, stop or ()))
 
 
 def _turn(message: BaseMessage) -> dict[str, str]:

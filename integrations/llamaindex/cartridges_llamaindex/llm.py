@@ -15,7 +15,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from cartridges_sdk.errors import ConfigError
-from cartridges_sdk.serve.answering import Answerer, Chosen, Usage, last_user_text
+from cartridges_sdk.serve.answering import Answerer, Chosen, Usage
 
 ROLES = {MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant", MessageRole.SYSTEM: "system"}
 
@@ -118,14 +118,9 @@ class CartridgeLLM(CustomLLM):
 
     def _prepare(self, turns: list[dict[str, str]], kwargs: dict[str, Any]) -> tuple[list, list[Chosen], dict]:
         named = kwargs.pop("cartridges", None)
-        gen = {"max_new_tokens": kwargs.pop("max_tokens", self.max_tokens),
-               "temperature": kwargs.pop("temperature", self.temperature), "top_p": kwargs.pop("top_p", self.top_p),
-               "seed": kwargs.pop("seed", self.seed)}
-        if kwargs:
-            raise ConfigError(f"Unknown setting(s) {sorted(kwargs)} for CartridgeLLM; it takes cartridges, max_tokens, "
-                              "temperature, top_p and seed.")
-        question = last_user_text(turns) if self.store is not None and not named else ""
-        return turns, self._answerer.choose(question, named), gen
+        defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                    "seed": self.seed}
+        return (turns, *self._answerer.plan(turns, named, kwargs, defaults))
 
 
 def _turn(message: ChatMessage) -> dict[str, str]:
