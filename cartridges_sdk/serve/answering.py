@@ -8,11 +8,13 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Generator, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from ..cartridge import Cartridge
+from ..checks import at_least_one
 from ..errors import ConfigError
 from ..requests import Completion, GenerationParams, GenerationRequest, Message
 from .store import CartridgeStore
@@ -56,8 +58,12 @@ class Chosen:
     cartridge: Cartridge
     score: float | None = None
     version: str | None = None
-    preview: str = ""
     origin: str | None = None
+    corpus: Path | None = None  # its corpus text, read for `preview` only when a framework shows one
+
+    @property
+    def preview(self) -> str:
+        return _opening(_head(self.corpus) if self.corpus is not None else None)
 
     def metadata(self) -> dict[str, Any]:
         """What a framework's document or source node carries, JSON-ready."""
@@ -75,11 +81,6 @@ class Usage:
     finish_reason: str
 
 
-def _positive(_inst: Any, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ConfigError(f"{attribute.name}={value!r} must be a positive int.")
-
-
 @attrs.frozen
 class Answerer:
     """Answers chat turns with `cartridge`, or with `store`'s cartridges: `names` when given, else the best `k` for
@@ -87,8 +88,8 @@ class Answerer:
 
     cartridge: Cartridge | None = None
     store: CartridgeStore | None = None
-    k: int = attrs.field(default=1, validator=_positive)
-    budget: int | None = attrs.field(default=None, validator=_positive)
+    k: int = attrs.field(default=1, validator=at_least_one)
+    budget: int | None = attrs.field(default=None, validator=attrs.validators.optional(at_least_one))
     names: tuple[str, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
     runtime: Any = "hf"
     runtime_options: dict[str, Any] | None = None
@@ -128,9 +129,8 @@ class Answerer:
         for name, score in routes:
             cartridge = self.store.get(name)
             record = document_record(cartridge) or {}
-            corpus = self.store.corpus_path(name)
-            preview = _opening(_head(corpus) if corpus is not None else None)
-            out.append(Chosen(name, cartridge, score, record.get("sha256"), preview, record.get("origin")))
+            out.append(Chosen(name, cartridge, score, record.get("sha256"), record.get("origin"),
+                              self.store.corpus_path(name)))
         return out
 
     def plan(self, turns: Sequence[Message], names: Sequence[str] | None, call: dict[str, Any],
@@ -183,7 +183,7 @@ def last_user_text(messages: Sequence[Message]) -> str:
     raise ConfigError("The conversation has no user message to route by; end it with the user's question.")
 
 
-def _head(path: Any) -> str:
+def _head(path: Path) -> str:
     """The start of a corpus file: enough for a preview, without reading a whole document per question."""
     with open(path, encoding="utf-8", errors="replace") as f:
         return f.read(PREVIEW_CHARS * 2)

@@ -109,7 +109,7 @@ def test_errors_are_langchains_and_the_sdks(store):
     # a bad setting is refused where the model is made, as pydantic's ValidationError (a ValueError) says
     with pytest.raises(ValueError, match="exactly one of cartridge"):
         ChatCartridges()
-    with pytest.raises(ValueError, match="k=0 must be a positive int"):
+    with pytest.raises(ValueError, match="k=0 must be >= 1"):
         CartridgeRetriever(store=store, k=0)
 
 
