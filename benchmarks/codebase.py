@@ -34,7 +34,7 @@ from pathlib import Path
 import attrs
 
 from cartridges_sdk import CartridgeStore, SyncConfig, load_model
-from cartridges_sdk.build.evaluation import answer_logprobs, nll
+from cartridges_sdk.making.evaluation import answer_logprobs, nll
 
 from . import provenance
 from .measure import kv_bytes_per_token

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, load_model
-from cartridges_sdk.build.compaction import CompactionConfig
-from cartridges_sdk.build.evaluation import answer_logprobs, kl, nll
+from cartridges_sdk.making.compaction import CompactionConfig
+from cartridges_sdk.making.evaluation import answer_logprobs, kl, nll
 
 from . import provenance
 from .data import DEFAULT_DATA

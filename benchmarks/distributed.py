@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from cartridges_sdk.build.dataset import SelfStudyDataset
+from cartridges_sdk.making.dataset import SelfStudyDataset
 from cartridges_sdk.files import atomic_write_json
 
 from . import provenance

@@ -69,7 +69,7 @@ def register_builtins() -> None:
 
     for registry, name, target in ((runtimes, "hf", "cartridges_sdk.hf:HFRuntime"),
                                    (synthesizers, "hf", "cartridges_sdk.hf:HFSynthesizer"),
-                                   (trainers, "torch", "cartridges_sdk.build.training:TorchTrainer")):
+                                   (trainers, "torch", "cartridges_sdk.making.training:TorchTrainer")):
         if name not in registry.names():
             log(f"registering the built-in {registry.kind} {name!r} ({target}): cartridges-sdk is not pip-installed here")
             registry.register(name, target)
@@ -404,8 +404,8 @@ def profile_decode(lm: LM, shapes: list[tuple[int, int]], new_tokens: int, out_d
 def selfstudy(lm: LM, text: str, tokens: int, windows: int, conversations: int, per_chunk: int) -> dict[str, Any]:
     """Training's useful FLOP/s against the measured bf16 matmul peak, and synthesis tokens/s against the raw batched
     decode of the same model (as benchmarks.efficiency does on a CPU)."""
-    from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
-    from cartridges_sdk.build.training import TrainConfig
+    from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
+    from cartridges_sdk.making.training import TrainConfig
     from cartridges_sdk.kv import decoding_kernels
     from cartridges_sdk.plugins import synthesizers, trainers
 

@@ -19,10 +19,10 @@ from tqdm.auto import tqdm
 
 from cartridges_sdk import Cartridge
 from cartridges_sdk.errors import ConfigError
-from cartridges_sdk.build.evaluation import answer_logprobs, choose, kl, nll
+from cartridges_sdk.making.evaluation import answer_logprobs, choose, kl, nll
 from cartridges_sdk.kv import decoding_kernels, prefix_cache
 from cartridges_sdk.lm import LM
-from cartridges_sdk.build.synthesis import SynthesisConfig
+from cartridges_sdk.making.synthesis import SynthesisConfig
 
 from .data import Question
 

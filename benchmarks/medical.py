@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, CartridgeStore, SyncConfig, load_model
-from cartridges_sdk.build.evaluation import answer_logprobs, nll
+from cartridges_sdk.making.evaluation import answer_logprobs, nll
 
 from . import provenance
 from .codebase import rag_context

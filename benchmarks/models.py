@@ -28,7 +28,7 @@ def child(name: str, cache: Path, dtype: str, prefill: int, decode: int) -> dict
     import torch
 
     from cartridges_sdk import Cartridge, load_model
-    from cartridges_sdk.build.memory import process_memory_mb
+    from cartridges_sdk.making.memory import process_memory_mb
 
     from .measure import decode_throughput
 

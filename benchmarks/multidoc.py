@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, load_model
-from cartridges_sdk.build.evaluation import answer_logprobs, nll
+from cartridges_sdk.making.evaluation import answer_logprobs, nll
 
 from . import provenance
 from .data import DEFAULT_DATA, load_corpora

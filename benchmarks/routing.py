@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from cartridges_sdk import Cartridge, CartridgeStore, load_model
 from cartridges_sdk.errors import ConfigError
-from cartridges_sdk.build.evaluation import answer_logprobs, nll
+from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.lm import LM
 

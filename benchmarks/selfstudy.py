@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.cli.common import parse_settings
-from cartridges_sdk.build.evaluation import score
+from cartridges_sdk.making.evaluation import score
 
 from . import provenance
 from .data import DEFAULT_DATA

@@ -13,7 +13,7 @@ questions whose document fits the context beside them.
 
 ``self-studied``: the same curve for a few documents' self-studied cartridges (against their compacted ones), each
 among the same k - 1 random compacted others; with ``--distractors N``, also for the same documents self-studied
-among up to N of the store's other cartridges (composition-aware training, build/distractors.py).
+among up to N of the store's other cartridges (composition-aware training, making/distractors.py).
 
 ``pairs``: two QASPER papers in one budget: one cartridge of their concatenation, against the two papers'
 half-size cartridges composed, and against each question routed to its paper's cartridge; closure against the pair
@@ -44,10 +44,10 @@ import time
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, load_model
-from cartridges_sdk.build.evaluation import answer_logprobs, nll
+from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.cli.common import parse_settings
 from cartridges_sdk.serve.store import CartridgeStore
-from cartridges_sdk.build.compaction import CompactionConfig
+from cartridges_sdk.making.compaction import CompactionConfig
 from cartridges_sdk.serve.sync import SyncConfig
 
 from . import provenance

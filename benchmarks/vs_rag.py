@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from cartridges_sdk import Cartridge, CartridgeStore, SyncConfig, load_model
-from cartridges_sdk.build.evaluation import answer_logprobs, nll
+from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.kv import prefix_cache
 

@@ -4,8 +4,8 @@ The public API: what is imported here is promised to stay. Backends also use `ca
 layers are drawn in docs/architecture.md.
 """
 
-from .build.compaction import CompactionConfig
-from .build.corpus import Corpus, Document
+from .making.compaction import CompactionConfig
+from .making.corpus import Corpus, Document
 from .cartridge import Cartridge
 from .errors import (
     BackendError,

@@ -206,11 +206,11 @@ class Cartridge:
 
         Per layer and KV head it keeps the attention sink and the keys the corpus's own queries (and those of a few
         probe questions about it) attend to most, and refits their values so attention outputs match the whole
-        corpus's (`cartridges_sdk.build.compaction`). At ``num_tokens`` = the corpus length it equals `from_prefix`.
+        corpus's (`cartridges_sdk.making.compaction`). At ``num_tokens`` = the corpus length it equals `from_prefix`.
         A corpus longer than the model's context is compacted per chunk and composed. `corpus` is a text, a path,
         a `Corpus` or token ids; `config` a `CompactionConfig`.
         """
-        from .build.compaction import compact_corpus  # the facade: the build layer, imported here (docs/architecture.md)
+        from .making.compaction import compact_corpus  # the facade: the making layer, imported here (docs/architecture.md)
 
         return compact_corpus(lm, corpus, num_tokens, num_frozen=num_frozen, config=config, progress=progress)
 
@@ -241,8 +241,8 @@ class Cartridge:
 
     @classmethod
     def from_corpus(cls, corpus: Any, model: Any = None, **settings: Any) -> Cartridge:
-        """Train a cartridge on `corpus` by self-study; see `cartridges_sdk.build.selfstudy.build_cartridge` for settings."""
-        from .build.selfstudy import build_cartridge  # the facade: the build layer, imported here (docs/architecture.md)
+        """Train a cartridge on `corpus` by self-study; see `cartridges_sdk.making.selfstudy.build_cartridge` for settings."""
+        from .making.selfstudy import build_cartridge  # the facade: the making layer, imported here (docs/architecture.md)
 
         return build_cartridge(corpus, model, **settings)
 

@@ -47,7 +47,7 @@ class TrainerCapabilities:
     # rank 0 made (`cartridges self-study --nproc N` needs it)
     distributed: bool = False
     # `fit(distractors=[...])`: it trains the cartridge among frozen cartridges of other documents
-    # (build/distractors.py); the SDK refuses distractors for a trainer without it
+    # (making/distractors.py); the SDK refuses distractors for a trainer without it
     distractors: bool = False
 
 
@@ -258,7 +258,7 @@ class Trainer(Backend):
         self, init: Cartridge, dataset: Any, model: LM, config: Any = None, *,
         output_dir: Any = None, progress: bool = True, distractors: Any = (),
     ) -> Cartridge:
-        """Train `init` (bound to `model`) on `dataset` with `config` (a `cartridges_sdk.build.training.TrainConfig`,
+        """Train `init` (bound to `model`) on `dataset` with `config` (a `cartridges_sdk.making.training.TrainConfig`,
         or None for its defaults); with `output_dir`, checkpoint there and resume from it. A trainer whose
         capabilities say ``distractors`` trains among `distractors` (cartridges of other documents); the SDK passes
         them to no other."""

@@ -22,7 +22,7 @@ from conftest import TEXT
 from test_training import _conversations
 
 from cartridges_sdk import Cartridge, testing
-from cartridges_sdk.build.training import TorchTrainer, TrainConfig
+from cartridges_sdk.making.training import TorchTrainer, TrainConfig
 
 
 def config(grad_accum: int, **changes: int) -> TrainConfig:

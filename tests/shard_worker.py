@@ -16,7 +16,7 @@ from test_synthesis import SHARDED, _config
 
 from cartridges_sdk import testing
 from cartridges_sdk.hf import HFSynthesizer
-from cartridges_sdk.build.synthesis import synthesize
+from cartridges_sdk.making.synthesis import synthesize
 
 if __name__ == "__main__":
     folder, mode = Path(sys.argv[1]), sys.argv[2]

@@ -279,7 +279,7 @@ def test_codebase_benchmark_on_a_tiny_model(tmp_path, tiny_llama):
 def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     from benchmarks import vs_rag
     from benchmarks.rag import Retriever, passages
-    from cartridges_sdk.build.evaluation import answer_logprobs, nll
+    from cartridges_sdk.making.evaluation import answer_logprobs, nll
 
     lm = tiny_llama
     half = len(TEXT) // 2

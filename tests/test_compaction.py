@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cartridges_sdk import Cartridge, load_model
-from cartridges_sdk.build.compaction import CompactionConfig, attention_error
+from cartridges_sdk.making.compaction import CompactionConfig, attention_error
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.testing import tiny_lm as make_tiny_lm
 
@@ -123,7 +123,7 @@ def test_compacted_beats_the_first_tokens_on_held_out_questions(default_lm):
     import json
     from pathlib import Path
 
-    from cartridges_sdk.build.evaluation import score
+    from cartridges_sdk.making.evaluation import score
 
     spec = json.loads((Path(__file__).parent / "data" / "harrow_point_qa.json").read_text())
     qa = [tuple(pair) for pair in spec["qa"]]
@@ -148,7 +148,7 @@ def test_token_ids_may_come_as_a_tensor(tiny_llama):
 def test_chunk_shares_add_up_and_follow_the_lengths():
     import random
 
-    from cartridges_sdk.build.compaction import _shares, _split
+    from cartridges_sdk.making.compaction import _shares, _split
 
     rng = random.Random(0)
     for _ in range(500):
@@ -164,7 +164,7 @@ def test_chunk_shares_add_up_and_follow_the_lengths():
 
 
 def test_the_attention_function_is_restored_after_an_error(tiny_llama):
-    from cartridges_sdk.build.compaction import _recording
+    from cartridges_sdk.making.compaction import _recording
 
     before = tiny_llama.model.config._attn_implementation
     with pytest.raises(KeyError):
@@ -179,7 +179,7 @@ def test_the_attention_function_is_restored_after_an_error(tiny_llama):
 @pytest.mark.parametrize("select", ["max", "mean"])
 def test_the_fit_reads_queries_in_blocks_without_changing_the_result(monkeypatch, select):
     """Blocks bound the fit's memory on long chunks; they must not change what is kept or fitted."""
-    from cartridges_sdk.build import compaction
+    from cartridges_sdk.making import compaction
 
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(2, 300, 8, generator=g), torch.randn(2, 300, 8, generator=g)
@@ -196,7 +196,7 @@ def test_another_thread_answers_as_usual_while_compaction_records(tiny_llama):
     """A server thread answering while a watcher compacts (serve --watch) gets the model's own attention."""
     import threading
 
-    from cartridges_sdk.build import compaction
+    from cartridges_sdk.making import compaction
 
     x = torch.tensor([tiny_llama.encode("The keeper rowed out at dawn.")])
     with torch.no_grad():

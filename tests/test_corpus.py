@@ -8,8 +8,8 @@ import warnings
 import pytest
 
 from cartridges_sdk import ConfigError
-from cartridges_sdk.build.corpus import ChunkSampler, Corpus
-from cartridges_sdk.build.seeds import GENERIC_WEIGHTS, register_seed, sample_seed, seed_kinds
+from cartridges_sdk.making.corpus import ChunkSampler, Corpus
+from cartridges_sdk.making.seeds import GENERIC_WEIGHTS, register_seed, sample_seed, seed_kinds
 
 
 def test_from_texts_and_str():

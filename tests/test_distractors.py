@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cartridges_sdk import Cartridge, ConfigError, IncompatibleCartridgeError
-from cartridges_sdk.build.distractors import Distractors, Placement, draw
-from cartridges_sdk.build.loss import student_loss
-from cartridges_sdk.build.training import TorchTrainer, TrainableCartridge, TrainConfig
+from cartridges_sdk.making.distractors import Distractors, Placement, draw
+from cartridges_sdk.making.loss import student_loss
+from cartridges_sdk.making.training import TorchTrainer, TrainableCartridge, TrainConfig
 from cartridges_sdk.serve.store import CartridgeStore
 from cartridges_sdk.serve.sync import SyncConfig
 

@@ -19,8 +19,8 @@ from conftest import TEXT
 from ddp_worker import config, data, others
 
 from cartridges_sdk import Cartridge, ConfigError
-from cartridges_sdk.build.dataset import SelfStudyDataset
-from cartridges_sdk.build.training import TorchTrainer
+from cartridges_sdk.making.dataset import SelfStudyDataset
+from cartridges_sdk.making.training import TorchTrainer
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
 
@@ -209,7 +209,7 @@ def test_two_ranks_synthesize_the_one_process_dataset_into_one_folder(tiny_llama
     from test_synthesis import SHARDED, _config, contents
 
     from cartridges_sdk.hf import HFSynthesizer
-    from cartridges_sdk.build.synthesis import synthesize
+    from cartridges_sdk.making.synthesis import synthesize
 
     done = share_synthesis(tmp_path, "same")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -237,7 +237,7 @@ def test_cartridges_build_nproc_2_shares_synthesis_and_training(tmp_path):
     from test_synthesis import contents
 
     from cartridges_sdk.cli import main
-    from cartridges_sdk.build.dataset import SelfStudyDataset
+    from cartridges_sdk.making.dataset import SelfStudyDataset
 
     common = ["build", str(DATA / "harrow_point.txt"), "--tokens", "16", "--init", "prefix", "--epochs", "2",
               "--conversations", "8", *TINY, "--set", "batch_tokens=256"]

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from cartridges_sdk import ConfigError, Corpus
-from cartridges_sdk.build.dataset import CORPUS_TEXT, SelfStudyDataset
+from cartridges_sdk.making.dataset import CORPUS_TEXT, SelfStudyDataset
 from cartridges_sdk.errors import CartridgeFormatError
 from cartridges_sdk.hf import HFSynthesizer
-from cartridges_sdk.build.selfstudy import train_cartridge
-from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.making.selfstudy import train_cartridge
+from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
 
 from conftest import TEXT
 

@@ -2,7 +2,7 @@
 
 Every module is placed in ORDER, lowest first. A module imports, at run time (at import or inside a function),
 only modules placed before it; a type-checking-only import may name its own layer or a lower one (annotations of
-the nouns name each other). The one way up is the facade: Cartridge's constructors that need the build layer.
+the nouns name each other). The one way up is the facade: Cartridge's constructors that need the making layer.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ LAYERS = {
     # the built-in backend, a plugin like any other (it imports the kit alone)
     "hf": ["hf.decode", "hf.runtime", "hf.synthesizer", "hf"],
     # making cartridges: corpus -> seeds -> synthesis -> dataset -> training (or compaction)
-    "build": ["build.corpus", "build.dataset", "build.seeds", "build.distributed", "build.conversations",
-              "build.windows", "build.synthesis", "build.memory", "build.distractors", "build.checkpoint",
-              "build.loss", "build.training", "build.compaction", "build.evaluation", "build.selfstudy", "build"],
+    "making": ["making.corpus", "making.dataset", "making.seeds", "making.distributed", "making.conversations",
+              "making.windows", "making.synthesis", "making.memory", "making.distractors", "making.checkpoint",
+              "making.loss", "making.training", "making.compaction", "making.evaluation", "making.selfstudy", "making"],
     # serving them
     "serve": ["serve.background", "serve.words", "serve.documents", "serve.sync", "serve.store", "serve.answering",
               "serve.watch", "serve.guard", "serve.access", "serve.audit", "serve.parse", "serve.engine", "serve.server", "serve.mcp_tool", "serve"],
@@ -36,9 +36,9 @@ LAYERS = {
 ORDER = [m for group in LAYERS.values() for m in group]
 LAYER_OF = {m: name for name, group in LAYERS.items() for m in group}
 RANK = {name: i for i, name in enumerate(LAYERS)}
-# the facade (docs/architecture.md): Cartridge.from_corpus and Cartridge.compact hand off to the build
+# the facade (docs/architecture.md): Cartridge.from_corpus and Cartridge.compact hand off to the making
 # layer, imported inside the method, so `Cartridge` is the one front door and cartridge.py depends on nothing above
-FACADE = {("cartridge", "build.selfstudy"), ("cartridge", "build.compaction")}
+FACADE = {("cartridge", "making.selfstudy"), ("cartridge", "making.compaction")}
 
 
 def _modules() -> dict[str, Path]:
@@ -178,9 +178,9 @@ def test_the_architecture_page_and_the_readme_draw_these_layers():
     page = (ROOT / "docs" / "architecture.md").read_text()
     readme = (ROOT / "README.md").read_text()
     layout = readme[readme.index("## Layout"):readme.index("## Tests")]
-    for folder in ("hf/", "build/", "serve/", "testing/"):
+    for folder in ("hf/", "making/", "serve/", "testing/"):
         assert folder in page and folder in layout, f"{folder} is missing from docs/architecture.md or the README"
     for module in LAYERS["core"]:
         assert module in page, f"docs/architecture.md does not place the core module {module}"
-    for module in [m.rpartition(".")[2] for m in LAYERS["build"] + LAYERS["serve"] if "." in m]:
+    for module in [m.rpartition(".")[2] for m in LAYERS["making"] + LAYERS["serve"] if "." in m]:
         assert module in page, f"docs/architecture.md does not name {module}"

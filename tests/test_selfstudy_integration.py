@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cartridges_sdk import Cartridge
-from cartridges_sdk.build.evaluation import score
+from cartridges_sdk.making.evaluation import score
 
 ROOT = Path(__file__).parent.parent
 SPEC = json.loads((Path(__file__).parent / "data" / "harrow_point_qa.json").read_text())

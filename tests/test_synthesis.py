@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from cartridges_sdk import Completion, ConfigError, Synthesizer, SynthesizerCapabilities
-from cartridges_sdk.build.dataset import ROLE_ASSISTANT, SelfStudyDataset, Shard, merge
+from cartridges_sdk.making.dataset import ROLE_ASSISTANT, SelfStudyDataset, Shard, merge
 from cartridges_sdk.hf import HFSynthesizer
 from cartridges_sdk.requests import SynthesisRequest
-from cartridges_sdk.build.selfstudy import train_cartridge
-from cartridges_sdk.build.conversations import teacher_prompt
-from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.making.selfstudy import train_cartridge
+from cartridges_sdk.making.conversations import teacher_prompt
+from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
 
 from conftest import TEXT
 

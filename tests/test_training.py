@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from cartridges_sdk import Cartridge, ConfigError
-from cartridges_sdk.build.dataset import Conversation
-from cartridges_sdk.build.loss import student_loss
-from cartridges_sdk.build.training import TorchTrainer, TrainableCartridge, TrainConfig, pack
+from cartridges_sdk.making.dataset import Conversation
+from cartridges_sdk.making.loss import student_loss
+from cartridges_sdk.making.training import TorchTrainer, TrainableCartridge, TrainConfig, pack
 
 from conftest import TEXT
 
@@ -166,7 +166,7 @@ def test_bad_training_settings():
 def test_chunked_output_loss_matches_autograd_of_the_plain_formula(monkeypatch, bias):
     """The output layer's loss and its gradient come chunk by chunk (the logits never exist whole); both must equal
     autograd's on the plain formula, with weights, partial teacher mass and repeated ids."""
-    from cartridges_sdk.build import loss
+    from cartridges_sdk.making import loss
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=g, dtype=torch.float64)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import models
-from ..build.corpus import Corpus, read_text
+from ..making.corpus import Corpus, read_text
 from ..errors import CartridgeError, IncompatibleCartridgeError
 from ..plugins import REGISTRIES
 

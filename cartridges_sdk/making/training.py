@@ -60,7 +60,7 @@ class TrainConfig:
     checkpoint_seconds: float = attrs.field(default=60.0, validator=positive)
     autocast_dtype: str | None = attrs.field(default=None, validator=one_of(None, "bfloat16", "float16"))
     seed: int = attrs.field(default=0, validator=optional_int)
-    # with distractor cartridges (`fit(distractors=...)`, build/distractors.py): at most this many around the
+    # with distractor cartridges (`fit(distractors=...)`, making/distractors.py): at most this many around the
     # trainable one at a step (7: compositions of up to 8), and the share of steps alone (half: docs/sync.md)
     max_distractors: int = attrs.field(default=7, validator=count)
     alone_share: float = attrs.field(default=0.5, validator=fraction)
@@ -208,7 +208,7 @@ class TorchTrainer(Trainer):
         config: TrainConfig | None = None, *, output_dir: str | os.PathLike | None = None, progress: bool = True,
         distractors: Sequence[Cartridge] = (),
     ) -> Cartridge:
-        """Train `init`, among `distractors` when given (build/distractors.py; the held-out loss is its alone)."""
+        """Train `init`, among `distractors` when given (making/distractors.py; the held-out loss is its alone)."""
         output_dir = Path(output_dir) if output_dir is not None else None
         cfg = config or TrainConfig()
         self.distractors = among(init, distractors, model, cfg.max_distractors, cfg.alone_share)
