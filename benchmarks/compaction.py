@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, load_model
-from cartridges_sdk.making.compaction import CompactionConfig
+from cartridges_sdk.making.settings import CompactionConfig
 from cartridges_sdk.making.evaluation import answer_logprobs, kl, nll
 
 from . import provenance

@@ -22,9 +22,10 @@ import torch
 from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.plugins import synthesizers, trainers
 from cartridges_sdk.making.selfstudy import work_model
-from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.making.settings import SynthesisConfig
+from cartridges_sdk.making.synthesis import synthesize
 from cartridges_sdk.making.memory import process_memory_mb
-from cartridges_sdk.making.training import TrainConfig
+from cartridges_sdk.trainer_inputs import TrainConfig
 
 from . import methods, provenance
 from .measure import matmul_peak, synthesis_yardstick

@@ -404,8 +404,9 @@ def profile_decode(lm: LM, shapes: list[tuple[int, int]], new_tokens: int, out_d
 def selfstudy(lm: LM, text: str, tokens: int, windows: int, conversations: int, per_chunk: int) -> dict[str, Any]:
     """Training's useful FLOP/s against the measured bf16 matmul peak, and synthesis tokens/s against the raw batched
     decode of the same model (as benchmarks.efficiency does on a CPU)."""
-    from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
-    from cartridges_sdk.making.training import TrainConfig
+    from cartridges_sdk.making.settings import SynthesisConfig
+    from cartridges_sdk.making.synthesis import synthesize
+    from cartridges_sdk.trainer_inputs import TrainConfig
     from cartridges_sdk.kv import decoding_kernels
     from cartridges_sdk.plugins import synthesizers, trainers
 

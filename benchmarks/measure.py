@@ -22,7 +22,7 @@ from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.making.evaluation import answer_logprobs, choose, kl, nll
 from cartridges_sdk.kv import decoding_kernels, prefix_cache
 from cartridges_sdk.lm import LM
-from cartridges_sdk.making.synthesis import SynthesisConfig
+from cartridges_sdk.making.settings import SynthesisConfig
 
 from .data import Question
 

@@ -17,13 +17,15 @@ import numpy as np
 
 from cartridges_sdk import Cartridge
 from cartridges_sdk.making.corpus import Corpus as SDKCorpus
-from cartridges_sdk.making.dataset import ROLE_ASSISTANT, ROLE_DOCUMENT, SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset
+from cartridges_sdk.making.dataset import SelfStudyDataset
 from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.lm import LM
 from cartridges_sdk.plugins import synthesizers, trainers
-from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.making.settings import SynthesisConfig
+from cartridges_sdk.making.synthesis import synthesize
 from cartridges_sdk.making.windows import window_chunk_start
-from cartridges_sdk.making.training import TrainConfig, split_eval
+from cartridges_sdk.making.training import split_eval
+from cartridges_sdk.trainer_inputs import ROLE_ASSISTANT, ROLE_DOCUMENT, SEED_KIND_DOCUMENT, Conversation, TrainConfig
 
 from .profiles import Profile
 

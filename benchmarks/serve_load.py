@@ -22,7 +22,8 @@ import numpy as np
 
 from cartridges_sdk import Cartridge, CartridgeStore, load_model
 from cartridges_sdk.files import atomic_write_json
-from cartridges_sdk.serve.server import ServeConfig, create_app
+from cartridges_sdk.serve.server import create_app
+from cartridges_sdk.serve.settings import ServeConfig
 from cartridges_sdk.serve.background import serving
 
 from . import provenance

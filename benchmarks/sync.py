@@ -47,8 +47,8 @@ from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.cli.common import parse_settings
 from cartridges_sdk.serve.store import CartridgeStore
-from cartridges_sdk.making.compaction import CompactionConfig
-from cartridges_sdk.serve.sync import SyncConfig
+from cartridges_sdk.making.settings import CompactionConfig
+from cartridges_sdk.serve.settings import SyncConfig
 
 from . import provenance
 from .data import EVALDATA, load_corpora

@@ -22,7 +22,8 @@ from cartridges_sdk import load_model
 from cartridges_sdk.cli.common import parse_settings
 from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.plugins import synthesizers
-from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.making.settings import SynthesisConfig
+from cartridges_sdk.making.synthesis import synthesize
 
 from . import provenance
 from .data import DEFAULT_DATA, load_corpora

@@ -20,13 +20,15 @@ from .checks import PATH, require
 from .errors import CartridgeFormatError, ConfigError, IncompatibleCartridgeError
 from .fileformat import FORMAT_NAME, FORMAT_VERSION, INITS  # noqa: F401  (importable from here, as before)
 from .fileformat import SHAPE_FIELDS, CartridgeMeta, read_file, write_file
+from .generation import Message
 from .identity import content_fingerprint, token_fingerprint
 from .interop import load_authors_pt, load_peft, save_peft
-from .lm import LM, Message
-from .rope import ROTATE_HALF, convert_pairing, key_layout, one_after_another, rope_inv_freq
+from .lm import LM, rope_inv_freq
+from .rope import ROTATE_HALF, convert_pairing, key_layout, one_after_another
 
 if TYPE_CHECKING:
     from .plugins import Runtime
+    from .protocols import ModelFacts
 
 class Cartridge:
     """A trained (or initial) KV prefix for one model. Bound to an `LM` (``.lm``) it can answer questions."""
@@ -112,7 +114,7 @@ class Cartridge:
         )
 
     # -- binding ---------------------------------------------------------------------------------------
-    def misfit(self, lm: LM) -> str | None:
+    def misfit(self, lm: ModelFacts) -> str | None:
         """Why this cartridge cannot run on `lm`, or None if it can: the model its metadata names must report the
         fields that shape a KV cache and agree with `lm` on every field both report, and the tensors themselves must
         have `lm`'s layers, kv heads and head dim (metadata alone is only the file's word)."""
@@ -130,7 +132,7 @@ class Cartridge:
         wrong = [f"{f}: tensors have {have[f]}, the model {want[f]}" for f in SHAPE_FIELDS if have[f] != want[f]]
         return "; ".join(wrong) or None
 
-    def check_model(self, lm: LM, whose: str = "model", what: str = "The cartridge") -> None:
+    def check_model(self, lm: ModelFacts, whose: str = "model", what: str = "The cartridge") -> None:
         """The wrong-model check, the one every loader, store, import and runtime makes: raise
         `IncompatibleCartridgeError` naming both models and why (`misfit`) when this cartridge cannot run on `lm`.
         `what` names the cartridge in the message (e.g. the file it was imported from), `whose` the model (e.g.

@@ -4,12 +4,15 @@ Every message names the bad value and says how to fix it. One class per kind of 
 
     CartridgeError                      everything the SDK raises on purpose
     ├── ConfigError (ValueError)        a setting, argument or request the SDK cannot use
-    │   └── StoreBusyError              another sync holds the store's lock (try again later)
+    │   ├── StoreBusyError              another sync holds the store's lock (try again later)
+    │   └── KeyFileError                a server's key file that cannot be read as one (serve/access.py)
     ├── ModelNotAvailableError          weights or tokenizer files not found offline
     ├── IncompatibleCartridgeError      a cartridge (or a teacher) for another model than the one it meets
     ├── CartridgeFormatError            a file that is corrupt, truncated, or not a cartridge
     ├── NotInStoreError (KeyError)      a name the store does not hold
     ├── UnsupportedModelError           the model lacks what an operation needs
+    ├── BadRequest                      a request the server refuses, with its HTTP status (serve/guard.py)
+    ├── BridgeError                     a question the MCP bridge could not get answered (serve/mcp_tool.py)
     ├── PluginError                     a backend unknown, broken, or not keeping its interface
     │   └── BackendUnavailableError     (also a BackendError) it cannot run here
     └── BackendError                    an engine failed; raised at the adapter boundary

@@ -18,6 +18,8 @@ import torch
 ARCHITECTURE_FIELDS = (
     "model_type", "num_layers", "num_kv_heads", "head_dim", "hidden_size", "vocab_size", "rope", "partial_rotary_factor",
 )
+# the `source` of the embedded default model (`load_model()` with no argument): a name, not a path or hub id
+DEFAULT_MODEL_SOURCE = "default"
 
 
 @attrs.frozen

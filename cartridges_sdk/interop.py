@@ -15,8 +15,7 @@ import torch
 from .errors import CartridgeFormatError
 from .fileformat import CartridgeMeta
 from .files import atomic_write
-from .identity import ModelIdentity
-from .models import DEFAULT_MODEL_SOURCE
+from .identity import DEFAULT_MODEL_SOURCE, ModelIdentity
 
 # a cartridge in parts: per-layer keys, per-layer values, metadata
 Parts = tuple[list[torch.Tensor], list[torch.Tensor], CartridgeMeta]

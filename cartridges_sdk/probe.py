@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from .errors import IncompatibleCartridgeError
+from .generation import Completion, SynthesisRequest
 from .lm import LM
 from .plugins import Synthesizer
-from .requests import Completion, SynthesisRequest
 
 # the same-model probe: a fixed document and question, answered greedily by the synthesizer and scored by the student
 PROBE_DOCUMENT = (

@@ -3,20 +3,18 @@
 A cartridge stores keys after RoPE. Hugging Face models rotate dimension pairs ``(i, i + rot/2)`` ("rotate half");
 other engines rotate adjacent pairs ``(2i, 2i + 1)`` ("interleaved"; e.g. llama.cpp after the HF -> GGUF conversion
 permutes Llama-family Q/K rows). Both describe the same rotation on differently ordered dimensions, so a layout
-change is a fixed permutation of each head's dimensions and loses nothing.
+change is a fixed permutation of each head's dimensions and loses nothing. A model's frequencies come from
+`lm.rope_inv_freq`, which reads its buffers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from .errors import CartridgeFormatError, UnsupportedModelError
-
-if TYPE_CHECKING:
-    from .lm import LM
+from .errors import CartridgeFormatError, ConfigError, UnsupportedModelError
 
 # RoPE variants whose rotation angle is position * inv_freq, so a shift by d positions is one extra rotation.
 POSITION_ADDITIVE_ROPE = {"default", "linear", "llama3", "yarn"}
@@ -66,23 +64,6 @@ def convert_pairing(keys: torch.Tensor, source: str, target: str, rotary_dims: i
     return keys.index_select(-1, order)
 
 
-def rope_inv_freq(lm: LM) -> torch.Tensor:
-    """The model's RoPE inverse frequencies, refusing RoPE variants where a position shift is not a rotation."""
-    rope = lm.identity.architecture.get("rope") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in POSITION_ADDITIVE_ROPE:
-        raise UnsupportedModelError(
-            f"Model {lm.name!r} uses rope_type={rope_type!r}, whose angles are not position * frequency, so keys "
-            f"cannot be moved exactly; compose with reposition=False (supported: {sorted(POSITION_ADDITIVE_ROPE)})."
-        )
-    for name, buf in lm.model.named_buffers():
-        if name.endswith("inv_freq") and "original" not in name:
-            return buf.detach().float()
-    raise UnsupportedModelError(
-        f"Model {lm.name!r} has no RoPE inv_freq buffer; repositioning needs rotary position embeddings."
-    )
-
-
 def shift_keys(keys: torch.Tensor, shift: int | torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate post-RoPE keys ``[..., tokens, head_dim]`` (rotate-half layout) as if each token sat `shift` positions
     later; `shift` is one int for all tokens or a tensor ``[tokens]`` of per-token shifts. Queries rotate the same
@@ -94,7 +75,7 @@ def shift_keys(keys: torch.Tensor, shift: int | torch.Tensor, inv_freq: torch.Te
     if torch.is_tensor(shift):
         shift = shift.reshape(-1)
         if shift.numel() != keys.shape[-2]:
-            raise ValueError(f"{shift.numel()} per-token shifts for {keys.shape[-2]} tokens.")
+            raise ConfigError(f"{shift.numel()} per-token shifts for {keys.shape[-2]} tokens; give one per token.")
     angles = (shift.to(keys.device, torch.float64)[:, None] * freq) if torch.is_tensor(shift) else shift * freq
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1)

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .requests import GenerationParams
+from .generation import GenerationParams
 
 if TYPE_CHECKING:
-    from .lm import LM
+    from .protocols import RunningModel
 
 
 def sample_next(logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -37,7 +37,7 @@ def sample_next(logits: torch.Tensor, params: GenerationParams, generator: torch
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
 
 
-def ends_answer(lm: LM, ids: Sequence[int], stop: Sequence[str], eos: Container[int]) -> bool:
+def ends_answer(lm: RunningModel, ids: Sequence[int], stop: Sequence[str], eos: Container[int]) -> bool:
     """The stop rule: an answer ends at an end-of-turn token (`eos`) or once its text holds one of the `stop`
     strings (the text is cut before it by `Completion.from_ids`)."""
     if ids and ids[-1] in eos:

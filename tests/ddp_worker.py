@@ -22,7 +22,8 @@ from conftest import TEXT
 from test_training import _conversations
 
 from cartridges_sdk import Cartridge, testing
-from cartridges_sdk.making.training import TorchTrainer, TrainConfig
+from cartridges_sdk.making.training import TorchTrainer
+from cartridges_sdk.trainer_inputs import TrainConfig
 
 
 def config(grad_accum: int, **changes: int) -> TrainConfig:

@@ -17,7 +17,8 @@ from cartridges_sdk import Cartridge, CartridgeStore, ConfigError
 from cartridges_sdk.cli import main as cli
 from cartridges_sdk.errors import NotInStoreError
 from cartridges_sdk.serve.access import KeyFile
-from cartridges_sdk.serve.server import ServeConfig, create_app
+from cartridges_sdk.serve.server import create_app
+from cartridges_sdk.serve.settings import ServeConfig
 from cartridges_sdk.testing import serving
 
 # each record has words no other has (its diagnosis, its town): a question with them routes there and nowhere else

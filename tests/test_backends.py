@@ -29,7 +29,8 @@ from cartridges_sdk.making.dataset import SelfStudyDataset
 from cartridges_sdk.hf import HFRuntime, HFSynthesizer
 from cartridges_sdk.plugins import Registry, Runtime, runtimes, synthesizers
 from cartridges_sdk.rope import INTERLEAVED, ROTATE_HALF
-from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.making.settings import SynthesisConfig
+from cartridges_sdk.making.synthesis import synthesize
 
 from conftest import TEXT
 from test_contract import OtherModelsTopK

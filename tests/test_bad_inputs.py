@@ -143,7 +143,8 @@ def test_resume_refuses_other_settings_by_name_and_restart_starts_over(tiny_llam
 
 
 def test_a_damaged_part_is_made_again(tiny_llama, tmp_path):
-    from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
+    from cartridges_sdk.making.settings import SynthesisConfig
+    from cartridges_sdk.making.synthesis import synthesize
 
     config = SynthesisConfig(**{k: v for k, v in TINY.items() if k != "progress"}, seed=1)
     whole = synthesize(TEXT, tiny_llama, tmp_path / "d", config, progress=False)
@@ -181,7 +182,8 @@ def test_a_second_process_on_the_same_folder_fails_at_once(tiny_llama, tmp_path)
 
 
 def test_a_kill_before_the_step_checkpoint_keeps_the_timed_one(tiny_llama, tmp_path, kill_at_step):
-    from cartridges_sdk.making.training import TorchTrainer, TrainConfig
+    from cartridges_sdk.making.training import TorchTrainer
+    from cartridges_sdk.trainer_inputs import TrainConfig
 
     init = Cartridge.from_prefix(tiny_llama, TEXT, 12)
     convs = list(SelfStudyDataset(_build_data(tiny_llama, tmp_path)))
@@ -198,7 +200,8 @@ def test_a_kill_before_the_step_checkpoint_keeps_the_timed_one(tiny_llama, tmp_p
 
 
 def _build_data(lm, tmp_path):
-    from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
+    from cartridges_sdk.making.settings import SynthesisConfig
+    from cartridges_sdk.making.synthesis import synthesize
 
     config = SynthesisConfig(**{k: v for k, v in TINY.items() if k != "progress"})
     return synthesize(TEXT, lm, tmp_path / "data", config, progress=False).path
@@ -361,7 +364,7 @@ def test_the_pickle_refusal_never_suggests_turning_the_safety_off(tmp_path):
 
 def test_non_finite_numbers_never_reach_a_dataset(tiny_llama):
     """A guard against a silent failure mode: NaN teacher log-probs are reported, not trained on."""
-    from cartridges_sdk.making.dataset import Conversation
+    from cartridges_sdk.trainer_inputs import Conversation
 
     conv = Conversation(0, 0, (0, 4), "question", np.arange(4, dtype=np.int32), np.ones(4, dtype=np.int8),
                         np.array([1, 2, 3], dtype=np.int32), np.zeros((3, 2), dtype=np.int32),

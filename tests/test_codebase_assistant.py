@@ -21,7 +21,8 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from cartridges_sdk import CartridgeStore, load_model
 from cartridges_sdk.errors import ConfigError
-from cartridges_sdk.serve.server import ServeConfig, create_app
+from cartridges_sdk.serve.server import create_app
+from cartridges_sdk.serve.settings import ServeConfig
 from cartridges_sdk.testing import serving
 
 APP = Path(__file__).resolve().parent.parent / "examples" / "codebase_assistant"

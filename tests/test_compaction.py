@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from cartridges_sdk import Cartridge, load_model
-from cartridges_sdk.making.compaction import CompactionConfig, attention_error
+from cartridges_sdk.making.compaction import attention_error
+from cartridges_sdk.making.settings import CompactionConfig
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.testing import tiny_lm as make_tiny_lm
 
@@ -46,7 +47,8 @@ def test_compaction_beats_keeping_the_first_tokens(tiny_lm):
     ids = _ids(tiny_lm, 600)
     compact = Cartridge.compact(tiny_lm, ids, 64, progress=False)
     # the first 64 tokens, seen from where the text ends (the frame compaction fits in)
-    from cartridges_sdk.rope import rope_inv_freq, shift_keys
+    from cartridges_sdk.lm import rope_inv_freq
+    from cartridges_sdk.rope import shift_keys
 
     inv = rope_inv_freq(tiny_lm)
     first = Cartridge.from_prefix(tiny_lm, ids, 64)

@@ -8,7 +8,7 @@ import pytest
 
 from cartridges_sdk import Cartridge, testing
 from cartridges_sdk.hf import HFRuntime, HFSynthesizer
-from cartridges_sdk.requests import Completion, GenerationRequest
+from cartridges_sdk.generation import Completion, GenerationRequest
 from cartridges_sdk.testing import ContractViolation
 
 

@@ -10,9 +10,11 @@ import torch
 from cartridges_sdk import Cartridge, ConfigError, IncompatibleCartridgeError
 from cartridges_sdk.making.distractors import Distractors, Placement, draw
 from cartridges_sdk.making.loss import student_loss
-from cartridges_sdk.making.training import TorchTrainer, TrainableCartridge, TrainConfig
+from cartridges_sdk.making.trainable import TrainableCartridge
+from cartridges_sdk.making.training import TorchTrainer
+from cartridges_sdk.trainer_inputs import TrainConfig
 from cartridges_sdk.serve.store import CartridgeStore
-from cartridges_sdk.serve.sync import SyncConfig
+from cartridges_sdk.serve.settings import SyncConfig
 
 from conftest import TEXT
 from test_sync import STUDY, TEXTS

@@ -22,7 +22,8 @@ from cartridges_sdk.cartridge import CartridgeMeta
 from cartridges_sdk.cli import main as cli
 from cartridges_sdk.errors import CartridgeFormatError
 from cartridges_sdk.hf import HFRuntime
-from cartridges_sdk.serve.server import ServeConfig, create_app
+from cartridges_sdk.serve.server import create_app
+from cartridges_sdk.serve.settings import ServeConfig
 from cartridges_sdk import testing
 from cartridges_sdk.testing import serving
 

@@ -12,7 +12,8 @@ from cartridges_sdk.making.dataset import CORPUS_TEXT, SelfStudyDataset
 from cartridges_sdk.errors import CartridgeFormatError
 from cartridges_sdk.hf import HFSynthesizer
 from cartridges_sdk.making.selfstudy import train_cartridge
-from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.making.settings import SynthesisConfig
+from cartridges_sdk.making.synthesis import synthesize
 
 from conftest import TEXT
 

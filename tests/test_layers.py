@@ -1,13 +1,17 @@
 """The package's layers (docs/architecture.md): imports run one way, down the data flow, and backends use the kit.
 
-Every module is placed in ORDER, lowest first. A module imports, at run time (at import or inside a function),
-only modules placed before it; a type-checking-only import may name its own layer or a lower one (annotations of
-the nouns name each other). The one way up is the facade: Cartridge's constructors that need the making layer.
+Every module is placed in ORDER, lowest first. A module imports only modules placed before it: at import, inside a
+function, or for type checking alone (under ``if TYPE_CHECKING:``), so no two modules import each other. The one way
+up is the facade: Cartridge's constructors that need the making layer. And at run time, importing the package or
+the kit loads neither the making nor the serve layer.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,18 +19,22 @@ import pytest
 ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "cartridges_sdk"
 LAYERS = {
-    # the nouns and the contract: what a cartridge is, a model, the file, requests, backend ABCs, the kit
-    "core": ["errors", "checks", "files", "net", "identity", "rope", "requests", "plugins", "kv", "lm", "named_models",
-             "models", "sampling", "fileformat", "interop", "cartridge", "probe", "kit"],
+    # the nouns and the contract: the file, what lower modules read of a model and a cartridge (protocols), requests,
+    # backend ABCs, KV helpers, the model, where models come from, the cartridge, the kit
+    "core": ["errors", "checks", "files", "net", "identity", "rope", "fileformat", "protocols", "generation",
+             "trainer_inputs", "plugins", "kv", "sampling", "lm", "named_models", "models", "interop", "cartridge",
+             "probe", "kit"],
     # the built-in backend, a plugin like any other (it imports the kit alone)
     "hf": ["hf.decode", "hf.runtime", "hf.synthesizer", "hf"],
     # making cartridges: corpus -> seeds -> synthesis -> dataset -> training (or compaction)
-    "making": ["making.corpus", "making.dataset", "making.seeds", "making.distributed", "making.conversations",
-              "making.windows", "making.synthesis", "making.memory", "making.distractors", "making.checkpoint",
-              "making.loss", "making.training", "making.compaction", "making.evaluation", "making.selfstudy", "making"],
+    "making": ["making.corpus", "making.dataset", "making.seeds", "making.settings", "making.distributed",
+              "making.conversations", "making.windows", "making.synthesis", "making.memory", "making.distractors",
+              "making.checkpoint", "making.trainable", "making.loss", "making.training", "making.compaction",
+              "making.evaluation", "making.selfstudy", "making"],
     # serving them
-    "serve": ["serve.background", "serve.words", "serve.documents", "serve.sync", "serve.store", "serve.answering",
-              "serve.watch", "serve.guard", "serve.access", "serve.audit", "serve.parse", "serve.engine", "serve.server", "serve.mcp_tool", "serve"],
+    "serve": ["serve.background", "serve.words", "serve.documents", "serve.settings", "serve.records", "serve.guard",
+              "serve.sync", "serve.store", "serve.answering", "serve.watch", "serve.access", "serve.audit", "serve.parse",
+              "serve.engine", "serve.replies", "serve.server", "serve.mcp_tool", "serve"],
     # for plugin authors' tests
     "testing": ["testing.fakes", "testing.contract", "testing.isolation", "testing.fixtures", "testing"],
     # the entry points: the command line and the public API
@@ -35,7 +43,6 @@ LAYERS = {
 }
 ORDER = [m for group in LAYERS.values() for m in group]
 LAYER_OF = {m: name for name, group in LAYERS.items() for m in group}
-RANK = {name: i for i, name in enumerate(LAYERS)}
 # the facade (docs/architecture.md): Cartridge.from_corpus and Cartridge.compact hand off to the making
 # layer, imported inside the method, so `Cartridge` is the one front door and cartridge.py depends on nothing above
 FACADE = {("cartridge", "making.selfstudy"), ("cartridge", "making.compaction")}
@@ -105,18 +112,18 @@ def test_every_module_has_a_place():
 def test_imports_run_down_the_layers():
     wrong = []
     for module, target, typing_only in _edges():
-        if typing_only:
-            if RANK[LAYER_OF[target]] > RANK[LAYER_OF[module]]:
-                wrong.append(f"{module or '__init__'} names {target} (layer {LAYER_OF[target]}) for type checking")
-        elif ORDER.index(target) > ORDER.index(module) and (module, target) not in FACADE:
-            wrong.append(f"{module or '__init__'} imports {target}, placed above it")
+        if ORDER.index(target) > ORDER.index(module) and (module, target) not in FACADE:
+            how = "names" if typing_only else "imports"
+            wrong.append(f"{module or '__init__'} {how} {target}{' for type checking' * typing_only}, placed above it")
     assert not wrong, "\n".join(wrong)
 
 
 def test_no_import_cycle():
+    """Typing-only imports count: two modules that name each other only for a type checker still cannot be read,
+    or moved, one without the other."""
     graph: dict[str, set[str]] = {m: set() for m in MODULES}
-    for module, target, typing_only in _edges():
-        if not typing_only and (module, target) not in FACADE:
+    for module, target, _ in _edges():
+        if (module, target) not in FACADE:
             graph[module].add(target)
     state: dict[str, int] = {}
 
@@ -141,6 +148,33 @@ def test_the_facade_is_the_only_way_up_and_is_lazy():
     top_level = [t for n in ast.parse(MODULES["cartridge"].read_text()).body if isinstance(n, ast.ImportFrom)
                  for t in _targets("cartridge", n)]
     assert not {t for _, t in FACADE} & set(top_level), "the facade's imports must sit inside the methods"
+
+
+@pytest.mark.parametrize("module", ["cartridges_sdk", "cartridges_sdk.kit"])
+def test_importing_the_package_or_the_kit_loads_the_core_alone(module):
+    """In a fresh interpreter: the making and serve layers (and hf/, testing/, cli/) stay unloaded until used."""
+    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout.splitlines()[-1])
+    ours = [m.removeprefix("cartridges_sdk").removeprefix(".") for m in loaded if m.split(".")[0] == "cartridges_sdk"]
+    above = sorted(m for m in ours if LAYER_OF.get(m, "core") != "core" and m != "")
+    assert not above, f"import {module} loads {above}; the package resolves those layers' names on first use"
+    assert not {"vllm", "llama_cpp", "fastapi"} & set(loaded)
+
+
+def test_the_lazy_names_resolve_and_type_checkers_see_them():
+    import cartridges_sdk
+
+    tree = ast.parse(MODULES[""].read_text())
+    typing_only = {a.asname or a.name: node.module for guarded, node in _imports(tree) if guarded
+                   for a in node.names}
+    assert typing_only == cartridges_sdk._LAZY, "the TYPE_CHECKING imports and _LAZY in __init__.py must agree"
+    assert set(cartridges_sdk._LAZY) <= set(cartridges_sdk.__all__) <= set(dir(cartridges_sdk))
+    for name in cartridges_sdk.__all__:
+        assert getattr(cartridges_sdk, name).__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        cartridges_sdk.NoSuchName  # noqa: B018
 
 
 KIT = {"cartridges_sdk", "cartridges_sdk.kit"}

@@ -12,8 +12,9 @@ from mcp import ClientSession, StdioServerParameters, stdio_client
 
 from cartridges_sdk import Cartridge, CartridgeStore
 from cartridges_sdk.errors import ConfigError
-from cartridges_sdk.serve.mcp_tool import BridgeConfig, render
-from cartridges_sdk.serve.server import ServeConfig, create_app
+from cartridges_sdk.serve.mcp_tool import render
+from cartridges_sdk.serve.server import create_app
+from cartridges_sdk.serve.settings import BridgeConfig, ServeConfig
 from cartridges_sdk.testing import free_port, serving
 
 KEY = "sk-mcp-test"

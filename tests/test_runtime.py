@@ -99,7 +99,7 @@ def test_rows_that_finish_early_leave_the_batch_without_changing_the_others(tiny
     """Finished rows are dropped from a batch decode (they would cost a row of work every step); the rows left
     must decode exactly as they would alone, top-k log-probs included."""
     from cartridges_sdk.hf.decode import decode
-    from cartridges_sdk.requests import GenerationParams
+    from cartridges_sdk.generation import GenerationParams
 
     prefix = tiny_lm.kv(tiny_lm.encode(TEXT[:200]))
     prompts = [tiny_lm.encode(t) for t in ("alpha beta", "the harbour at dusk", "one", "ledger of the pier")]
@@ -118,7 +118,7 @@ def test_rows_that_finish_early_leave_the_batch_without_changing_the_others(tiny
 def test_sampling_draws_tokens_with_their_probabilities():
     """The sampler's draws follow softmax(logits / temperature), and never a token top_k has cut."""
     from cartridges_sdk.sampling import sample_next
-    from cartridges_sdk.requests import GenerationParams
+    from cartridges_sdk.generation import GenerationParams
 
     logits = torch.tensor([0.0, 1.0, 2.0, -1.0, -30.0, 0.5]).expand(40_000, -1).contiguous()
     generator = torch.Generator().manual_seed(0)

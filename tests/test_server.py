@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from cartridges_sdk import Cartridge, CartridgeStore
-from cartridges_sdk.serve.server import ServeConfig, create_app
+from cartridges_sdk.serve.server import create_app
+from cartridges_sdk.serve.settings import ServeConfig
 from cartridges_sdk.testing import free_port, serving
 
 TEXTS = [f"Keeper {n} of the lighthouse number {i} logged {w} storms in the winter of 18{i}{n}."

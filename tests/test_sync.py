@@ -24,8 +24,10 @@ from cartridges_sdk.cli import main
 from cartridges_sdk.files import folder_lock
 from cartridges_sdk.serve import documents
 from cartridges_sdk.serve import sync as sync_module
+from cartridges_sdk.serve.documents import content_hash
+from cartridges_sdk.serve.settings import SyncConfig
 from cartridges_sdk.serve.store import CartridgeStore
-from cartridges_sdk.serve.sync import LOCK, SyncConfig, content_hash
+from cartridges_sdk.serve.sync import LOCK
 from cartridges_sdk.serve.watch import Watcher
 
 TEXTS = {

@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from cartridges_sdk import Completion, ConfigError, Synthesizer, SynthesizerCapabilities
-from cartridges_sdk.making.dataset import ROLE_ASSISTANT, SelfStudyDataset, Shard, merge
+from cartridges_sdk.making.dataset import SelfStudyDataset, Shard, merge
 from cartridges_sdk.hf import HFSynthesizer
-from cartridges_sdk.requests import SynthesisRequest
+from cartridges_sdk.generation import SynthesisRequest
 from cartridges_sdk.making.selfstudy import train_cartridge
 from cartridges_sdk.making.conversations import teacher_prompt
-from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.making.settings import SynthesisConfig
+from cartridges_sdk.making.synthesis import synthesize
+from cartridges_sdk.trainer_inputs import ROLE_ASSISTANT
 
 from conftest import TEXT
 

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from cartridges_sdk import Cartridge, ConfigError
-from cartridges_sdk.making.dataset import Conversation
 from cartridges_sdk.making.loss import student_loss
-from cartridges_sdk.making.training import TorchTrainer, TrainableCartridge, TrainConfig, pack
+from cartridges_sdk.making.trainable import TrainableCartridge
+from cartridges_sdk.making.training import TorchTrainer, pack
+from cartridges_sdk.trainer_inputs import Conversation, TrainConfig
 
 from conftest import TEXT
 

@@ -8,7 +8,7 @@ import time
 
 import attrs
 
-from ..making.compaction import CompactionConfig
+from ..making.settings import CompactionConfig
 from ..cartridge import SHAPE_FIELDS, Cartridge
 from ..errors import CartridgeError
 from . import common  # common.model_for is looked up at each call, so tests can replace it

@@ -8,15 +8,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..making.dataset import SEED_KIND_DOCUMENT, SelfStudyDataset, Shard, merge
+from ..making.dataset import SelfStudyDataset, Shard, merge
 from ..making.distributed import is_lead, launch, rank_device, under_torchrun
 from ..making.loss import check_shardable
-from ..making.selfstudy import (COMPACT_START, check_compact, check_dataset_corpus, check_settings, check_whole,
-                               split_settings, train_cartridge)
-from ..making.synthesis import SynthesisConfig, check_capabilities, synthesize
+from ..making.selfstudy import COMPACT_START, check_compact, check_dataset_corpus, check_whole, train_cartridge
+from ..making.settings import SynthesisConfig, check_settings, check_training_settings, split_settings
+from ..making.synthesis import check_synthesizer, synthesize
 from ..cartridge import Cartridge
 from ..errors import CartridgeError, ConfigError
 from ..plugins import synthesizers, trainers
+from ..trainer_inputs import SEED_KIND_DOCUMENT
 from . import common  # common.model_for is looked up at each call, so tests can replace it
 from .common import backend_options, bind_all, human_bytes, output_file, parse_settings, read_corpus
 
@@ -81,8 +82,7 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     synth = _stage_settings(args, "synthesize")
     config = SynthesisConfig(num_conversations=args.conversations, seed=args.seed, **synth)
     options = backend_options(args, {"synthesizer": args.synthesizer})["synthesizer"]
-    check_capabilities(config, synthesizers.get(args.synthesizer).capabilities_for(options),
-                       f"synthesizer {args.synthesizer!r}")
+    check_synthesizer(args.synthesizer, options, config)
     ranks_exit = _start_ranks(args)
     if ranks_exit is not None:
         return ranks_exit
@@ -116,7 +116,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     train = _stage_settings(args, "train")
-    check_settings(train, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed)
+    check_training_settings(train, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed)
     options = backend_options(args, {"trainer": args.trainer})["trainer"]
     output_file(args.output)
     distractors = _distractor_files(args.distractors)

@@ -45,7 +45,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..serve.guard import allowed_hosts
-    from ..serve.server import ServeConfig, create_app
+    from ..serve.server import create_app
+    from ..serve.settings import ServeConfig
 
     options = backend_options(args, {"runtime": args.runtime})["runtime"]
     key = args.api_key or os.environ.get("CARTRIDGES_API_KEY") or None
@@ -97,7 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _sync_config(args: argparse.Namespace):
-    from ..serve.sync import SyncConfig
+    from ..serve.settings import SyncConfig
 
     return SyncConfig(tokens=args.tokens, unit=args.unit, max_bytes=args.max_bytes, include=args.include)
 
@@ -157,10 +158,11 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
-    from ..serve.mcp_tool import DESCRIPTION, BridgeConfig, create_bridge
+    from ..serve.mcp_tool import create_bridge
+    from ..serve.settings import BRIDGE_DESCRIPTION, BridgeConfig
 
     config = BridgeConfig(base_url=args.base_url, api_key=args.api_key or os.environ.get("CARTRIDGES_API_KEY"),
-                          tool=args.tool, description=args.description or DESCRIPTION, k=args.k,
+                          tool=args.tool, description=args.description or BRIDGE_DESCRIPTION, k=args.k,
                           max_tokens=args.max_tokens)
     print(f"cartridges mcp: tool {config.tool} asks {config.base_url} (MCP over stdin/stdout: an MCP client starts "
           "this command)", file=sys.stderr)

@@ -50,31 +50,12 @@ def decode(
     if not prompts or any(not p for p in prompts) or len(prefixes) != len(prompts):
         raise ConfigError("Every conversation must format to at least one token, with one prefix entry per prompt.")
     device = lm.device
-    batch = len(prompts)
-    width = max(len(p) for p in prompts)
-    longest_prefix = max((layers[0][0].shape[1] for layers in prefixes if layers), default=0)
-    cache, _, prefix_mask = rows_prefix_cache(lm, prefixes, capacity=longest_prefix + width + params.max_new_tokens)
-    pad = lm.pad_token_id
-    ids = torch.full((batch, width), pad, dtype=torch.long)
-    prompt_mask = torch.zeros((batch, width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):  # built on the host, then moved in one copy each
-        ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
-        prompt_mask[row, width - len(prompt) :] = 1
-    ids, prompt_mask = ids.to(device), prompt_mask.to(device)
-    mask = torch.cat([prefix_mask, prompt_mask], dim=1)
-    # each row's positions continue after its own prefix; padding gets a harmless position and is masked out
-    start = prefix_mask.sum(-1, keepdim=True)
-    positions = torch.maximum(start + prompt_mask.cumsum(-1) - 1, start)
-    generator = None
-    if params.temperature > 0:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-
+    cache, step_ids, mask, step_pos = _first_inputs(lm, prefixes, prompts, params.max_new_tokens)
+    generator = _generator(params, device)
     eos = set(stop_ids) if stop_ids is not None else lm.eos_token_ids
-    state = DecodeState(batch)
-    next_pos = positions[:, -1:] + 1
-    step_ids, step_pos = ids, positions
-    live = list(range(batch))  # the state row of each batch row still being decoded
+    state = DecodeState(len(prompts))
+    next_pos = step_pos[:, -1:] + 1
+    live = list(range(len(prompts)))  # the state row of each batch row still being decoded
     for _ in range(params.max_new_tokens):
         with decoding_kernels(device):
             result = lm.model(
@@ -84,20 +65,7 @@ def decode(
         cache = result.past_key_values
         logits = result.logits[:, -1, :]
         token = sample_next(logits, params, generator)
-        if top_logprobs:
-            top = torch.topk(logits.float().log_softmax(-1), top_logprobs, dim=-1)
-            top_ids, top_lps = top.indices.cpu(), top.values.cpu()  # one copy per step, not one per row
-        chosen = token.tolist()  # on a GPU every per-row read would wait for the device
-        for b, row in enumerate(live):
-            if state.reasons[row] is not None:
-                continue
-            t = chosen[b]
-            state.tokens[row].append(t)
-            if top_logprobs:
-                state.top_ids[row].append(top_ids[b])
-                state.top_logprobs[row].append(top_lps[b])
-            if ends_answer(lm, state.tokens[row], params.stop, eos):
-                state.reasons[row] = "stop"
+        _record_step(lm, state, live, token, logits, top_logprobs, params.stop, eos)
         yield state
         finished = [b for b, row in enumerate(live) if state.reasons[row] is not None]
         if len(finished) == len(live):
@@ -112,12 +80,60 @@ def decode(
             finished = []
         step_ids = token[:, None]
         if finished:
-            step_ids = step_ids.masked_fill(torch.tensor([[b in finished] for b in range(len(live))], device=device), pad)
+            step_ids = step_ids.masked_fill(torch.tensor([[b in finished] for b in range(len(live))], device=device),
+                                            lm.pad_token_id)
         mask = torch.cat([mask, torch.ones(len(live), 1, dtype=torch.long, device=device)], dim=1)
         step_pos = next_pos
         next_pos = next_pos + 1
     state.reasons = [r or "length" for r in state.reasons]
     yield state
+
+
+def _first_inputs(lm: LM, prefixes: Sequence[Layers | None], prompts: Sequence[Sequence[int]], max_new_tokens: int):
+    """The first forward's cache, input ids, attention mask and position ids: prompts padded on the left, after
+    their right-aligned prefixes, each token at the position it would have alone (padding is masked out)."""
+    device = lm.device
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    longest_prefix = max((layers[0][0].shape[1] for layers in prefixes if layers), default=0)
+    cache, _, prefix_mask = rows_prefix_cache(lm, prefixes, capacity=longest_prefix + width + max_new_tokens)
+    ids = torch.full((batch, width), lm.pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((batch, width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):  # built on the host, then moved in one copy each
+        ids[row, width - len(prompt) :] = torch.tensor(list(prompt))
+        prompt_mask[row, width - len(prompt) :] = 1
+    ids, prompt_mask = ids.to(device), prompt_mask.to(device)
+    mask = torch.cat([prefix_mask, prompt_mask], dim=1)
+    # each row's positions continue after its own prefix; padding gets a harmless position and is masked out
+    start = prefix_mask.sum(-1, keepdim=True)
+    positions = torch.maximum(start + prompt_mask.cumsum(-1) - 1, start)
+    return cache, ids, mask, positions
+
+
+def _generator(params: GenerationParams, device: torch.device) -> torch.Generator | None:
+    """The random generator sampling draws from (seeded by `params.seed`, else at random); None when greedy."""
+    if params.temperature == 0:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+    return generator
+
+
+def _record_step(lm: LM, state: DecodeState, live: list[int], token: torch.Tensor, logits: torch.Tensor,
+                 top_logprobs: int, stop: Sequence[str], eos: set[int]) -> None:
+    """Append each live row's new token (and its top-k, when asked for) to `state`, ending rows by the stop rule."""
+    if top_logprobs:
+        top = torch.topk(logits.float().log_softmax(-1), top_logprobs, dim=-1)
+        top_ids, top_lps = top.indices.cpu(), top.values.cpu()  # one copy per step, not one per row
+    chosen = token.tolist()  # on a GPU every per-row read would wait for the device
+    for b, row in enumerate(live):
+        if state.reasons[row] is not None:
+            continue
+        state.tokens[row].append(chosen[b])
+        if top_logprobs:
+            state.top_ids[row].append(top_ids[b])
+            state.top_logprobs[row].append(top_lps[b])
+        if ends_answer(lm, state.tokens[row], stop, eos):
+            state.reasons[row] = "stop"
 
 
 @torch.inference_mode()

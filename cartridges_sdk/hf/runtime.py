@@ -14,7 +14,7 @@ from ..kit import (at_least_one, check_fits, Completion, concat_layers, Continuo
 from .decode import DecodeState, decode, row_completion
 
 if TYPE_CHECKING:
-    from ..kit import LM, Cartridge
+    from ..kit import LM, KVPrefix
 
 
 @attrs.frozen
@@ -44,6 +44,7 @@ class HFRuntime(ContinuousRuntime):
     """
 
     Options = HFRuntimeOptions
+    lm: LM  # an `LM`, all of it (`Backend` names only what every backend's model has)
 
     def __init__(self, lm: LM, *, max_installed: int = 64):
         super().__init__(lm, max_installed=max_installed)
@@ -58,7 +59,7 @@ class HFRuntime(ContinuousRuntime):
         """How many distinct cartridges stay installed before the least recently used goes (the option)."""
         return self.options.max_installed
 
-    def _install(self, cartridge: Cartridge) -> Layers:
+    def _install(self, cartridge: KVPrefix) -> Layers:
         return self._installed.get(cartridge.fingerprint, lambda: concat_layers(self.lm, [cartridge]))
 
     def _prefix(self, request: GenerationRequest) -> Layers | None:

@@ -37,6 +37,7 @@ class HFSynthesizer(Synthesizer):
 
     Options = HFSynthesizerOptions
     capabilities = SynthesizerCapabilities(max_top_logprobs=1024, score=True, prefix_reuse=True)
+    lm: LM  # an `LM`, all of it (`Backend` names only what every backend's model has)
 
     def __init__(self, lm: LM, *, autocast_dtype: str | torch.dtype | None = None):
         super().__init__(lm, autocast_dtype=autocast_dtype)

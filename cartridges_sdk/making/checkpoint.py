@@ -13,13 +13,12 @@ import torch
 from ..errors import ConfigError
 from ..files import atomic_write
 from ..identity import token_fingerprint
+from ..trainer_inputs import Conversation, TrainConfig
 from .dataset import describe_changes
 
 if TYPE_CHECKING:
     from ..cartridge import Cartridge
-    from .dataset import Conversation
     from .distractors import Distractors
-    from .training import TrainConfig
 
 CHECKPOINT = "checkpoint.pt"
 RUN_LOG = "train_log.jsonl"

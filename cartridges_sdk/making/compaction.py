@@ -26,13 +26,14 @@ import attrs
 import torch
 
 from ..cartridge import Cartridge
-from ..checks import boolean, count, one_of, positive
 from ..errors import ConfigError, UnsupportedModelError
 from ..fileformat import CartridgeMeta
 from ..identity import token_fingerprint
 from ..kv import sdpa_gqa_attention
-from ..rope import rope_inv_freq, shift_keys
+from ..lm import rope_inv_freq
+from ..rope import shift_keys
 from .corpus import Corpus
+from .settings import CompactionConfig
 
 if TYPE_CHECKING:
     from ..lm import LM
@@ -53,39 +54,6 @@ PROBE_QUESTIONS = (
 MAX_CHUNK = 16384
 # reference queries whose logits against the whole chunk are in memory at once (1024 x 16k floats = 64 MiB)
 QUERY_BLOCK = 1024
-
-
-@attrs.frozen
-class CompactionConfig:
-    """How the compact cache is fitted. The defaults were chosen on QASPER papers (docs/compaction.md)."""
-
-    corpus_queries: int = attrs.field(default=2048, validator=count)  # corpus positions used as references
-    probe_questions: tuple[str, ...] = attrs.field(default=())  # e.g. PROBE_QUESTIONS
-    answer_tokens: int = attrs.field(default=32, validator=count)  # greedy answer tokens per probe question
-    ridge: float = attrs.field(default=1e-2, validator=positive)  # relative to the mean diagonal of the system
-    # corpus queries are moved to positions T + [0, spread): where a user's question and answer sit after the corpus
-    spread: int = attrs.field(default=64, validator=count)
-    # restore the attention mass of the dropped keys (see `fit_layer`)
-    mass: bool = attrs.field(default=True, validator=boolean)
-    # which keys stay: those with the highest mean or highest peak attention weight over the reference queries
-    select: str = attrs.field(default="max", validator=one_of("max", "mean"))
-    max_chunk_tokens: int | None = attrs.field(default=None)  # None: the model's context minus room for a probe
-
-    @probe_questions.validator
-    def _check_probes(self, _attr, value) -> None:
-        if isinstance(value, str) or not isinstance(value, (tuple, list)):
-            raise ConfigError(f"probe_questions={value!r} must be a list of questions, e.g. [{value!r}].")
-        if any(not isinstance(q, str) or not q.strip() for q in value):
-            raise ConfigError(f"probe_questions={value!r} must be non-empty strings.")
-
-    @max_chunk_tokens.validator
-    def _check_chunk(self, _attr, value: int | None) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
-            raise ConfigError(f"max_chunk_tokens={value!r} must be None or an int >= 2.")
-
-    def __attrs_post_init__(self) -> None:
-        if self.corpus_queries == 0 and not self.probe_questions:
-            raise ConfigError("corpus_queries=0 with no probe_questions leaves no reference queries to fit to.")
 
 
 def compact_corpus(lm: LM, corpus: Any, num_tokens: int, *, num_frozen: int = 1,

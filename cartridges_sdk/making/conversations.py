@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..lm import LM, Message
 from ..plugins import Synthesizer
-from ..requests import SynthesisRequest
-from .dataset import ROLE_ASSISTANT, ROLE_USER, Conversation
-
-if TYPE_CHECKING:
-    from .synthesis import SynthesisConfig
+from ..generation import SynthesisRequest
+from ..trainer_inputs import ROLE_ASSISTANT, ROLE_USER, Conversation
+from .settings import SynthesisConfig
 
 # one conversation's turns, ``(A's text, [])`` and ``(B's text, B's exact token ids)`` alternating, and B's top-k
 Turns = list[tuple[str, list[int]]]

@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import CartridgeFormatError, ConfigError
 from ..files import atomic_write, atomic_write_json, folder_lock
 from ..identity import text_fingerprint
+from ..trainer_inputs import Conversation
 
 HEADER = "header.json"
 # the corpus's text, kept beside the conversations so training can start from it (a compacted or prefix start) with
@@ -26,56 +27,6 @@ HEADER = "header.json"
 CORPUS_TEXT = "corpus.txt"
 DATASET_FORMAT = "cartridges-sdk-selfstudy"
 DATASET_VERSION = 1
-
-# role of every token of a student sequence
-ROLE_TEMPLATE, ROLE_USER, ROLE_ASSISTANT, ROLE_DOCUMENT = 0, 1, 2, 3
-SEED_KIND_DOCUMENT = "document"  # the seed kind of document windows (not a seed prompt; reserved)
-
-
-@attrs.frozen
-class Conversation:
-    """One self-study conversation as the student sees it, with the teacher's sparse top-k at the target tokens.
-
-    ``topk_ids[i]`` / ``topk_logprobs[i]`` are the teacher's top-k next-token candidates for the token at
-    ``input_ids[target_positions[i]]``.
-    """
-
-    conv_id: int
-    group: int
-    chunk: tuple[int, int]
-    seed_kind: str
-    # arrays in the dtypes the Parquet file stores (given as lists or arrays of any dtype, converted here)
-    input_ids: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.int32))  # [n]
-    role_mask: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.int8))  # [n]
-    target_positions: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.int32))  # [t]
-    topk_ids: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.int32))  # [t, k]
-    topk_logprobs: np.ndarray = attrs.field(converter=lambda a: np.asarray(a, dtype=np.float32))  # [t, k]
-    messages: tuple[dict[str, str], ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def problems(self, vocab_size: int) -> list[str]:
-        """Why this conversation cannot be trained on (empty if it can)."""
-        out = []
-        n, t = self.num_tokens, self.target_positions.shape[0]
-        if n == 0 or t == 0:
-            out.append("no tokens or no target tokens")
-        if self.role_mask.shape != (n,):
-            out.append(f"role mask has shape {self.role_mask.shape}, expected ({n},)")
-        if n and (self.input_ids.min() < 0 or self.input_ids.max() >= vocab_size):
-            out.append(f"token ids outside [0, {vocab_size})")
-        if self.topk_ids.shape != self.topk_logprobs.shape or self.topk_ids.ndim != 2 or self.topk_ids.shape[0] != t:
-            out.append(f"top-k arrays {self.topk_ids.shape}/{self.topk_logprobs.shape} do not align with {t} targets")
-        elif t:
-            if self.topk_ids.min() < 0 or self.topk_ids.max() >= vocab_size:
-                out.append(f"top-k ids outside [0, {vocab_size})")
-            if not np.isfinite(self.topk_logprobs).all() or self.topk_logprobs.max() > 1e-3:
-                out.append("top-k log-probabilities are not finite and <= 0")
-        if t and (self.target_positions.min() < 1 or self.target_positions.max() >= n):
-            out.append("target positions outside the sequence (the first token cannot be a target)")
-        return out
 
 
 def _schema():

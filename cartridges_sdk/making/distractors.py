@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -22,11 +21,9 @@ import torch
 from ..cartridge import Cartridge
 from ..checks import require
 from ..errors import ConfigError
-from ..lm import LM
-from ..rope import ROTATE_HALF, one_after_another, rope_inv_freq
-
-if TYPE_CHECKING:
-    from .training import TrainConfig
+from ..lm import LM, rope_inv_freq
+from ..rope import ROTATE_HALF, one_after_another
+from ..trainer_inputs import TrainConfig
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 

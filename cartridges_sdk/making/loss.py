@@ -8,17 +8,14 @@ student is the model sharded across the ranks with FSDP2 (`sharded_student`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
 from ..lm import LM
-from .dataset import SEED_KIND_DOCUMENT, Conversation
-
-if TYPE_CHECKING:
-    from .training import TrainableCartridge
+from ..trainer_inputs import SEED_KIND_DOCUMENT, Conversation
+from .trainable import TrainableCartridge
 
 # target positions whose logits are in memory at once (256 x a 50k vocabulary in float32 = 50 MB)
 OUTPUT_CHUNK = 256

@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable, Mapping
 
 from ..errors import ConfigError
-from .dataset import SEED_KIND_DOCUMENT
+from ..trainer_inputs import SEED_KIND_DOCUMENT
 
 SeedFn = Callable[[random.Random], str]
 

@@ -1,4 +1,9 @@
-"""`Cartridge.from_corpus`: self-study synthesis, then distillation training, wired from flat settings."""
+"""`Cartridge.from_corpus`: self-study synthesis, then distillation training, wired from flat settings.
+
+Each setting is validated once, before any model work (`settings.check_settings`); the corpus is read once; each check
+of the settings against the backends and the model runs once, before the minutes of synthesis; then the stages run on
+what was checked (`synthesis.synthesize_checked`, `train_checked`).
+"""
 
 from __future__ import annotations
 
@@ -20,62 +25,19 @@ from ..identity import token_fingerprint
 from ..lm import LM, resolve_dtype
 from ..models import load_model
 from ..plugins import Synthesizer, Trainer, synthesizers, trainers
+from ..trainer_inputs import TrainConfig
 from .checkpoint import CHECKPOINT, RUN_LOG
+from .compaction import compact_corpus
 from .corpus import Corpus
 from .dataset import CORPUS_TEXT, SelfStudyDataset
 from .distractors import check_among, check_distractors
 from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_torchrun
 from .loss import check_shardable
-from .synthesis import DEFAULT_CONVERSATIONS, SynthesisConfig, check_capabilities, check_context, synthesize
-from .training import TrainConfig
+from .settings import (DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS, StartConfig, check_settings,
+                       check_training_settings)
+from .synthesis import check_context, check_synthesizer, synthesize_checked
 
-INITS = ("compact", "prefix", "random_text", "random")
-# where training starts: the corpus compacted (measured best, docs/self-study.md)
-DEFAULT_INIT = "compact"
 COMPACT_START = "start-compact.safetensors"  # kept in the training folder, so a resumed run starts from it
-SYNTHESIS_SETTINGS = {f.name for f in attrs.fields(SynthesisConfig)} - {"num_conversations", "seed"}
-TRAINING_SETTINGS = {f.name for f in attrs.fields(TrainConfig)} - {"epochs", "seed"}
-
-
-# arguments of their own (keywords of from_corpus, flags of the CLI), never given as flat settings
-OWN_ARGUMENTS = ("num_tokens", "num_conversations", "epochs", "seed", "init", "num_frozen")
-
-
-def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Flat keyword settings -> (synthesis, training) settings, refusing unknown names."""
-    own = sorted(set(settings) & set(OWN_ARGUMENTS))
-    if own:
-        flags = ", ".join(f"--{k.removeprefix('num_').replace('_', '-')}" for k in own)
-        raise ConfigError(f"{own} are arguments of their own ({flags} on the command line), not --set settings.")
-    unknown = sorted(set(settings) - SYNTHESIS_SETTINGS - TRAINING_SETTINGS)
-    if unknown:
-        raise ConfigError(
-            f"Unknown setting(s) {unknown}. Synthesis settings: {sorted(SYNTHESIS_SETTINGS)}; "
-            f"training settings: {sorted(TRAINING_SETTINGS)}."
-        )
-    return (
-        {k: v for k, v in settings.items() if k in SYNTHESIS_SETTINGS},
-        {k: v for k, v in settings.items() if k in TRAINING_SETTINGS},
-    )
-
-
-def check_settings(
-    settings: dict[str, Any], *, num_tokens: int, num_conversations: int = DEFAULT_CONVERSATIONS, epochs: int = 1, init: str = DEFAULT_INIT,
-    seed: int = 0, num_frozen: int = 1,
-) -> tuple[SynthesisConfig, TrainConfig]:
-    """Every self-study setting of both stages, validated in one place before any model work; returns the configs.
-
-    Each error names the setting, the bad value and the fix (`--set lr=abc` -> ``lr='abc' must be a finite number``).
-    """
-    synth_settings, train_settings = split_settings(settings)
-    if init not in INITS:
-        raise ConfigError(f"init={init!r} must be one of {INITS}.")
-    Cartridge.check_size(num_tokens, num_frozen)
-    if init == "compact" and num_frozen > 1:
-        raise ConfigError(f"num_frozen={num_frozen}: init='compact' keeps one attention sink; use num_frozen=1 or 0, "
-                          "or init='prefix'.")
-    return (SynthesisConfig(num_conversations=num_conversations, seed=seed, **synth_settings),
-            TrainConfig(epochs=epochs, seed=seed, **train_settings))
 
 
 def work_model(lm: LM, dtype: str | torch.dtype | None) -> LM:
@@ -174,7 +136,7 @@ def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int,
             if same:
                 return kept
         check_compact(prefix_ids, num_tokens)
-        start = Cartridge.compact(lm, list(prefix_ids), num_tokens, num_frozen=num_frozen, progress=progress)
+        start = compact_corpus(lm, list(prefix_ids), num_tokens, num_frozen=num_frozen, progress=progress)
         if saved is not None:
             saved.parent.mkdir(parents=True, exist_ok=True)
             start.save(saved)
@@ -186,7 +148,52 @@ def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int,
         return Cartridge.from_random_text(lm, num_tokens, seed=seed, num_frozen=num_frozen)
     if init == "random":
         return Cartridge.random(lm, num_tokens, seed=seed, num_frozen=num_frozen)
-    raise ConfigError(f"init={init!r} must be one of {INITS}.")
+    raise ConfigError(f"init={init!r} must be one of {STARTS}.")
+
+
+def check_trainer(trainer: str | Trainer, options: dict[str, Any] | None, distractors: Sequence[Cartridge]) -> None:
+    """Refuse, before any work, a trainer (a registered name with `options`, or an object) that cannot take its
+    options, or cannot train among `distractors` when they are given."""
+    if options is not None:
+        require("trainer_options", options, dict, "a dict of option names to values")
+    if isinstance(trainer, str):
+        cls = trainers.get(trainer)
+        trainer_opts = cls.parse_options(options or {}, f"trainer {trainer!r}")
+        if getattr(trainer_opts, "shard_model", False):  # before synthesis, not after it
+            check_shardable(ranks_in_env())
+        can, name = cls.capabilities_with(trainer_opts).distractors, repr(trainer)
+    elif isinstance(trainer, Trainer):
+        can, name = trainer.capabilities.distractors, type(trainer).__name__
+    else:
+        return  # `trainers.resolve` refuses it, naming the registered trainers
+    if distractors and not can:
+        raise ConfigError(f"Trainer {name} cannot train among distractors; use trainer='torch' or train without "
+                          "distractors.")
+
+
+def check_training_data(dataset: SelfStudyDataset, lm: LM, num_tokens: int, config: TrainConfig,
+                        distractors: Sequence[Cartridge], prefix_ids: Sequence[int] | None) -> None:
+    """Refuse a dataset this training cannot use: sequences too long for the model's context after the cartridge
+    (and the distractors), another model's data, one shard of a synthesis, or another corpus than `prefix_ids`'s;
+    warn of a dataset that lacks groups."""
+    longest = max((c.num_tokens for c in dataset), default=0)
+    lm.check_context(num_tokens + longest, f"Training a {num_tokens}-token cartridge on sequences of up to {longest} "
+                     "tokens", "use a smaller num_tokens")
+    check_among(lm, distractors, config, num_tokens + longest)
+    header_model = dataset.header.get("model", {})
+    if header_model.get("fingerprint") and header_model["fingerprint"] != lm.identity.fingerprint:
+        raise ConfigError(
+            f"The dataset was synthesized with model {header_model.get('name')!r}, not {lm.name!r}; "
+            "train with the model that made it (the CLI loads the one --model names, never the one a file records)."
+        )
+    check_whole(dataset)
+    missing = dataset.missing_groups()
+    if missing:
+        warnings.warn(f"{str(dataset.path)!r} lacks {len(missing)} of its settings' groups ({missing[:8]}"
+                      f"{' ...' if len(missing) > 8 else ''}): its synthesis stopped early, or a shard was left out of a "
+                      "merge. Training on what is there; run the same synthesis on it to complete it.", stacklevel=4)
+    if prefix_ids is not None:
+        check_dataset_corpus(dataset, prefix_ids=prefix_ids)
 
 
 def train_cartridge(
@@ -195,7 +202,7 @@ def train_cartridge(
     *,
     num_tokens: int,
     epochs: int = 1,
-    init: str = DEFAULT_INIT,
+    init: str = DEFAULT_START,
     seed: int = 0,
     prefix_ids: Sequence[int] | None = None,
     trainer: str | Trainer = "torch",
@@ -215,63 +222,66 @@ def train_cartridge(
     them, unless ``restart=True``, which deletes it first. `distractors` (cartridges of other documents) are
     composed around the trainable one during training, up to ``max_distractors`` a step (making/distractors.py).
     """
-    _, train_settings = split_settings(settings)
-    if any(k not in TRAINING_SETTINGS for k in settings):
-        raise ConfigError(f"{sorted(set(settings) - TRAINING_SETTINGS)} are synthesis settings; training takes "
-                          f"{sorted(TRAINING_SETTINGS)}.")
-    _, config = check_settings(train_settings, num_tokens=num_tokens, epochs=epochs, init=init, seed=seed,
-                               num_frozen=num_frozen)
+    start, config = check_training_settings(settings, num_tokens=num_tokens, epochs=epochs, init=init, seed=seed,
+                                            num_frozen=num_frozen)
     distractors = check_distractors(distractors, lm)
-    longest = max((c.num_tokens for c in dataset), default=0)
-    lm.check_context(num_tokens + longest, f"Training a {num_tokens}-token cartridge on sequences of up to {longest} "
-                     "tokens", "use a smaller num_tokens")
-    check_among(lm, distractors, config, num_tokens + longest)
-    header_model = dataset.header.get("model", {})
-    if header_model.get("fingerprint") and header_model["fingerprint"] != lm.identity.fingerprint:
-        raise ConfigError(
-            f"The dataset was synthesized with model {header_model.get('name')!r}, not {lm.name!r}; "
-            "train with the model that made it (the CLI loads the one --model names, never the one a file records)."
-        )
-    check_whole(dataset)
-    missing = dataset.missing_groups()
-    if missing:
-        warnings.warn(f"{str(dataset.path)!r} lacks {len(missing)} of its settings' groups ({missing[:8]}"
-                      f"{' ...' if len(missing) > 8 else ''}): its synthesis stopped early, or a shard was left out of a "
-                      "merge. Training on what is there; run the same synthesis on it to complete it.", stacklevel=2)
-    corpus_info = dataset.header.get("corpus", {})
-    if prefix_ids is not None:
-        check_dataset_corpus(dataset, prefix_ids=prefix_ids)
+    check_trainer(trainer, trainer_options, distractors)
+    return train_checked(dataset, lm, start, config, prefix_ids=prefix_ids, trainer=trainer,
+                         trainer_options=trainer_options, output_dir=output_dir, work_dtype=work_dtype, restart=restart,
+                         progress=progress, distractors=distractors)
+
+
+def train_checked(
+    dataset: SelfStudyDataset, lm: LM, start: StartConfig, config: TrainConfig, *,
+    prefix_ids: Sequence[int] | None = None, trainer: str | Trainer = "torch", trainer_options: dict[str, Any] | None = None,
+    output_dir: str | os.PathLike | None = None, work_dtype: str | torch.dtype | None = None, restart: bool = False,
+    progress: bool = True, distractors: Sequence[Cartridge] = (),
+) -> Cartridge:
+    """`train_cartridge` once its settings, trainer and distractors are checked (`build_cartridge` checks them before
+    synthesis): the dataset's checks, the trainer's fit, and the result bound to `lm` in its dtype."""
+    check_training_data(dataset, lm, start.num_tokens, config, distractors, prefix_ids)
     work = work_model(lm, work_dtype)
     fitter, owned = trainers.resolve(trainer, work, trainer_options)
-    if distractors and not fitter.capabilities.distractors:
-        if owned:
-            fitter.close()
-        raise ConfigError(f"Trainer {type(fitter).__name__} cannot train among distractors; use trainer='torch' or "
-                          "train without distractors.")
-    among = {"distractors": distractors} if distractors else {}
-    if restart and output_dir is not None and is_lead():  # under torchrun, rank 0 alone touches the folder
-        clear_training(Path(output_dir))
     try:
-        saved = Path(output_dir) / COMPACT_START if output_dir is not None and is_lead() else None  # rank 0 keeps it
-
-        def make_start() -> Cartridge:
-            ids = prefix_ids if prefix_ids is not None else dataset_corpus_ids(dataset, lm, init)
-            return initial_cartridge(lm, ids, num_tokens, init, seed, num_frozen, saved=saved, progress=progress)
-
-        with process_group(work.device):  # under torchrun: one group for the start and the training
-            if fitter.capabilities.distributed:
-                # it starts every rank from rank 0's cartridge: rank 0 alone makes the start (minutes of compaction
-                # on a large corpus), the others take one of the right shape
-                start = lead_does(make_start)
-                if start is None:
-                    start = Cartridge.random(lm, num_tokens, seed=seed, num_frozen=num_frozen)
-            else:
-                start = make_start()
-            trained = fitter.fit(start.bind(work), dataset, work, config, output_dir=output_dir, progress=progress,
-                                 **among)
+        if restart and output_dir is not None and is_lead():  # under torchrun, rank 0 alone touches the folder
+            clear_training(Path(output_dir))
+        trained = _fit(fitter, dataset, lm, work, start, config, prefix_ids=prefix_ids, output_dir=output_dir,
+                       progress=progress, distractors=distractors)
     finally:
         if owned:
             fitter.close()
+    return _bound_to(lm, trained, work, dataset, start.init)
+
+
+def _fit(fitter: Trainer, dataset: SelfStudyDataset, lm: LM, work: LM, start: StartConfig, config: TrainConfig, *,
+         prefix_ids: Sequence[int] | None, output_dir: str | os.PathLike | None, progress: bool,
+         distractors: Sequence[Cartridge]) -> Cartridge:
+    """`fitter` trains on `work` from the start cartridge: under torchrun, a distributed trainer's ranks all start
+    from rank 0's."""
+    saved = Path(output_dir) / COMPACT_START if output_dir is not None and is_lead() else None  # rank 0 keeps it
+
+    def make_start() -> Cartridge:
+        ids = prefix_ids if prefix_ids is not None else dataset_corpus_ids(dataset, lm, start.init)
+        return initial_cartridge(lm, ids, start.num_tokens, start.init, start.seed, start.num_frozen, saved=saved,
+                                 progress=progress)
+
+    among = {"distractors": distractors} if distractors else {}
+    with process_group(work.device):  # under torchrun: one group for the start and the training
+        if fitter.capabilities.distributed:
+            # it starts every rank from rank 0's cartridge: rank 0 alone makes the start (minutes of compaction
+            # on a large corpus), the others take one of the right shape
+            begin = lead_does(make_start)
+            if begin is None:
+                begin = Cartridge.random(lm, start.num_tokens, seed=start.seed, num_frozen=start.num_frozen)
+        else:
+            begin = make_start()
+        return fitter.fit(begin.bind(work), dataset, work, config, output_dir=output_dir, progress=progress, **among)
+
+
+def _bound_to(lm: LM, trained: Cartridge, work: LM, dataset: SelfStudyDataset, init: str) -> Cartridge:
+    """The trained cartridge bound to `lm` in its dtype, its metadata naming the model, the corpus, the start and
+    the synthesis it was trained from."""
+    corpus_info = dataset.header.get("corpus", {})
     meta = attrs.evolve(
         trained.meta,
         model=lm.identity,
@@ -287,26 +297,36 @@ def train_cartridge(
     return Cartridge([k.to(lm.dtype) for k in trained.keys], [v.to(lm.dtype) for v in trained.values], meta, lm=lm)
 
 
+def check_work_dir(output_dir: str | os.PathLike | None) -> None:
+    """Refuse a work folder that is not a path, or none under torchrun (the ranks need one they all reach)."""
+    if output_dir is not None:
+        require("output_dir", output_dir, PATH, "a folder path")
+    elif under_torchrun():
+        raise ConfigError("Under torchrun, give output_dir (--work-dir): a folder every rank reaches, where the ranks "
+                          "write their shares of the dataset and rank 0 the checkpoints.")
+
+
+def corpus_start_ids(lm: LM, corpus: Corpus, start: StartConfig) -> list[int] | None:
+    """The corpus token ids the start is made from (all of them to compact, the first `num_tokens` for a prefix),
+    refused when there are too few; None for a start that needs no corpus."""
+    if start.init not in ("prefix", "compact"):
+        return None
+    ids = lm.encode(corpus.text)
+    if start.init == "prefix":
+        ids = ids[: start.num_tokens]
+        check_prefix(ids, start.num_tokens)
+    else:
+        check_compact(ids, start.num_tokens)
+    return ids
+
+
 def build_cartridge(
-    corpus: Any,
-    model: Any = None,
-    *,
-    num_tokens: int,
-    num_conversations: int = DEFAULT_CONVERSATIONS,
-    epochs: int = 1,
-    init: str = DEFAULT_INIT,
-    seed: int = 0,
-    synthesizer: str | Synthesizer = "hf",
-    synthesizer_options: dict[str, Any] | None = None,
-    trainer: str | Trainer = "torch",
-    trainer_options: dict[str, Any] | None = None,
-    allow_unverified_model: bool = False,
-    output_dir: str | os.PathLike | None = None,
-    restart: bool = False,
-    num_frozen: int = 1,
-    work_dtype: str | torch.dtype | None = None,
-    progress: bool = True,
-    distractors: Sequence[Cartridge] = (),
+    corpus: Any, model: Any = None, *, num_tokens: int, num_conversations: int = DEFAULT_CONVERSATIONS,
+    epochs: int = 1, init: str = DEFAULT_START, seed: int = 0, synthesizer: str | Synthesizer = "hf",
+    synthesizer_options: dict[str, Any] | None = None, trainer: str | Trainer = "torch",
+    trainer_options: dict[str, Any] | None = None, allow_unverified_model: bool = False,
+    output_dir: str | os.PathLike | None = None, restart: bool = False, num_frozen: int = 1,
+    work_dtype: str | torch.dtype | None = None, progress: bool = True, distractors: Sequence[Cartridge] = (),
     **settings: Any,
 ) -> Cartridge:
     """Synthesize `num_conversations` self-study conversations about `corpus`, then train a `num_tokens` cartridge.
@@ -325,52 +345,29 @@ def build_cartridge(
     Under torchrun, the ranks share both stages (docs/distributed.md): each makes its share of the conversations
     into `output_dir` (required: a folder every rank reaches), then they train data-parallel.
     """
-    synth_cfg, train_cfg = check_settings(settings, num_tokens=num_tokens, num_conversations=num_conversations,
-                                          epochs=epochs, init=init, seed=seed, num_frozen=num_frozen)
-    if output_dir is not None:
-        require("output_dir", output_dir, PATH, "a folder path")
-    elif under_torchrun():
-        raise ConfigError("Under torchrun, give output_dir (--work-dir): a folder every rank reaches, where the ranks "
-                          "write their shares of the dataset and rank 0 the checkpoints.")
-    for role, options in (("synthesizer", synthesizer_options), ("trainer", trainer_options)):
-        if options is not None:
-            require(f"{role}_options", options, dict, "a dict of option names to values")
-    _, train_settings = split_settings(settings)
-    if isinstance(synthesizer, str):  # what the class can do is known before its engine starts
-        cls = synthesizers.get(synthesizer)
-        cls.parse_options(synthesizer_options or {}, f"synthesizer {synthesizer!r}")
-        check_capabilities(synth_cfg, cls.capabilities_for(synthesizer_options or {}), f"synthesizer {synthesizer!r}")
-    if isinstance(trainer, str):
-        trainer_opts = trainers.get(trainer).parse_options(trainer_options or {}, f"trainer {trainer!r}")
-        if getattr(trainer_opts, "shard_model", False):  # before synthesis, not after it
-            check_shardable(ranks_in_env())
-        if distractors and not trainers.get(trainer).capabilities.distractors:
-            raise ConfigError(f"Trainer {trainer!r} cannot train among distractors; use trainer='torch' or train "
-                              "without distractors.")
+    start, synth_cfg, train_cfg = check_settings(settings, num_tokens=num_tokens, num_conversations=num_conversations,
+                                                 epochs=epochs, init=init, seed=seed, num_frozen=num_frozen)
+    check_work_dir(output_dir)
+    check_synthesizer(synthesizer, synthesizer_options, synth_cfg)
+    check_trainer(trainer, trainer_options, distractors)
     lm = model if isinstance(model, LM) else load_model(model)
     distractors = check_distractors(distractors, lm)
     corpus = Corpus.coerce(corpus)
-    work = work_model(lm, work_dtype)
-    prefix_ids = lm.encode(corpus.text) if init in ("prefix", "compact") else None
-    if init == "prefix":
-        prefix_ids = prefix_ids[:num_tokens]
-        check_prefix(prefix_ids, num_tokens)
-    if init == "compact":
-        check_compact(prefix_ids, num_tokens)
+    prefix_ids = corpus_start_ids(lm, corpus, start)
     check_context(lm, synth_cfg, len(corpus.token_ids(lm)), num_tokens)
     check_among(lm, distractors, train_cfg, num_tokens)
+    work = work_model(lm, work_dtype)
     sampler, owned = synthesizers.resolve(synthesizer, work, synthesizer_options)
     # one process group for both stages (under torchrun)
     with process_group(work.device), tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
         root = Path(output_dir) if output_dir is not None else Path(tmp)
         try:
-            dataset = synthesize(corpus, work, root / "data", synth_cfg, synthesizer=sampler,
-                                 allow_unverified_model=allow_unverified_model, restart=restart, progress=progress)
+            dataset = synthesize_checked(corpus, work, root / "data", synth_cfg, sampler,
+                                         allow_unverified_model=allow_unverified_model, restart=restart,
+                                         progress=progress)
         finally:
             if owned:
                 sampler.close()
-        return train_cartridge(
-            dataset, lm, num_tokens=num_tokens, epochs=epochs, init=init, seed=seed, prefix_ids=prefix_ids,
-            trainer=trainer, trainer_options=trainer_options, output_dir=root / "train", num_frozen=num_frozen,
-            work_dtype=work_dtype, restart=restart, progress=progress, distractors=distractors, **train_settings,
-        )
+        return train_checked(dataset, lm, start, train_cfg, prefix_ids=prefix_ids, trainer=trainer,
+                             trainer_options=trainer_options, output_dir=root / "train", work_dtype=work_dtype,
+                             restart=restart, progress=progress, distractors=distractors)

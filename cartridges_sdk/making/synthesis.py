@@ -2,9 +2,10 @@
 
 For each group of conversations: sample a chunk of the corpus; participant A sees the chunk and a seed prompt and
 writes a message; participant B sees the chunk and answers. B's tokens, with the teacher's top-k log-probabilities,
-become the distillation targets for a student that sees the cartridge instead of the chunk. Here: the settings, their
-checks and the loop over groups (one process, a shard, or the ranks under torchrun); one group's conversations are
-made in `conversations.py`, the document windows in `windows.py`.
+become the distillation targets for a student that sees the cartridge instead of the chunk. Here: the checks of the
+settings (`SynthesisConfig`, in `settings.py`) against a synthesizer and a model, and the loop over groups (one
+process, a shard, or the ranks under torchrun); one group's conversations are made in `conversations.py`, the document
+windows in `windows.py`.
 """
 
 from __future__ import annotations
@@ -14,83 +15,27 @@ import datetime as _dt
 import os
 import random
 import warnings
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from ..checks import at_least_one, count, non_negative, optional_int
+from ..checks import require
 from ..errors import BackendError, ConfigError
 from ..files import folder_lock
 from ..lm import LM
 from ..plugins import Synthesizer, SynthesizerCapabilities, synthesizers
 from ..probe import check_same_model
+from ..trainer_inputs import Conversation
 from .conversations import chunk_context, run_group
 from .corpus import ChunkSampler, Corpus
-from .dataset import HEADER, Conversation, SelfStudyDataset, Shard, dataset_settings, describe_changes, group_counts
+from .dataset import HEADER, SelfStudyDataset, Shard, dataset_settings, describe_changes, group_counts
 from .distributed import barrier, gather_from_ranks, lead_does, patient_group, process_group, under_torchrun
-from .seeds import DEFAULT_WEIGHTS, check_weights, sample_seed
+from .seeds import sample_seed
+from .settings import SynthesisConfig
 from .windows import document_windows
 
 PREFIX_IDS_KEPT = 4096
-
-
-def _text(_inst, attribute, value):
-    if not isinstance(value, str):
-        raise ConfigError(f"{attribute.name}={value!r:.60} must be a string.")
-
-
-def _weights(_inst, _attribute, value):
-    check_weights(value)
-
-
-# the default data budget: from a compacted start, half the data of the first recipe reached the same quality
-# in half the time (docs/self-study.md)
-DEFAULT_CONVERSATIONS = 128
-DEFAULT_DOCUMENT_WINDOWS = 96
-
-
-@attrs.frozen
-class SynthesisConfig:
-    """How self-study conversations are sampled. Defaults suit a small model on a CPU."""
-
-    num_conversations: int = attrs.field(default=DEFAULT_CONVERSATIONS, validator=at_least_one)
-    rounds: int = attrs.field(default=1, validator=at_least_one)
-    min_chunk: int = attrs.field(default=512, validator=at_least_one)
-    max_chunk: int = attrs.field(default=1024, validator=at_least_one)  # CPU-sized; the sampler allows 4096
-    description: str | None = attrs.field(default=None, validator=attrs.validators.optional(_text))
-    conversations_per_chunk: int = attrs.field(default=16, validator=at_least_one)
-    seed_weights: Mapping[str, float] = attrs.field(factory=lambda: dict(DEFAULT_WEIGHTS), converter=dict, validator=_weights)
-    temperature_a: float = attrs.field(default=0.7, validator=non_negative)
-    temperature_b: float = attrs.field(default=0.5, validator=non_negative)
-    max_tokens_a: int = attrs.field(default=48, validator=at_least_one)
-    max_tokens_b: int = attrs.field(default=64, validator=at_least_one)
-    top_k: int = attrs.field(default=20, validator=at_least_one)
-    targets: str = attrs.field(default="assistant")
-    a_context: str = attrs.field(default="message")
-    document_windows: int = attrs.field(default=DEFAULT_DOCUMENT_WINDOWS, validator=count)
-    window_tokens: int = attrs.field(default=256)
-    windows_per_chunk: int = attrs.field(default=4, validator=at_least_one)
-    seed: int = attrs.field(default=0, validator=optional_int)
-
-    @a_context.validator
-    def _check_a_context(self, _attribute, value):
-        if value not in ("message", "prefix"):
-            raise ConfigError(f"a_context={value!r} must be 'message' (chunk inside A's prompt) or 'prefix' (before the chat).")
-
-    @window_tokens.validator
-    def _check_window_tokens(self, _attribute, value):
-        if not isinstance(value, int) or value < 2:
-            raise ConfigError(f"window_tokens={value!r} must be an integer >= 2: a window needs a token to predict after its first.")
-
-    @targets.validator
-    def _check_targets(self, _attribute, value):
-        if value not in ("assistant", "all"):
-            raise ConfigError(f"targets={value!r} must be 'assistant' (B's answers) or 'all' (every token after the first).")
-
-    def __attrs_post_init__(self):
-        ChunkSampler(self.min_chunk, self.max_chunk)  # validates the pair
 
 
 def check_capabilities(config: SynthesisConfig, capabilities: SynthesizerCapabilities, name: str) -> None:
@@ -114,6 +59,19 @@ def check_capabilities(config: SynthesisConfig, capabilities: SynthesizerCapabil
         raise ConfigError("; ".join(problems) + ".")
 
 
+def check_synthesizer(synthesizer: str | Synthesizer, options: dict[str, Any] | None, config: SynthesisConfig) -> None:
+    """Refuse, before its engine starts, a synthesizer (a registered name with `options`, or an object) that cannot
+    take its options or serve `config`."""
+    if options is not None:
+        require("synthesizer_options", options, dict, "a dict of option names to values")
+    if isinstance(synthesizer, str):  # what the class can do is known before its engine starts
+        cls = synthesizers.get(synthesizer)
+        parsed = cls.parse_options(options or {}, f"synthesizer {synthesizer!r}")
+        check_capabilities(config, cls.capabilities_with(parsed), f"synthesizer {synthesizer!r}")
+    elif isinstance(synthesizer, Synthesizer):
+        check_capabilities(config, synthesizer.capabilities, type(synthesizer).__name__)
+
+
 # room for a seed prompt and the chat markup around a chunk and the turns (the longest built-in seed prompt is ~90
 # tokens in the default model's tokenizer)
 PROMPT_MARKUP = 256
@@ -121,7 +79,10 @@ PROMPT_MARKUP = 256
 
 def check_context(lm: LM, config: SynthesisConfig, corpus_tokens: int, num_tokens: int | None = None) -> None:
     """Refuse settings whose prompts (or, with `num_tokens`, whose training sequences after the cartridge) could
-    outgrow the model's context, with the numbers, before any work."""
+    outgrow the model's context, with the numbers, before any work; a corpus too short for document windows too."""
+    if config.document_windows and corpus_tokens < 2:
+        raise ConfigError(f"The corpus has {corpus_tokens} token(s), too few for document windows; give a longer "
+                          "corpus or document_windows=0.")
     chunk = min(config.max_chunk, corpus_tokens) + (len(lm.encode(config.description)) if config.description else 0)
     turns = config.rounds * (config.max_tokens_a + config.max_tokens_b)
     lm.check_context(
@@ -173,14 +134,34 @@ def synthesize(
     if synthesizer is None:
         synthesizer = synthesizers.create("hf", lm)  # the built-in one, by name like any other
     check_capabilities(config, synthesizer.capabilities, type(synthesizer).__name__)
+    check_context(lm, config, len(corpus.token_ids(lm)))
+    return synthesize_checked(corpus, lm, output, config, synthesizer, allow_unverified_model=allow_unverified_model,
+                              restart=restart, progress=progress, shard=shard)
+
+
+def synthesize_checked(
+    corpus: Corpus, lm: LM, output: str | os.PathLike, config: SynthesisConfig, synthesizer: Synthesizer, *,
+    allow_unverified_model: bool = False, restart: bool = False, progress: bool = True, shard: Shard | None = None,
+) -> SelfStudyDataset:
+    """`synthesize` once its caller has checked `config` against the synthesizer (`check_capabilities`) and the
+    model's context (`check_context`): `build_cartridge` checks them before the model loads, and runs each once."""
     ids = corpus.token_ids(lm)
-    if config.document_windows and len(ids) < 2:
-        raise ConfigError(
-            f"The corpus has {len(ids)} token(s), too few for document windows; give a longer corpus or document_windows=0."
-        )
-    check_context(lm, config, len(ids))
     model_check = check_same_model(lm, synthesizer, allow_unverified_model=allow_unverified_model)
-    header = {
+    header = _header(lm, corpus, ids, config, synthesizer, model_check)
+    if shard is not None and shard.count > 1:
+        header["shard"] = attrs.asdict(shard)
+    elif under_torchrun():
+        return _synthesize_across_ranks(lm, synthesizer, config, ids, output, header, restart, progress, corpus.text)
+    with folder_lock(output):  # the dataset keeps the corpus's text: training starts from it with nothing else
+        dataset = SelfStudyDataset.create(output, header, restart=restart, corpus_text=corpus.text)
+        _drop_damaged(dataset)
+        return _synthesize(lm, synthesizer, config, ids, dataset, shard or Shard(0, 1), progress)
+
+
+def _header(lm: LM, corpus: Corpus, ids: list[int], config: SynthesisConfig, synthesizer: Synthesizer,
+            model_check: dict[str, Any]) -> dict[str, Any]:
+    """The dataset's header: what it was made from and with, so a re-run with other settings is refused."""
+    return {
         "model": lm.identity.to_dict(),
         "corpus": {
             "fingerprint": corpus.fingerprint(),
@@ -194,14 +175,6 @@ def synthesize(
         "model_check": model_check,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    if shard is not None and shard.count > 1:
-        header["shard"] = attrs.asdict(shard)
-    elif under_torchrun():
-        return _synthesize_across_ranks(lm, synthesizer, config, ids, output, header, restart, progress, corpus.text)
-    with folder_lock(output):  # the dataset keeps the corpus's text: training starts from it with nothing else
-        dataset = SelfStudyDataset.create(output, header, restart=restart, corpus_text=corpus.text)
-        _drop_damaged(dataset)
-        return _synthesize(lm, synthesizer, config, ids, dataset, shard or Shard(0, 1), progress)
 
 
 SHARED_FOLDER = ("Under torchrun the dataset folder must be one every rank reaches (on several machines, a shared "

@@ -22,48 +22,21 @@ from typing import Any
 import attrs
 import torch
 
-from ..cartridge import Cartridge, CartridgeMeta
-from ..checks import at_least_one, boolean, count, fraction, non_negative, one_of, optional_int, positive
+from ..cartridge import Cartridge
+from ..checks import boolean
 from ..errors import ConfigError
 from ..files import folder_lock
 from ..lm import LM, autocast
 from ..plugins import Trainer, TrainerCapabilities
+from ..trainer_inputs import SEED_KIND_DOCUMENT, Conversation, TrainConfig, TrainingData
 from .checkpoint import CHECKPOINT, RUN_LOG, load_checkpoint, run_settings, save_checkpoint
-from .dataset import SEED_KIND_DOCUMENT, Conversation, SelfStudyDataset, describe_changes
+from .dataset import describe_changes
 from .distractors import Distractors, among
 from .distributed import (gather_from_ranks, lead_does, on_cpu, process_group, ranks_in_env, sum_across_ranks,
                           sum_numbers_across_ranks)
 from .loss import Student, check_shardable, sharded_student, student_loss, target_weights
 from .memory import peak_memory_mb, reset_peak_memory
-
-
-@attrs.frozen
-class TrainConfig:
-    """How a cartridge is trained: Adam as in the paper, with the learning rate and batch measured best for small
-    models on a CPU (the paper's lr 2e-2 at its scale; see docs/self-study.md)."""
-
-    lr: float = attrs.field(default=3e-3, validator=positive)
-    epochs: int = attrs.field(default=1, validator=at_least_one)
-    batch_tokens: int = attrs.field(default=2048, validator=at_least_one)
-    grad_accum: int = attrs.field(default=1, validator=at_least_one)
-    warmup_steps: int = attrs.field(default=0, validator=count)
-    schedule: str = attrs.field(default="cosine", validator=one_of("cosine", "constant"))
-    min_lr_ratio: float = attrs.field(default=0.1, validator=fraction)
-    max_grad_norm: float | None = attrs.field(default=1.0, validator=positive)
-    objective: str = attrs.field(default="distill", validator=one_of("distill", "ntp"))
-    # weight of conversation target tokens against document-window tokens (seed kind "document") in the mean loss
-    conversation_weight: float = attrs.field(default=0.25, validator=non_negative)
-    eval_fraction: float = attrs.field(default=0.05, validator=fraction)
-    eval_every: int = attrs.field(default=25, validator=at_least_one)
-    checkpoint_every: int = attrs.field(default=25, validator=at_least_one)
-    # also checkpoint when this long has passed since the last one, so a kill loses at most about this much work
-    checkpoint_seconds: float = attrs.field(default=60.0, validator=positive)
-    autocast_dtype: str | None = attrs.field(default=None, validator=one_of(None, "bfloat16", "float16"))
-    seed: int = attrs.field(default=0, validator=optional_int)
-    # with distractor cartridges (`fit(distractors=...)`, making/distractors.py): at most this many around the
-    # trainable one at a step (7: compositions of up to 8), and the share of steps alone (half: docs/sync.md)
-    max_distractors: int = attrs.field(default=7, validator=count)
-    alone_share: float = attrs.field(default=0.5, validator=fraction)
+from .trainable import TrainableCartridge
 
 
 def split_eval(conversations: Sequence[Conversation], share: float, seed: int) -> tuple[list, list]:
@@ -108,33 +81,6 @@ def warn_idle_ranks(grad_accum: int, ranks: int) -> None:
         warnings.warn(f"grad_accum={grad_accum} (micro-batches per optimizer step, over all ranks) leaves "
                       f"{ranks - grad_accum} of the {ranks} ranks idle in every step; set it to a multiple of {ranks} "
                       "to use them all.", stacklevel=4)
-
-
-class TrainableCartridge(torch.nn.Module):
-    """A cartridge's KV as parameters; the first `num_frozen` tokens are buffers and never change."""
-
-    def __init__(self, init: Cartridge):
-        super().__init__()
-        nf = init.num_frozen
-        self.num_frozen = nf
-        self.frozen_keys = torch.nn.ParameterList(
-            [torch.nn.Parameter(k[:, :nf].detach().float().clone(), requires_grad=False) for k in init.keys]
-        )
-        self.frozen_values = torch.nn.ParameterList(
-            [torch.nn.Parameter(v[:, :nf].detach().float().clone(), requires_grad=False) for v in init.values]
-        )
-        self.keys = torch.nn.ParameterList([torch.nn.Parameter(k[:, nf:].detach().float().clone()) for k in init.keys])
-        self.values = torch.nn.ParameterList([torch.nn.Parameter(v[:, nf:].detach().float().clone()) for v in init.values])
-
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [
-            (torch.cat([fk, k], dim=1), torch.cat([fv, v], dim=1))
-            for fk, k, fv, v in zip(self.frozen_keys, self.keys, self.frozen_values, self.values)
-        ]
-
-    def to_cartridge(self, meta: CartridgeMeta, lm: LM | None, dtype: torch.dtype) -> Cartridge:
-        kv = self.layers()
-        return Cartridge([k.detach().to(dtype).clone() for k, _ in kv], [v.detach().to(dtype).clone() for _, v in kv], meta, lm=lm)
 
 
 def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -204,9 +150,8 @@ class TorchTrainer(Trainer):
         return autocast(lm.device, self.config.autocast_dtype)
 
     def fit(
-        self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM,
-        config: TrainConfig | None = None, *, output_dir: str | os.PathLike | None = None, progress: bool = True,
-        distractors: Sequence[Cartridge] = (),
+        self, init: Cartridge, dataset: TrainingData, model: LM, config: TrainConfig | None = None, *,
+        output_dir: str | os.PathLike | None = None, progress: bool = True, distractors: Sequence[Cartridge] = (),
     ) -> Cartridge:
         """Train `init`, among `distractors` when given (making/distractors.py; the held-out loss is its alone)."""
         output_dir = Path(output_dir) if output_dir is not None else None
@@ -220,7 +165,7 @@ class TorchTrainer(Trainer):
         finally:  # the group is gone: later calls (evaluate) run as one process again
             self.rank, self.world, self.student, self.distractors = 0, 1, None, None
 
-    def _fit(self, init: Cartridge, dataset: SelfStudyDataset | Sequence[Conversation], model: LM, config: TrainConfig,
+    def _fit(self, init: Cartridge, dataset: TrainingData, model: LM, config: TrainConfig,
              output_dir: Path | None, progress: bool) -> Cartridge:
         self.config = cfg = config
         lm = model
@@ -241,7 +186,7 @@ class TorchTrainer(Trainer):
         step = self._train(lm, cart, opt, steps, step, held_out, run, output_dir, progress)
         return self._finish(init, cart, step, train, held_out)
 
-    def _conversations(self, dataset: SelfStudyDataset | Sequence[Conversation]) -> list[Conversation]:
+    def _conversations(self, dataset: TrainingData) -> list[Conversation]:
         """The conversations to train on: all of them, or the document windows alone when conversations weigh 0."""
         conversations = list(dataset)
         if not conversations:

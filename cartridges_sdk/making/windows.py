@@ -11,17 +11,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..lm import LM
 from ..plugins import Synthesizer
+from ..trainer_inputs import ROLE_DOCUMENT, SEED_KIND_DOCUMENT, Conversation
 from .conversations import chunk_context
-from .dataset import ROLE_DOCUMENT, SEED_KIND_DOCUMENT, Conversation
-
-if TYPE_CHECKING:
-    from .synthesis import SynthesisConfig
+from .settings import SynthesisConfig
 
 
 def window_chunk_start(n_tokens: int, length: int, width: int, index: int, seed: int) -> int:

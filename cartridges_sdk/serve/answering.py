@@ -16,9 +16,9 @@ import attrs
 from ..cartridge import Cartridge
 from ..checks import at_least_one
 from ..errors import ConfigError
-from ..requests import Completion, GenerationParams, GenerationRequest, Message
+from ..generation import Completion, GenerationParams, GenerationRequest, Message
 from .store import CartridgeStore
-from .sync import document_record
+from .records import document_record
 
 CALL_SETTINGS = ("max_tokens", "temperature", "top_p", "seed")  # what a framework call may set, by OpenAI's names
 PREVIEW_CHARS = 400  # how much of a routed cartridge's corpus a retriever shows as the document's text

@@ -28,8 +28,9 @@ UNITS = ("file", "folder")
 
 
 @attrs.frozen
-class Document:
-    """One document: the store's name for it, where it came from, its text and the hash of that text."""
+class SourceDocument:
+    """One document of the folder (or mapping) a store is synced from: the store's name for it, where it came from,
+    its text and the hash of that text. (Not `cartridges_sdk.Document`, one text of a `Corpus`.)"""
 
     name: str
     origin: str  # the path relative to the folder, or the name the user gave
@@ -69,7 +70,7 @@ def name_problem(name: str) -> str | None:
 
 def read_documents(source: str | os.PathLike | Mapping[str, str], *, unit: str = "file",
                    max_bytes: int = MAX_BYTES,
-                   include: tuple[str, ...] = ()) -> tuple[list[Document], list[NotADocument]]:
+                   include: tuple[str, ...] = ()) -> tuple[list[SourceDocument], list[NotADocument]]:
     """The documents of `source` (a folder, or a mapping of name to text) and the paths skipped, both sorted.
     `unit`, `max_bytes` and `include` are `SyncConfig`'s, checked there; a mapping's entries are its units already.
     With `include` patterns, a folder's files whose relative path matches none are passed over silently: left out
@@ -84,7 +85,7 @@ def read_documents(source: str | os.PathLike | Mapping[str, str], *, unit: str =
     files, skipped = _walk(root)
     if include:
         files = [(origin, path) for origin, path in files if any(fnmatch.fnmatchcase(origin, p) for p in include)]
-    documents: dict[str, Document] = {}
+    documents: dict[str, SourceDocument] = {}
     if unit == "file":
         groups = [(origin, [(origin, path)]) for origin, path in files]
     else:
@@ -115,11 +116,11 @@ def read_documents(source: str | os.PathLike | Mapping[str, str], *, unit: str =
             skipped.append(NotADocument(origin, problem))
             continue
         text = "\n\n".join(texts)
-        documents[name] = Document(name, origin, text, content_hash(text))
+        documents[name] = SourceDocument(name, origin, text, content_hash(text))
     return sorted(documents.values(), key=lambda d: d.name), sorted(skipped, key=lambda s: s.path)
 
 
-def _from_mapping(source: Mapping[str, str]) -> tuple[list[Document], list[NotADocument]]:
+def _from_mapping(source: Mapping[str, str]) -> tuple[list[SourceDocument], list[NotADocument]]:
     documents, skipped = [], []
     for name, text in source.items():
         problem = name_problem(name) if isinstance(name, str) else f"the name {name!r} is not a string"
@@ -130,7 +131,7 @@ def _from_mapping(source: Mapping[str, str]) -> tuple[list[Document], list[NotAD
         if problem is not None:
             skipped.append(NotADocument(str(name), problem))
         else:
-            documents.append(Document(name, name, text, content_hash(text)))
+            documents.append(SourceDocument(name, name, text, content_hash(text)))
     return sorted(documents, key=lambda d: d.name), sorted(skipped, key=lambda s: s.path)
 
 

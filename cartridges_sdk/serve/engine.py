@@ -17,7 +17,7 @@ import attrs
 
 from ..errors import BackendError, CartridgeError
 from ..plugins import ContinuousRuntime, Runtime
-from ..requests import Completion, GenerationRequest, settled_delta
+from ..generation import Completion, GenerationRequest, settled_delta
 
 log = logging.getLogger("cartridges_sdk.server")  # the name operators configure, kept from before serve/ existed
 

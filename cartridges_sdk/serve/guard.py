@@ -11,13 +11,13 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers
 
 from ..checks import is_loopback
-from ..errors import ConfigError
+from ..errors import CartridgeError
+from .settings import LOOPBACK_HOSTS, host_name
 
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
-
-class BadRequest(Exception):
-    """A request the server refuses: its HTTP status, and a message naming the field and the fix."""
+class BadRequest(CartridgeError):
+    """A request the server refuses: its HTTP status, and a message naming the field and the fix. Not a
+    `ConfigError`: the server's handlers turn those (the runtime's refusals) into a 400 of their own."""
 
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
@@ -53,27 +53,6 @@ class Guard:
         finally:
             if self.done is not None:
                 self.done(scope, status)
-
-
-def host_name(host: str) -> str:
-    """The name in a Host header, without its port: ``[::1]:8000`` -> ``::1``, ``Example.com:80`` -> ``example.com``."""
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[1:].split("]", 1)[0]
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-
-
-def host_names(value: Any) -> Any:
-    """Host names as a Host header gives them (lower case, no port or brackets); anything else is left for the
-    validator to refuse."""
-    if value is None or isinstance(value, str) or not isinstance(value, (list, tuple, set)):
-        return value
-    return tuple(host_name(h) if isinstance(h, str) else h for h in value)
-
-
-def check_host_names(_inst, _attr, value: Any) -> None:
-    if value is not None and (not isinstance(value, tuple) or not all(isinstance(h, str) and h for h in value)):
-        raise ConfigError(f"allowed_hosts={value!r:.80} must be a list of host names or addresses, or None for any.")
 
 
 def allowed_hosts(bind: str, named: Sequence[str] | None) -> tuple[str, ...] | None:

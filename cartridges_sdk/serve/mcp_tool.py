@@ -11,42 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
-
-from ..checks import at_least_one, positive
-from ..errors import ConfigError
-
-DESCRIPTION = ("Ask a question about the codebase. It is answered by a language model reading the cartridges (one "
-               "per source file) that the question is routed to; the answer names those files and their versions. "
-               "Ask about one thing at a time, naming the function, class or module when you know it.")
+from ..errors import CartridgeError
+from .settings import BridgeConfig
 
 
-def _url(_: object, attribute: attrs.Attribute, value: str) -> None:
-    if not isinstance(value, str) or not value.startswith(("http://", "https://")):
-        raise ConfigError(f"{attribute.name}={value!r} is not an http(s) URL; give the server's API base, e.g. "
-                          "http://127.0.0.1:8000/v1 for `cartridges serve --port 8000`.")
-
-
-def _tool_name(_: object, attribute: attrs.Attribute, value: str) -> None:
-    if not (isinstance(value, str) and value.isidentifier()):
-        raise ConfigError(f"{attribute.name}={value!r} is not a tool name; use letters, digits and '_', e.g. "
-                          "ask_codebase.")
-
-
-@attrs.frozen
-class BridgeConfig:
-    """Where the bridge sends questions and how its tool presents itself to the MCP client."""
-
-    base_url: str = attrs.field(default="http://127.0.0.1:8000/v1", validator=_url)
-    api_key: str | None = None  # the server's --api-key, sent as a bearer token
-    tool: str = attrs.field(default="ask_codebase", validator=_tool_name)
-    description: str = DESCRIPTION  # what the client's model reads to decide when to call the tool
-    k: int = attrs.field(default=1, validator=at_least_one)  # cartridges routed to per question
-    max_tokens: int = attrs.field(default=384, validator=at_least_one)
-    timeout: float = attrs.field(default=600.0, validator=positive)  # seconds: a CPU answer takes tens
-
-
-class BridgeError(Exception):
+class BridgeError(CartridgeError):
     """A question the server could not answer: its message goes back to the MCP client as the tool's error."""
 
 

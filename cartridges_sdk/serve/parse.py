@@ -4,14 +4,12 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import ConfigError
-from ..requests import GenerationParams
+from ..generation import GenerationParams
 from .guard import BadRequest
-
-if TYPE_CHECKING:
-    from .server import ServeConfig
+from .settings import ServeConfig
 
 ROLES = ("system", "user", "assistant")
 # request fields this server reads; others are refused by name (an ignored setting would answer something else)
@@ -62,7 +60,8 @@ def _message(i: int, m: Any) -> dict[str, str]:
 
 def parse_request(body: dict[str, Any], config: ServeConfig):
     """(cartridge names, or None for routing; messages; generation params; stream; whether a stream ends with usage),
-    or BadRequest naming the field."""
+    or BadRequest naming the field. Fields are checked in a fixed order, so a request with several faults is told
+    of the same one every time."""
     unknown = sorted(set(body) - FIELDS - {"k", "budget"})
     if unknown:
         raise BadRequest(400, f"Unsupported parameter(s) {unknown}; this server reads {sorted(FIELDS)}.", unknown[0])
@@ -70,12 +69,32 @@ def parse_request(body: dict[str, Any], config: ServeConfig):
     if not isinstance(model, str) or not model:
         raise BadRequest(400, "'model' must name a cartridge (GET /v1/models lists them), 'auto', or the bare model.",
                          "model")
+    messages = _messages(body)
+    _check_unsupported(body)
+    stream, include_usage = _streaming(body)
+    max_tokens, stop = _length(body, config)
+    _check_routing_sizes(body)
+    try:
+        params = GenerationParams(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 0.0),
+                                  top_p=_number(body, "top_p", 1.0), seed=body.get("seed"), stop=stop)
+    except (ConfigError, TypeError) as err:  # the settings' validators name the field first: "seed=... must be"
+        field = str(err).split("=", 1)[0]
+        raise BadRequest(400, str(err), field if field.isidentifier() else None) from None
+    return _names(body, model), messages, params, stream, include_usage
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest(400, "'messages' must be a non-empty list of {role, content}.", "messages")
     messages = [_message(i, m) for i, m in enumerate(messages)]
     if not any(m["role"] == "user" for m in messages):
         raise BadRequest(400, "'messages' needs at least one user turn.", "messages")
+    return messages
+
+
+def _check_unsupported(body: dict[str, Any]) -> None:
+    """`user` as the audit log takes it; `n` and the penalties only at the value every answer has here."""
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > 256):
         raise BadRequest(400, "'user' must be a string of at most 256 characters (it names the end user in the "
@@ -85,6 +104,10 @@ def parse_request(body: dict[str, Any], config: ServeConfig):
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name, 0) not in (0, 0.0, None):
             raise BadRequest(400, f"{name} is not supported (only 0).", name)
+
+
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether to stream, and whether the stream ends with usage."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(400, "'stream' must be true or false.", "stream")
@@ -95,7 +118,11 @@ def parse_request(body: dict[str, Any], config: ServeConfig):
         if not isinstance(options, dict) or set(options) - {"include_usage"} or \
                 not isinstance(options.get("include_usage", False), bool):
             raise BadRequest(400, "'stream_options' must be {\"include_usage\": true or false}.", "stream_options")
-    include_usage = bool((options or {}).get("include_usage", False))
+    return stream, bool((options or {}).get("include_usage", False))
+
+
+def _length(body: dict[str, Any], config: ServeConfig) -> tuple[int, Any]:
+    """max_tokens (the server's default when not given, within its limit) and the stop strings."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = config.default_max_tokens
@@ -104,6 +131,10 @@ def parse_request(body: dict[str, Any], config: ServeConfig):
     stop = body.get("stop") or ()
     if isinstance(stop, list) and len(stop) > 4:  # each is looked for after every token, in the whole batch's step
         raise BadRequest(400, f"'stop' has {len(stop)} strings; at most 4 are read (as OpenAI does).", "stop")
+    return max_tokens, stop
+
+
+def _check_routing_sizes(body: dict[str, Any]) -> None:
     k = body.get("k", 1)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 8:
         raise BadRequest(400, "'k' (cartridges routed to, with model='auto') must be an int from 1 to 8.", "k")
@@ -111,12 +142,10 @@ def parse_request(body: dict[str, Any], config: ServeConfig):
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise BadRequest(400, "'budget' (cartridge tokens routed to, with model='auto') must be a positive int.",
                          "budget")
-    try:
-        params = GenerationParams(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 0.0),
-                                  top_p=_number(body, "top_p", 1.0), seed=body.get("seed"), stop=stop)
-    except (ConfigError, TypeError) as err:  # the settings' validators name the field first: "seed=... must be"
-        field = str(err).split("=", 1)[0]
-        raise BadRequest(400, str(err), field if field.isidentifier() else None) from None
+
+
+def _names(body: dict[str, Any], model: str) -> list[str] | None:
+    """The cartridges asked for, composed in order; None: routed (model='auto'), with k or budget."""
     listed = body.get("cartridges")
     if listed is not None:
         if not isinstance(listed, list) or not listed or not all(isinstance(n, str) for n in listed):
@@ -133,7 +162,7 @@ def parse_request(body: dict[str, Any], config: ServeConfig):
     if routing and names is not None:  # a silently ignored field would answer from other cartridges than asked for
         raise BadRequest(400, f"'{routing[0]}' picks routed cartridges, so it goes with model='auto' and no "
                               "'cartridges'; drop it, or route.", routing[0])
-    return names, messages, params, stream, include_usage
+    return names
 
 
 def _number(body: dict[str, Any], name: str, default: float) -> float:

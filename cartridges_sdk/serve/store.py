@@ -31,7 +31,9 @@ from ..files import atomic_write
 from ..kv import Recent
 from ..lm import LM
 from .documents import CORPUS_SUFFIX, NAME, SUFFIX, name_problem
-from .sync import SyncConfig, SyncReport, document_record, forget, self_study, sync
+from .records import document_record, versions
+from .settings import SyncConfig
+from .sync import SyncReport, forget, self_study, sync
 from .words import STOPWORDS, routing_text
 
 log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed
@@ -382,8 +384,3 @@ class CartridgeStore:
         text = self.model.ask(question, cartridges=parts, runtime=runtime, runtime_options=runtime_options, **gen)
         return StoreAnswer(text=text, cartridges=tuple(names), versions=versions(parts))
 
-
-def versions(cartridges: Sequence[Cartridge]) -> tuple[str | None, ...]:
-    """The document version (SHA-256) each cartridge stands for, read from the cartridge itself so that it names
-    exactly what answered, even when the file was replaced since."""
-    return tuple((document_record(c) or {}).get("sha256") for c in cartridges)

@@ -25,20 +25,18 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
-from ..making.compaction import CompactionConfig
 from ..cartridge import Cartridge
-from ..checks import at_least_one, one_of
 from ..errors import ConfigError, StoreBusyError
 from ..files import folder_lock
-from .documents import (CORPUS_SUFFIX, MAX_BYTES, SUFFIX, UNITS, Document, NotADocument, content_hash, name_problem,
+from ..lm import LM
+from .documents import (CORPUS_SUFFIX, SUFFIX, NotADocument, SourceDocument, content_hash, name_problem,
                         read_documents, store_name)
-
-if TYPE_CHECKING:
-    from .store import CartridgeStore
+from .records import with_record
+from .settings import SyncConfig
 
 log = logging.getLogger("cartridges_sdk.store")
 
@@ -48,25 +46,21 @@ WORK = ".work"  # self-study's work folders, one per document version
 DISTRACTOR_POOL = 16  # the other cartridges one document's self-study draws its distractors from
 
 
-def _patterns(_: object, __: object, patterns: tuple) -> None:
-    for p in patterns:
-        if not isinstance(p, str) or not p.strip():
-            raise ConfigError(f"include holds {p!r}; each pattern is a non-empty glob such as '*.py' or 'src/*'.")
+class SyncedStore(Protocol):
+    """What sync reads and changes of a store: `CartridgeStore` is one (it calls sync, so sync names only this)."""
 
+    root: Path
+    model: LM
 
-@attrs.frozen
-class SyncConfig:
-    """How each document becomes a cartridge. Changing `tokens` rebuilds every document at the next sync."""
-
-    # cartridge tokens per document; a document no longer than this is kept whole (its exact KV, no compaction)
-    tokens: int = attrs.field(default=256, validator=at_least_one)
-    unit: str = attrs.field(default="file", validator=one_of(*UNITS))  # per file, or per entry at the folder's top
-    max_bytes: int = attrs.field(default=MAX_BYTES, validator=at_least_one)  # larger files are skipped
-    compaction: CompactionConfig = attrs.field(factory=CompactionConfig,
-                                               validator=attrs.validators.instance_of(CompactionConfig))
-    # glob patterns (fnmatch, '*' crosses folders) of the relative paths that are documents, e.g. ("*.py",);
-    # empty: every file. A document that stops matching is deleted from the store like one removed.
-    include: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_patterns)
+    def __contains__(self, name: object) -> bool: ...
+    def names(self) -> list[str]: ...
+    def get(self, name: str) -> Cartridge: ...
+    def add(self, name: str, cartridge: Cartridge, *, corpus: str | None = None, replace: bool = False) -> Path: ...
+    def remove(self, name: str) -> None: ...
+    def refresh(self) -> dict[str, list[str]]: ...
+    def records(self) -> dict[str, dict[str, Any]]: ...
+    def corpus_path(self, name: str) -> Path | None: ...
+    def _drop(self, name: str) -> None: ...  # forget a name whose files sync deleted itself
 
 
 @attrs.frozen
@@ -89,13 +83,7 @@ class SyncReport:
                 f"deleted {len(self.deleted)}, rejected {len(self.rejected)} in {self.seconds:.1f} s")
 
 
-def document_record(cartridge: Cartridge) -> dict[str, Any] | None:
-    """The document a synced cartridge stands for (name, origin, sha256, how it was built), or None."""
-    record = cartridge.meta.extra.get("document")
-    return record if isinstance(record, dict) and isinstance(record.get("sha256"), str) else None
-
-
-def sync(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None, *,
+def sync(store: SyncedStore, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None, *,
          timeout: float = 0, progress: bool = True) -> SyncReport:
     """`CartridgeStore.sync`: see the module docstring."""
     config = config or SyncConfig()
@@ -114,39 +102,10 @@ def sync(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], c
                               f"{' matching ' + ', '.join(config.include) if config.include else ''}, so "
                               f"this sync would delete all {len(records)} synced cartridges of the store at "
                               f"{store.root}; check the folder, or delete them on purpose with store.remove(name).")
-        todo: list[tuple[Document, bool]] = []  # (document, whether it replaces one)
-        skipped = []
-        for doc in documents:
-            record = records.get(doc.name)
-            if doc.name in store and record is None:
-                rejected.append(NotADocument(doc.origin, f"the store holds a cartridge {doc.name!r} that sync did not "
-                                                         "make; remove it from the store or rename the document"))
-            elif record is not None and _current(store, doc, record, config):
-                skipped.append(doc.name)
-            else:  # a file the store left out (another model's, say) is replaced too
-                todo.append((doc, doc.name in records or (store.root / f"{doc.name}{SUFFIX}").exists()))
+        todo, skipped = _plan(store, documents, records, rejected, config)
         for line in rejected:
             log.warning("sync %s: skipping %s: %s", store.root, line.path, line.why)
-        added, updated = [], []
-        # a renamed or copied document reuses the cartridge of its content (a self-studied one stays self-studied),
-        # unless that cartridge was already rewritten by this sync
-        by_content = {(r["sha256"], r.get("size")): name for name, r in records.items()}
-        for doc, replaces in _bar(todo, progress):
-            same = by_content.get((doc.sha256, config.tokens))
-            try:
-                if same is not None and same != doc.name and same not in added + updated:
-                    log.info("sync %s: %s has the content of %s; its cartridge is reused", store.root, doc.origin, same)
-                    cartridge = _recorded(store.model, store.get(same), doc, records[same]["method"],
-                                          int(records[same].get("tokens", 0)), config)
-                else:
-                    cartridge = build(store.model, doc, config)
-            except Exception as err:  # noqa: BLE001 - one document that fails to build must not stop the sync
-                why = f"it failed to build ({type(err).__name__}: {err}); the store keeps what it had"
-                log.warning("sync %s: skipping %s: %s", store.root, doc.origin, why)
-                rejected.append(NotADocument(doc.origin, why))
-                continue
-            store.add(doc.name, cartridge, corpus=doc.text, replace=True)
-            (updated if replaces else added).append(doc.name)
+        added, updated = _build_all(store, todo, records, rejected, config, progress)
         # what could not be read this time keeps its cartridge; a folder that could not be read keeps all under it
         kept = {store_name(r.path.split("/", 1)[0] if config.unit == "folder" else r.path) for r in rejected}
         present = {doc.name for doc in documents}
@@ -154,16 +113,67 @@ def sync(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], c
                          and not any(n.startswith(k + ".") for k in kept))
         for name in deleted:  # a document that could not be read this time keeps its cartridge: nothing is lost
             store.remove(name)
-        current = {doc.name: doc.sha256 for doc in documents}
-        for work in sorted((store.root / WORK).glob("*")):  # self-study work of versions that are gone
-            name, _, version = work.name.rpartition("-")
-            if name not in kept and current.get(name, "")[:16] != version:
-                shutil.rmtree(work, ignore_errors=True)
+        _clear_old_work(store.root, documents, kept)
     return SyncReport(tuple(added), tuple(updated), tuple(skipped), tuple(deleted),
                       tuple(sorted(rejected, key=lambda r: r.path)), round(time.perf_counter() - start, 3))
 
 
-def build(lm: Any, doc: Document, config: SyncConfig) -> Cartridge:
+def _plan(store: SyncedStore, documents: list[SourceDocument], records: dict[str, dict[str, Any]],
+          rejected: list[NotADocument], config: SyncConfig) -> tuple[list[tuple[SourceDocument, bool]], list[str]]:
+    """The documents to build (each with whether it replaces a cartridge) and the names of those unchanged; a name
+    the store holds a cartridge of that sync did not make joins `rejected`."""
+    todo: list[tuple[SourceDocument, bool]] = []
+    skipped = []
+    for doc in documents:
+        record = records.get(doc.name)
+        if doc.name in store and record is None:
+            rejected.append(NotADocument(doc.origin, f"the store holds a cartridge {doc.name!r} that sync did not "
+                                                     "make; remove it from the store or rename the document"))
+        elif record is not None and _current(store, doc, record, config):
+            skipped.append(doc.name)
+        else:  # a file the store left out (another model's, say) is replaced too
+            todo.append((doc, doc.name in records or (store.root / f"{doc.name}{SUFFIX}").exists()))
+    return todo, skipped
+
+
+def _build_all(store: SyncedStore, todo: list[tuple[SourceDocument, bool]], records: dict[str, dict[str, Any]],
+               rejected: list[NotADocument], config: SyncConfig, progress: bool) -> tuple[list[str], list[str]]:
+    """Build and store each document of `todo`: the names added and updated. One that fails to build joins
+    `rejected` and the store keeps what it had."""
+    added: list[str] = []
+    updated: list[str] = []
+    # a renamed or copied document reuses the cartridge of its content (a self-studied one stays self-studied),
+    # unless that cartridge was already rewritten by this sync
+    by_content = {(r["sha256"], r.get("size")): name for name, r in records.items()}
+    for doc, replaces in _bar(todo, progress):
+        same = by_content.get((doc.sha256, config.tokens))
+        try:
+            if same is not None and same != doc.name and same not in added + updated:
+                log.info("sync %s: %s has the content of %s; its cartridge is reused", store.root, doc.origin, same)
+                cartridge = with_record(store.model, store.get(same), doc, records[same]["method"],
+                                        int(records[same].get("tokens", 0)), config.tokens)
+            else:
+                cartridge = build(store.model, doc, config)
+        except Exception as err:  # noqa: BLE001 - one document that fails to build must not stop the sync
+            why = f"it failed to build ({type(err).__name__}: {err}); the store keeps what it had"
+            log.warning("sync %s: skipping %s: %s", store.root, doc.origin, why)
+            rejected.append(NotADocument(doc.origin, why))
+            continue
+        store.add(doc.name, cartridge, corpus=doc.text, replace=True)
+        (updated if replaces else added).append(doc.name)
+    return added, updated
+
+
+def _clear_old_work(root: Path, documents: list[SourceDocument], kept: set[str]) -> None:
+    """Delete self-study's work folders of document versions that are gone (a document `kept` keeps its own)."""
+    current = {doc.name: doc.sha256 for doc in documents}
+    for work in sorted((root / WORK).glob("*")):
+        name, _, version = work.name.rpartition("-")
+        if name not in kept and current.get(name, "")[:16] != version:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def build(lm: Any, doc: SourceDocument, config: SyncConfig) -> Cartridge:
     """One document's cartridge, its record inside: the whole text's KV when it fits in `tokens`, else compacted
     (per chunk and composed when the document is longer than the model's context)."""
     ids = lm.encode(doc.text)
@@ -174,10 +184,10 @@ def build(lm: Any, doc: Document, config: SyncConfig) -> Cartridge:
     else:
         cartridge = Cartridge.compact(lm, ids, config.tokens, config=config.compaction, progress=False)
         method = "compact"
-    return _recorded(lm, cartridge, doc, method, len(ids), config)
+    return with_record(lm, cartridge, doc, method, len(ids), config.tokens)
 
 
-def self_study(store: CartridgeStore, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None,
+def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None,
                settings: Mapping[str, Any] | None = None, *, limit: int | None = None, distractors: int = 0,
                progress: bool = True) -> tuple[str, ...]:
     """Train by self-study the cartridge of each document that sync compacted (at most `limit` of them), replacing
@@ -220,14 +230,14 @@ def self_study(store: CartridgeStore, source: str | os.PathLike | Mapping[str, s
                 log.warning("self-study %s: %s changed while it trained; its result is dropped", store.root, doc.name)
                 continue
             tokens = int(record.get("tokens", 0))
-            store.add(doc.name, _recorded(store.model, trained, doc, "self-study", tokens, config), corpus=doc.text,
-                      replace=True)
+            store.add(doc.name, with_record(store.model, trained, doc, "self-study", tokens, config.tokens),
+                      corpus=doc.text, replace=True)
         shutil.rmtree(work, ignore_errors=True)
         improved.append(doc.name)
     return tuple(improved)
 
 
-def forget(store: CartridgeStore, name: str, documents: str | os.PathLike | None = None, *,
+def forget(store: SyncedStore, name: str, documents: str | os.PathLike | None = None, *,
            timeout: float = 0) -> list[Path]:
     """`CartridgeStore.forget`: see its docstring."""
     if not isinstance(name, str) or name_problem(name) is not None:
@@ -270,7 +280,7 @@ def _remove_document(folder: Path, origin: str, name: str) -> list[Path]:
     return [source]
 
 
-def among_others(store: CartridgeStore, name: str, work: Path) -> list[Cartridge]:
+def among_others(store: SyncedStore, name: str, work: Path) -> list[Cartridge]:
     """The distractors `name` trains among: up to ``DISTRACTOR_POOL`` of the store's other cartridges, drawn once
     and kept in its work folder, so a resumed training meets the same ones whatever the store became meanwhile."""
     kept = work / "distractors"
@@ -286,15 +296,7 @@ def among_others(store: CartridgeStore, name: str, work: Path) -> list[Cartridge
     return [Cartridge.load(p, store.model) for p in sorted(kept.glob(f"*{SUFFIX}"))]
 
 
-def _recorded(lm: Any, cartridge: Cartridge, doc: Document, method: str, tokens: int, config: SyncConfig) -> Cartridge:
-    """`cartridge` carrying the record of the document version it stands for."""
-    record = {"name": doc.name, "origin": doc.origin, "sha256": doc.sha256, "tokens": tokens, "method": method,
-              "size": config.tokens}
-    meta = attrs.evolve(cartridge.meta, extra={**cartridge.meta.extra, "document": record})
-    return Cartridge(cartridge.keys, cartridge.values, meta, lm=lm)
-
-
-def _current(store: CartridgeStore, doc: Document, record: dict[str, Any], config: SyncConfig) -> bool:
+def _current(store: SyncedStore, doc: SourceDocument, record: dict[str, Any], config: SyncConfig) -> bool:
     """Whether the stored cartridge stands for this version of the document, built at this size, and its corpus
     text (what routing reads) is this version too."""
     if record.get("sha256") != doc.sha256 or record.get("size") != config.tokens:

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, StoreBusyError
 from .documents import snapshot
-from .sync import SyncConfig, SyncReport
+from .settings import SyncConfig
+from .sync import SyncReport
 
 if TYPE_CHECKING:
     from .store import CartridgeStore

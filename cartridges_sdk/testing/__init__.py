@@ -16,8 +16,8 @@ Importing this module imports transformers and tokenizers; the rest of the SDK n
 """
 
 from ..errors import ContractViolation
+from ..generation import Completion, GenerationParams, GenerationRequest, SynthesisRequest  # what tests build
 from ..net import free_port  # tests and plugins start servers on it
-from ..requests import Completion, GenerationParams, GenerationRequest, SynthesisRequest  # what tests build
 from ..serve.background import serving
 from .contract import (CONTRACT_TEXTS, QUESTIONS, check_composition, check_no_cross_talk, check_runtime,
                        check_runtime_exactness, check_stream, check_synthesizer, check_wrong_model_refused)

@@ -11,9 +11,9 @@ import numpy as np
 from ..cartridge import Cartridge
 from ..errors import CartridgeError, ContractViolation, IncompatibleCartridgeError
 from ..fileformat import CartridgeMeta
+from ..generation import Completion, GenerationParams, GenerationRequest, SynthesisRequest
 from ..plugins import Runtime, Synthesizer, SynthesizerCapabilities
 from ..probe import check_same_model
-from ..requests import Completion, GenerationParams, GenerationRequest, SynthesisRequest
 
 if TYPE_CHECKING:
     from ..lm import LM
@@ -254,8 +254,15 @@ def check_synthesizer(synthesizer: Synthesizer, lm: LM, *, tolerance: float = 1e
     except CartridgeError as err:
         fail("same model", str(err))
     k = min(5, caps.max_top_logprobs)
-    stop_ids = tuple(sorted(lm.eos_token_ids))
     contexts = [lm.encode(t) for t in CONTRACT_TEXTS[:2]]
+    _check_sampling(synthesizer, lm, contexts, k, tolerance, max_tokens)
+    _check_scoring(synthesizer, lm, contexts[0], k, tolerance)
+
+
+def _check_sampling(synthesizer: Synthesizer, lm: LM, contexts: list[list[int]], k: int, tolerance: float,
+                    max_tokens: int) -> None:
+    """Sampled tokens end as the request says and carry the teacher's own top-k for exactly those tokens."""
+    stop_ids = tuple(sorted(lm.eos_token_ids))
     requests = [
         SynthesisRequest(lm.prompt_ids([{"role": "user", "content": q}], prefix_ids=contexts[g]), stop_ids, max_tokens,
                          temperature=0.7, top_logprobs=k, group=g, seed=10 * g + i)
@@ -278,26 +285,29 @@ def check_synthesizer(synthesizer: Synthesizer, lm: LM, *, tolerance: float = 1e
             if diff > tolerance or gap > tolerance:
                 fail("teacher top-k", f"request {i}: top-{k} log-probs differ from the student model's own forward by "
                       f"{diff:.2e} (first-choice gap {gap:.2e}; tolerance {tolerance:.0e}).")
+
+
+def _check_scoring(synthesizer: Synthesizer, lm: LM, context: list[int], k: int, tolerance: float) -> None:
+    """`score` gives the teacher's own top-k for given sequences when the capabilities claim it, and refuses
+    otherwise."""
     sequences = [lm.tokenizer(t, add_special_tokens=False)["input_ids"][:12] for t in CONTRACT_TEXTS[1:]]
-    if caps.score:
+    if not synthesizer.capabilities.score:
         try:
-            scored = synthesizer.score(contexts[0], sequences, max(k, 1))
-        except Exception as err:  # noqa: BLE001 - whatever it raised, the claim was false
-            fail("capabilities", f"capabilities.score is True but score() failed: {type(err).__name__}: {err}")
-        for seq, (top_ids, top_lps) in zip(sequences, scored):
-            if np.asarray(top_ids).shape != (len(seq) - 1, max(k, 1)):
-                fail("scoring", f"score() returned shape {np.asarray(top_ids).shape} for a {len(seq)}-token sequence.")
-            diff, gap = _topk_gap(_reference_logp(lm, contexts[0] + seq[:1], seq[1:]), top_ids, top_lps)
-            if diff > tolerance or gap > tolerance:
-                fail("scoring", f"score() differs from the student model's own forward by {diff:.2e} "
-                      f"(first-choice gap {gap:.2e}; tolerance {tolerance:.0e}).")
-    else:
-        try:
-            synthesizer.score(contexts[0], sequences, 1)
+            synthesizer.score(context, sequences, 1)
         except CartridgeError:
-            pass
-        else:
-            fail("capabilities", "score() ran although capabilities.score is False; declare score=True.")
+            return
+        fail("capabilities", "score() ran although capabilities.score is False; declare score=True.")
+    try:
+        scored = synthesizer.score(context, sequences, max(k, 1))
+    except Exception as err:  # noqa: BLE001 - whatever it raised, the claim was false
+        fail("capabilities", f"capabilities.score is True but score() failed: {type(err).__name__}: {err}")
+    for seq, (top_ids, top_lps) in zip(sequences, scored):
+        if np.asarray(top_ids).shape != (len(seq) - 1, max(k, 1)):
+            fail("scoring", f"score() returned shape {np.asarray(top_ids).shape} for a {len(seq)}-token sequence.")
+        diff, gap = _topk_gap(_reference_logp(lm, context + seq[:1], seq[1:]), top_ids, top_lps)
+        if diff > tolerance or gap > tolerance:
+            fail("scoring", f"score() differs from the student model's own forward by {diff:.2e} "
+                  f"(first-choice gap {gap:.2e}; tolerance {tolerance:.0e}).")
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -12,9 +12,10 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from ..errors import ConfigError
+from ..generation import Completion, GenerationRequest, SynthesisRequest
 from ..models import load_model
 from ..plugins import Runtime, Synthesizer, SynthesizerCapabilities
-from ..requests import Completion, GenerationRequest, SynthesisRequest
 
 if TYPE_CHECKING:
     from ..lm import LM
@@ -69,7 +70,7 @@ def tiny_model(kind: str, vocab_size: int, seed: int = 0):
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1000000.0, eos_token_id=4, pad_token_id=5))
     else:
-        raise ValueError(f"kind={kind!r} must be 'llama' or 'qwen2'.")
+        raise ConfigError(f"kind={kind!r} must be 'llama' or 'qwen2'.")
     return model.float().eval()
 
 

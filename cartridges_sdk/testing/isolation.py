@@ -10,12 +10,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..generation import Completion, GenerationRequest
 from ..plugins import ContinuousRuntime, Runtime
-from ..requests import Completion, GenerationRequest
 from ..serve.background import serving
 from .contract import fail
 
 POISON = "POISON"  # a request whose last message holds this word makes a `Failing` runtime fail its batch
+# (with a plain RuntimeError, as an engine's own code fails, not with an SDK error: the server must survive either)
 
 
 class _Gate:
@@ -128,7 +129,8 @@ def check_one_request_fails_alone(runtime: Runtime, store: Any, names: Sequence[
     alone), sent while the engine is held so they reach the runtime as one batch; one of them is
     `poison` (a request body), or else one that makes `failing(runtime)` fail its batch. That one gets an error
     (400 for a body the server refuses, 500 for a failed engine) and every other gets the answer it gets alone."""
-    from ..serve.server import ServeConfig, create_app  # FastAPI: the [serve] extra, not the core
+    from ..serve.server import create_app  # FastAPI: the [serve] extra, not the core
+    from ..serve.settings import ServeConfig
 
     served = failing(runtime) if poison is None else runtime
     app = create_app(store, served, ServeConfig(max_batch=16))

@@ -19,7 +19,8 @@ from cartridges_sdk import BackendError, Cartridge, IncompatibleCartridgeError, 
 from cartridges_sdk.cli import main
 from cartridges_sdk.making.dataset import SelfStudyDataset
 from cartridges_sdk.plugins import synthesizers
-from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.making.settings import SynthesisConfig
+from cartridges_sdk.making.synthesis import synthesize
 from cartridges_sdk.probe import probe_request
 from cartridges_sdk.testing import free_port
 from cartridges_sdk.testing.fixtures import lm  # noqa: F401  (the module's model, a pytest fixture)

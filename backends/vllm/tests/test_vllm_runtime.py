@@ -117,7 +117,8 @@ def test_cartridges_serve_feeds_vllm_requests_as_they_arrive(runtime, lm, tmp_pa
     import openai
 
     from cartridges_sdk import CartridgeStore
-    from cartridges_sdk.serve.server import ServeConfig, create_app
+    from cartridges_sdk.serve.server import create_app
+    from cartridges_sdk.serve.settings import ServeConfig
 
     store = CartridgeStore(tmp_path, lm)
     for i, text in enumerate(testing.CONTRACT_TEXTS[:3]):

@@ -7,7 +7,8 @@ import pytest
 
 from cartridges_sdk import Cartridge, ConfigError, IncompatibleCartridgeError, testing
 from cartridges_sdk.plugins import synthesizers
-from cartridges_sdk.making.synthesis import SynthesisConfig, synthesize
+from cartridges_sdk.making.settings import SynthesisConfig
+from cartridges_sdk.making.synthesis import synthesize
 from cartridges_sdk.testing.fixtures import lm  # noqa: F401  (the module's model, a pytest fixture)
 
 pytestmark = pytest.mark.default_model

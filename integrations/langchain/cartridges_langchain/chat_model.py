@@ -13,7 +13,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, PrivateAttr, model_validator
 
-from cartridges_sdk.serve.answering import Answerer, Chosen, Usage
+from cartridges_sdk.serve import Answerer, Chosen, Usage
 
 from .errors import invalid_request, langchain_errors
 

@@ -11,7 +11,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, PrivateAttr, model_validator
 
-from cartridges_sdk.serve.answering import Answerer
+from cartridges_sdk.serve import Answerer
 
 from .errors import langchain_errors
 

@@ -117,7 +117,8 @@ def test_chat_openai_against_cartridges_serve(store):
     from langchain_openai import ChatOpenAI
 
     from cartridges_sdk.serve.background import serving
-    from cartridges_sdk.serve.server import ServeConfig, create_app
+    from cartridges_sdk.serve.server import create_app
+    from cartridges_sdk.serve.settings import ServeConfig
 
     expected = store.ask(QUESTION, max_new_tokens=10).text
     with serving(create_app(store, store.model.get_runtime("hf"), ServeConfig())) as url:

@@ -15,7 +15,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from cartridges_sdk.errors import ConfigError
-from cartridges_sdk.serve.answering import Answerer, Chosen, Usage
+from cartridges_sdk.serve import Answerer, Chosen, Usage
 
 ROLES = {MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant", MessageRole.SYSTEM: "system"}
 

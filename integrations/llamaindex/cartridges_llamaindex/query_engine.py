@@ -11,7 +11,7 @@ from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingR
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from cartridges_sdk.serve.answering import Answerer
+from cartridges_sdk.serve import Answerer
 
 from .llm import in_thread
 

@@ -15,8 +15,7 @@ from .checks import at_least_one, count, non_negative, optional_int, unit_interv
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from .cartridge import Cartridge
-    from .lm import LM
+    from .protocols import KVPrefix, RunningModel
 
 Message = dict[str, str]
 
@@ -99,7 +98,7 @@ class Completion:
 
     @classmethod
     def from_ids(
-        cls, lm: LM, ids: Sequence[int], finish_reason: str | None, *, stop_ids: Iterable[int] = (),
+        cls, lm: RunningModel, ids: Sequence[int], finish_reason: str | None, *, stop_ids: Iterable[int] = (),
         stop: Sequence[str] = (), top_ids: Any = None, top_logprobs: Any = None,
     ) -> Completion:
         """Generated ids as a `Completion`, the same in every engine: the text is the student's tokenizer's decoding
@@ -123,7 +122,7 @@ class GenerationRequest:
     """
 
     messages: tuple[Message, ...] = attrs.field(converter=_messages)
-    cartridges: tuple[Cartridge, ...] = attrs.field(default=(), converter=tuple)
+    cartridges: tuple[KVPrefix, ...] = attrs.field(default=(), converter=tuple)
     params: GenerationParams = attrs.field(factory=GenerationParams)
     prefix_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
 

@@ -1,0 +1,195 @@
+"""The making stage's settings: how conversations are sampled (`SynthesisConfig`), how a corpus is compacted
+(`CompactionConfig`), where training starts (`StartConfig`), and the flat keyword settings of `Cartridge.from_corpus`
+and the CLI's ``--set`` split between the stages and validated in one place (`check_settings`).
+
+One module below every module that reads them, so the stage's modules take their settings from below themselves.
+How a cartridge is trained (`TrainConfig`) is the trainer's input and lives in the core (`trainer_inputs.py`), beside
+the `Trainer` contract. The names and defaults here are what dataset headers and cartridge metadata record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from ..cartridge import Cartridge
+from ..checks import at_least_one, boolean, count, non_negative, one_of, optional_int, positive
+from ..errors import ConfigError
+from ..trainer_inputs import TrainConfig
+from .corpus import ChunkSampler
+from .seeds import DEFAULT_WEIGHTS, check_weights
+
+# -- synthesis ---------------------------------------------------------------------------------------------------
+
+
+def _text(_inst, attribute, value):
+    if not isinstance(value, str):
+        raise ConfigError(f"{attribute.name}={value!r:.60} must be a string.")
+
+
+def _weights(_inst, _attribute, value):
+    check_weights(value)
+
+
+# the default data budget: from a compacted start, half the data of the first recipe reached the same quality
+# in half the time (docs/self-study.md)
+DEFAULT_CONVERSATIONS = 128
+DEFAULT_DOCUMENT_WINDOWS = 96
+
+
+@attrs.frozen
+class SynthesisConfig:
+    """How self-study conversations are sampled. Defaults suit a small model on a CPU."""
+
+    num_conversations: int = attrs.field(default=DEFAULT_CONVERSATIONS, validator=at_least_one)
+    rounds: int = attrs.field(default=1, validator=at_least_one)
+    min_chunk: int = attrs.field(default=512, validator=at_least_one)
+    max_chunk: int = attrs.field(default=1024, validator=at_least_one)  # CPU-sized; the sampler allows 4096
+    description: str | None = attrs.field(default=None, validator=attrs.validators.optional(_text))
+    conversations_per_chunk: int = attrs.field(default=16, validator=at_least_one)
+    seed_weights: Mapping[str, float] = attrs.field(factory=lambda: dict(DEFAULT_WEIGHTS), converter=dict, validator=_weights)
+    temperature_a: float = attrs.field(default=0.7, validator=non_negative)
+    temperature_b: float = attrs.field(default=0.5, validator=non_negative)
+    max_tokens_a: int = attrs.field(default=48, validator=at_least_one)
+    max_tokens_b: int = attrs.field(default=64, validator=at_least_one)
+    top_k: int = attrs.field(default=20, validator=at_least_one)
+    targets: str = attrs.field(default="assistant")
+    a_context: str = attrs.field(default="message")
+    document_windows: int = attrs.field(default=DEFAULT_DOCUMENT_WINDOWS, validator=count)
+    window_tokens: int = attrs.field(default=256)
+    windows_per_chunk: int = attrs.field(default=4, validator=at_least_one)
+    seed: int = attrs.field(default=0, validator=optional_int)
+
+    @a_context.validator
+    def _check_a_context(self, _attribute, value):
+        if value not in ("message", "prefix"):
+            raise ConfigError(f"a_context={value!r} must be 'message' (chunk inside A's prompt) or 'prefix' (before the chat).")
+
+    @window_tokens.validator
+    def _check_window_tokens(self, _attribute, value):
+        if not isinstance(value, int) or value < 2:
+            raise ConfigError(f"window_tokens={value!r} must be an integer >= 2: a window needs a token to predict after its first.")
+
+    @targets.validator
+    def _check_targets(self, _attribute, value):
+        if value not in ("assistant", "all"):
+            raise ConfigError(f"targets={value!r} must be 'assistant' (B's answers) or 'all' (every token after the first).")
+
+    def __attrs_post_init__(self):
+        ChunkSampler(self.min_chunk, self.max_chunk)  # validates the pair
+
+
+# -- compaction --------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class CompactionConfig:
+    """How the compact cache is fitted. The defaults were chosen on QASPER papers (docs/compaction.md)."""
+
+    corpus_queries: int = attrs.field(default=2048, validator=count)  # corpus positions used as references
+    probe_questions: tuple[str, ...] = attrs.field(default=())  # e.g. making.compaction.PROBE_QUESTIONS
+    answer_tokens: int = attrs.field(default=32, validator=count)  # greedy answer tokens per probe question
+    ridge: float = attrs.field(default=1e-2, validator=positive)  # relative to the mean diagonal of the system
+    # corpus queries are moved to positions T + [0, spread): where a user's question and answer sit after the corpus
+    spread: int = attrs.field(default=64, validator=count)
+    # restore the attention mass of the dropped keys (see `making.compaction.fit_layer`)
+    mass: bool = attrs.field(default=True, validator=boolean)
+    # which keys stay: those with the highest mean or highest peak attention weight over the reference queries
+    select: str = attrs.field(default="max", validator=one_of("max", "mean"))
+    max_chunk_tokens: int | None = attrs.field(default=None)  # None: the model's context minus room for a probe
+
+    @probe_questions.validator
+    def _check_probes(self, _attr, value) -> None:
+        if isinstance(value, str) or not isinstance(value, (tuple, list)):
+            raise ConfigError(f"probe_questions={value!r} must be a list of questions, e.g. [{value!r}].")
+        if any(not isinstance(q, str) or not q.strip() for q in value):
+            raise ConfigError(f"probe_questions={value!r} must be non-empty strings.")
+
+    @max_chunk_tokens.validator
+    def _check_chunk(self, _attr, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
+            raise ConfigError(f"max_chunk_tokens={value!r} must be None or an int >= 2.")
+
+    def __attrs_post_init__(self) -> None:
+        if self.corpus_queries == 0 and not self.probe_questions:
+            raise ConfigError("corpus_queries=0 with no probe_questions leaves no reference queries to fit to.")
+
+
+# -- self-study: where training starts, and the flat settings of both stages ---------------------------------------
+
+# the cartridges self-study training may start from (`init=`): a subset of the `init` values a cartridge's
+# metadata records (fileformat.INITS), which also name how a cartridge was made afterwards ("trained", "composed")
+STARTS = ("compact", "prefix", "random_text", "random")
+# where training starts: the corpus compacted (measured best, docs/self-study.md)
+DEFAULT_START = "compact"
+
+
+@attrs.frozen
+class StartConfig:
+    """The cartridge training starts from: `num_tokens` tokens made by `init` (one of `STARTS`; `seed` picks the
+    unrelated text or the random vectors), the first `num_frozen` never trained."""
+
+    num_tokens: int
+    init: str = DEFAULT_START
+    num_frozen: int = 1
+    seed: int = attrs.field(default=0, validator=optional_int)
+
+    def __attrs_post_init__(self) -> None:
+        if self.init not in STARTS:
+            raise ConfigError(f"init={self.init!r} must be one of {STARTS}.")
+        Cartridge.check_size(self.num_tokens, self.num_frozen)
+        if self.init == "compact" and self.num_frozen > 1:
+            raise ConfigError(f"num_frozen={self.num_frozen}: init='compact' keeps one attention sink; use "
+                              "num_frozen=1 or 0, or init='prefix'.")
+
+
+SYNTHESIS_SETTINGS = {f.name for f in attrs.fields(SynthesisConfig)} - {"num_conversations", "seed"}
+TRAINING_SETTINGS = {f.name for f in attrs.fields(TrainConfig)} - {"epochs", "seed"}
+# arguments of their own (keywords of from_corpus, flags of the CLI), never given as flat settings
+OWN_ARGUMENTS = ("num_tokens", "num_conversations", "epochs", "seed", "init", "num_frozen")
+
+
+def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Flat keyword settings -> (synthesis, training) settings, refusing unknown names."""
+    own = sorted(set(settings) & set(OWN_ARGUMENTS))
+    if own:
+        flags = ", ".join(f"--{k.removeprefix('num_').replace('_', '-')}" for k in own)
+        raise ConfigError(f"{own} are arguments of their own ({flags} on the command line), not --set settings.")
+    unknown = sorted(set(settings) - SYNTHESIS_SETTINGS - TRAINING_SETTINGS)
+    if unknown:
+        raise ConfigError(
+            f"Unknown setting(s) {unknown}. Synthesis settings: {sorted(SYNTHESIS_SETTINGS)}; "
+            f"training settings: {sorted(TRAINING_SETTINGS)}."
+        )
+    return (
+        {k: v for k, v in settings.items() if k in SYNTHESIS_SETTINGS},
+        {k: v for k, v in settings.items() if k in TRAINING_SETTINGS},
+    )
+
+
+def check_settings(
+    settings: dict[str, Any], *, num_tokens: int, num_conversations: int = DEFAULT_CONVERSATIONS, epochs: int = 1,
+    init: str = DEFAULT_START, seed: int = 0, num_frozen: int = 1,
+) -> tuple[StartConfig, SynthesisConfig, TrainConfig]:
+    """Every self-study setting of both stages, validated in one place before any model work; returns the configs.
+
+    Each error names the setting, the bad value and the fix (`--set lr=abc` -> ``lr='abc' must be a finite number``).
+    """
+    synth_settings, train_settings = split_settings(settings)
+    start = StartConfig(num_tokens, init, num_frozen, seed)
+    return (start, SynthesisConfig(num_conversations=num_conversations, seed=seed, **synth_settings),
+            TrainConfig(epochs=epochs, seed=seed, **train_settings))
+
+
+def check_training_settings(
+    settings: dict[str, Any], *, num_tokens: int, epochs: int = 1, init: str = DEFAULT_START, seed: int = 0,
+    num_frozen: int = 1,
+) -> tuple[StartConfig, TrainConfig]:
+    """The training stage's settings alone, validated (a synthesis setting is refused by name); returns the configs."""
+    _, train_settings = split_settings(settings)
+    if any(k not in TRAINING_SETTINGS for k in settings):
+        raise ConfigError(f"{sorted(set(settings) - TRAINING_SETTINGS)} are synthesis settings; training takes "
+                          f"{sorted(TRAINING_SETTINGS)}.")
+    return StartConfig(num_tokens, init, num_frozen, seed), TrainConfig(epochs=epochs, seed=seed, **train_settings)

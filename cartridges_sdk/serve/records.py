@@ -1,0 +1,40 @@
+"""What a synced cartridge says of the document it stands for, written by sync and read by the store, the server
+and the integrations.
+
+The record travels inside the cartridge file (``meta.extra["document"]``): ``name``, ``origin``, ``sha256`` (of the
+document's text), ``tokens`` (its length), ``method`` (``whole``, ``compact`` or ``self-study``) and ``size`` (the
+cartridge's tokens). Stores written by earlier versions hold the same keys, so they load as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ..cartridge import Cartridge
+
+if TYPE_CHECKING:
+    from .documents import SourceDocument
+
+
+def document_record(cartridge: Cartridge) -> dict[str, Any] | None:
+    """The document a synced cartridge stands for (name, origin, sha256, how it was built), or None."""
+    record = cartridge.meta.extra.get("document")
+    return record if isinstance(record, dict) and isinstance(record.get("sha256"), str) else None
+
+
+def versions(cartridges: Sequence[Cartridge]) -> tuple[str | None, ...]:
+    """The document version (SHA-256) each cartridge stands for, read from the cartridge itself so that it names
+    exactly what answered, even when the file was replaced since."""
+    return tuple((document_record(c) or {}).get("sha256") for c in cartridges)
+
+
+def with_record(lm: Any, cartridge: Cartridge, doc: SourceDocument, method: str, tokens: int, size: int) -> Cartridge:
+    """`cartridge` carrying the record of the document version it stands for, built by `method` at `size` tokens
+    from a document of `tokens` tokens."""
+    record = {"name": doc.name, "origin": doc.origin, "sha256": doc.sha256, "tokens": tokens, "method": method,
+              "size": size}
+    meta = attrs.evolve(cartridge.meta, extra={**cartridge.meta.extra, "document": record})
+    return Cartridge(cartridge.keys, cartridge.values, meta, lm=lm)
