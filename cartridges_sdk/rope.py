@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import CartridgeFormatError, ConfigError, UnsupportedModelError
+from .errors import CartridgeFormatError, UnsupportedModelError
 
 # RoPE variants whose rotation angle is position * inv_freq, so a shift by d positions is one extra rotation.
 POSITION_ADDITIVE_ROPE = {"default", "linear", "llama3", "yarn"}
@@ -75,7 +75,7 @@ def shift_keys(keys: torch.Tensor, shift: int | torch.Tensor, inv_freq: torch.Te
     if torch.is_tensor(shift):
         shift = shift.reshape(-1)
         if shift.numel() != keys.shape[-2]:
-            raise ConfigError(f"{shift.numel()} per-token shifts for {keys.shape[-2]} tokens; give one per token.")
+            raise ValueError(f"{shift.numel()} per-token shifts for {keys.shape[-2]} tokens.")
     angles = (shift.to(keys.device, torch.float64)[:, None] * freq) if torch.is_tensor(shift) else shift * freq
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
     sin = torch.cat([angles.sin(), angles.sin()], dim=-1)

@@ -69,6 +69,16 @@ def test_bad_settings_are_refused_before_synthesis(tiny_llama, tmp_path, setting
     assert spy.calls == 0 and not (tmp_path / "w" / "data" / "header.json").exists()
 
 
+def test_a_synthesizer_by_name_that_narrows_its_top_k_is_checked_as_built(tiny_llama, tmp_path):
+    """The HF synthesizer's class declares 1024 log-probs; the one built for a model of a smaller vocabulary caps
+    top-k at that vocabulary, and a top_k between the two is refused before synthesis, not inside it."""
+    vocab = tiny_llama.identity.architecture["vocab_size"]
+    assert vocab < 1024
+    with pytest.raises(ConfigError, match=rf"top_k={vocab + 1} but synthesizer 'hf' returns at most {vocab}"):
+        _build(tiny_llama, tmp_path / "w", synthesizer="hf", top_k=vocab + 1)
+    assert not (tmp_path / "w" / "data" / "header.json").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--set", "lr=abc"], "lr='abc' must be a finite number"),
     (["--set", "lr"], "--set 'lr' must look like key=value"),

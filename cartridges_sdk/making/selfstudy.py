@@ -35,7 +35,7 @@ from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_
 from .loss import check_shardable
 from .settings import (DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS, StartConfig, check_settings,
                        check_training_settings)
-from .synthesis import check_context, check_synthesizer, synthesize_checked
+from .synthesis import check_built_synthesizer, check_context, check_synthesizer, synthesize_checked
 
 COMPACT_START = "start-compact.safetensors"  # kept in the training folder, so a resumed run starts from it
 
@@ -161,7 +161,7 @@ def check_trainer(trainer: str | Trainer, options: dict[str, Any] | None, distra
         trainer_opts = cls.parse_options(options or {}, f"trainer {trainer!r}")
         if getattr(trainer_opts, "shard_model", False):  # before synthesis, not after it
             check_shardable(ranks_in_env())
-        can, name = cls.capabilities_with(trainer_opts).distractors, repr(trainer)
+        can, name = cls.capabilities_with(trainer_opts).distractors, cls.__name__
     elif isinstance(trainer, Trainer):
         can, name = trainer.capabilities.distractors, type(trainer).__name__
     else:
@@ -358,6 +358,7 @@ def build_cartridge(
     check_among(lm, distractors, train_cfg, num_tokens)
     work = work_model(lm, work_dtype)
     sampler, owned = synthesizers.resolve(synthesizer, work, synthesizer_options)
+    check_built_synthesizer(sampler, owned, synthesizer, synth_cfg)
     # one process group for both stages (under torchrun)
     with process_group(work.device), tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
         root = Path(output_dir) if output_dir is not None else Path(tmp)

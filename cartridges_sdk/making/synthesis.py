@@ -72,6 +72,20 @@ def check_synthesizer(synthesizer: str | Synthesizer, options: dict[str, Any] | 
         check_capabilities(config, synthesizer.capabilities, type(synthesizer).__name__)
 
 
+def check_built_synthesizer(built: Synthesizer, owned: bool, asked: str | Synthesizer, config: SynthesisConfig) -> None:
+    """Check `config` again against a synthesizer built by name when the instance narrowed what its class declared
+    (the HF one caps top-k at its model's vocabulary), closing it if it refuses: `check_synthesizer` saw the class."""
+    declared = type(built).capabilities_with(getattr(built, "options", None))
+    if not isinstance(asked, str) or built.capabilities == declared:
+        return
+    try:
+        check_capabilities(config, built.capabilities, f"synthesizer {asked!r}")
+    except ConfigError:
+        if owned:
+            built.close()
+        raise
+
+
 # room for a seed prompt and the chat markup around a chunk and the turns (the longest built-in seed prompt is ~90
 # tokens in the default model's tokenizer)
 PROMPT_MARKUP = 256
@@ -231,7 +245,7 @@ def _drop_damaged(dataset: SelfStudyDataset) -> None:
     damaged = dataset.drop_damaged()
     if damaged:
         warnings.warn(f"Making {len(damaged)} damaged part(s) of {str(dataset.path)!r} again: {', '.join(damaged)}",
-                      stacklevel=4)
+                      stacklevel=5)
 
 
 def _synthesize(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, ids: list[int],
