@@ -168,6 +168,7 @@ def test_ranks_given_other_data_stop_with_the_reason(tmp_path):
     assert done.stderr.count("The ranks were given other training data or settings than rank 0 (rank 1: ") == 2
 
 
+@pytest.mark.slow  # two ranks of the default model under torchrun; the tiny-model torchrun tests here stay in the default tier
 def test_cartridges_train_nproc_2_on_the_default_model(tmp_path, capsys):
     """`cartridges train --nproc 2` starts two ranks on this machine; the file it writes equals a one-process run's
     with the same settings."""
@@ -230,6 +231,7 @@ def test_ranks_that_cannot_share_a_synthesis_all_stop_with_the_reason(tmp_path, 
     assert len(re.findall(reason, done.stderr)) == 2  # said by both ranks: neither waits for the other
 
 
+@pytest.mark.slow  # both stages under torchrun, two ranks; the tiny-model torchrun tests here stay in the default tier
 def test_cartridges_build_nproc_2_shares_synthesis_and_training(tmp_path):
     """`cartridges build --nproc 2`: the two ranks make one dataset between them, equal to the one a single process
     makes, and train on it the cartridge one process trains with the same settings."""

@@ -29,8 +29,8 @@ The rules (what a page author needs to know):
   conversations with tiny chunks and turns, 2 processes where the docs say 4 or 8, short answers, placeholders such
   as ``MODEL_DIR``), each with the reason. Every entry must apply somewhere. Documented values that are cheap here
   (cartridge sizes, questions, file names) run as written.
-- **Tiers.** Pages in `SLOW_PAGES` (vLLM engine starts, about a minute each; five torchrun launches) run in the
-  slow tier (``-m slow``); the others in the default tier, about six minutes on a quiet 2-core machine.
+- **Tiers.** Pages in `SLOW_PAGES` (vLLM engine starts, about a minute each; five torchrun launches; the long
+  self-study, compaction and sync pages) run in the slow tier (``-m slow``); the others in the default tier.
 """
 
 from __future__ import annotations
@@ -178,9 +178,11 @@ SERVERS: dict[tuple[str, str], str] = {
     ("docs/openai.md", "vllm.entrypoints.openai.api_server"): "/v1/models",
 }
 
-# the slow tier: pages whose blocks start vLLM engines (about a minute each on 2 CPU cores), and the torchrun page
-# (five launches of two ranks; tests/test_distributed.py runs the same paths in the default tier)
-SLOW_PAGES = {"docs/vllm.md", "docs/openai.md", "docs/distributed.md"}
+# the slow tier: pages whose blocks start vLLM engines (about a minute each on 2 CPU cores), the torchrun page (five
+# launches of two ranks; tests/test_distributed.py runs the same paths in the default tier), and the long pages that
+# make cartridges by self-study or sync several documents (a minute or more each: their APIs have tests of their own)
+SLOW_PAGES = {"docs/vllm.md", "docs/openai.md", "docs/distributed.md", "docs/sync.md", "docs/getting-started.md",
+              "docs/compaction.md", "docs/self-study.md", "docs/plugins.md", "examples/medical_records/README.md"}
 PAGE_ENV = {"docs/openai.md": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "docs/vllm.md": {"VLLM_CPU_KVCACHE_SPACE": "1"}}
 
 # Run first in every page's interpreter: the small settings, and the checks AROUND uses.

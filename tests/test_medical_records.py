@@ -50,6 +50,7 @@ def test_the_records_are_laid_out_one_folder_per_patient(patients, tmp_path):
     assert records.simulate(2) == tuple(p for p in patients if p.name in {q.name for q in records.simulate(2)})
 
 
+@pytest.mark.slow  # compacts two records on the default model (about a minute); the records' own tests stay in the default tier
 @pytest.mark.default_model
 def test_the_medical_benchmark_on_the_default_model(tmp_path, default_lm):
     from benchmarks import medical

@@ -37,6 +37,7 @@ def trained(default_lm, tmp_path_factory):
     return c, work
 
 
+@pytest.mark.slow  # about 4 minutes of training (SETTINGS); the plumbing tests below, on SMALL, stay in the default tier
 def test_trained_beats_untrained_on_held_out_questions(default_lm, tmp_path):
     cartridge = Cartridge.from_corpus(TEXT, default_lm, num_tokens=P, seed=0, output_dir=tmp_path, progress=False,
                                       **SETTINGS)

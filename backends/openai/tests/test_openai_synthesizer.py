@@ -129,6 +129,7 @@ def test_from_corpus_and_the_cli_by_name(lm, server, tmp_path, capsys, caplog):
     assert "sk-not-to-be-seen" not in said.out + said.err + caplog.text + (out / "header.json").read_text()
 
 
+@pytest.mark.slow  # starts a second vLLM server, of another model (over a minute)
 def test_a_server_of_another_model_is_refused_before_work(lm, server, logs, tmp_path):
     # the same architecture and tokenizer with other weights (as a fine-tune would be): only the probe can tell
     from safetensors.torch import load_file, save_file
@@ -192,6 +193,7 @@ def _skips(said) -> int:
     return sum(int(m.group(1)) for w in said if (m := re.match(r"Skipped (\d+) bad", str(w.message))))
 
 
+@pytest.mark.slow  # servers killed and restarted mid-run (about 3 minutes)
 def test_servers_dying_lose_and_duplicate_nothing(lm, server, logs, tmp_path):
     config = SynthesisConfig(**LONG)
     data = tmp_path / "data"

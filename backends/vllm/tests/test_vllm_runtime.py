@@ -84,6 +84,7 @@ def test_an_unsupported_family_is_refused_before_the_engine_starts(monkeypatch):
         runtimes.create("vllm", gemma)
 
 
+@pytest.mark.slow  # an out-of-KV run: a second engine and 1,440 decoded tokens (about 3 minutes)
 def test_answers_stay_exact_when_the_engine_runs_out_of_kv_memory(lm):
     """Ten 128-token blocks for six ~520-token requests: vLLM preempts running requests and resumes them later, and
     the connector writes their cartridges again (seen once by logging the resume in the connector while writing this
