@@ -199,7 +199,6 @@ def test_short_documents_and_too_long_corpora(tmp_path, tiny_llama):
     assert not (tmp_path / "b" / "work" / "short-1+2+3").exists()
 
 
-@pytest.mark.slow  # syncs and self-studies several documents (about 45 s)
 def test_sync_benchmark_on_a_tiny_model(tmp_path, tiny_llama):
     from benchmarks import sync as bench
     from benchmarks.data import Corpus, Question
@@ -226,7 +225,6 @@ def test_sync_benchmark_on_a_tiny_model(tmp_path, tiny_llama):
         "routed", "whole_cartridge", "rag", "truncated_best"}
 
 
-@pytest.mark.slow  # a benchmark's child process loads the default model again (about 40 s)
 @pytest.mark.default_model
 def test_models_benchmark_measures_a_model_in_a_process_of_its_own(default_lm):
     from benchmarks.models import run_child

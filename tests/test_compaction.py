@@ -118,7 +118,6 @@ def test_bad_sizes_are_refused_before_any_work(tiny_llama):
         Cartridge.compact(tiny_llama, ids, 3, config=CompactionConfig(max_chunk_tokens=20), progress=False)
 
 
-@pytest.mark.slow  # a quality check on the default model; the compaction tests on tiny models stay in the default tier
 @pytest.mark.default_model
 def test_compacted_beats_the_first_tokens_on_held_out_questions(default_lm):
     """On hand-written questions about the sample corpus (never seen by compaction), a compacted cartridge is
