@@ -191,6 +191,31 @@ def test_the_audit_log_says_who_used_what_and_never_the_question(clinic):
     assert oct(os.stat(log).st_mode & 0o777) == "0o600"
 
 
+def test_the_audit_log_names_every_name_asked_for_and_is_one_line_for_every_reader(clinic):
+    """A 17th name (another clinician's patient behind 16 of one's own) is in the line; a long name is cut with a
+    mark that says so; Unicode line and paragraph separators and bidi controls in a request are written escaped."""
+    url, tokens, _, root = clinic
+    log = root / "audit.jsonl"
+    before = _settled_lines(log)
+    probe = ["patient-cy"] * 16 + ["patient-ada"]
+    assert call(url, tokens["dr-b"], ask("patient-cy", "Hi", cartridges=probe))[0] == 404
+    assert call(url, tokens["dr-b"], ask("x" * 1000, "Hi"))[0] == 404
+    tricky = "\u2028FORGED-LINE key=clin-a read patient-0001.txt status=200\u2029\u0085\u202e"
+    call(url, tokens["dr-b"], ask("patient-cy" + tricky, "Hi", user="nurse" + tricky))
+    call(url, None, ask(tricky, "Hi", user=tricky), path="/chat/completions" + tricky)
+    for _ in range(100):
+        records = [json.loads(line) for line in log.read_text(encoding="utf-8").split("\n")[before:] if line]
+        if len(records) >= 4:
+            break
+        time.sleep(0.05)
+    assert records[0]["asked"] == probe
+    assert records[1]["asked"] == ["x" * 200 + "...[cut: 1000 characters]"]
+    assert records[2]["user"] == "nurse" + tricky and records[2]["asked"] == ["patient-cy" + tricky]
+    raw = log.read_text(encoding="utf-8")
+    assert not any(c in raw for c in "\u2028\u2029\u0085\u202e")
+    assert len(raw.splitlines()) == len(raw.split("\n")) - 1  # str.splitlines splits where JSON lines do
+
+
 def test_a_key_file_and_a_single_key_exclude_each_other(tmp_path):
     with pytest.raises(ConfigError, match="exclude each other"):
         ServeConfig(api_key="sk-one", keys_file=tmp_path / "keys.json")

@@ -16,6 +16,15 @@ from pathlib import Path
 from typing import Any
 
 
+# how much of a name the log keeps: a longer one is cut with a mark that says so, never silently
+NAME_CHARS = 200
+
+
+def shown(name: str) -> str:
+    """`name` as the log keeps it: whole, or cut to `NAME_CHARS` with its full length said."""
+    return name if len(name) <= NAME_CHARS else f"{name[:NAME_CHARS]}...[cut: {len(name)} characters]"
+
+
 class AuditLog:
     """Appends request records to `path` (created if missing, never truncated)."""
 
@@ -31,7 +40,9 @@ class AuditLog:
         line = {"time": datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds"), **record}
         if not self.questions:
             line.pop("question", None)
-        data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
+        # ASCII JSON: line and paragraph separators (U+2028, U+2029, U+0085) and bidi controls (U+202E) that a
+        # request carries are written escaped, so every reader, one splitting on Unicode line breaks too, sees one line
+        data = (json.dumps(line, ensure_ascii=True) + "\n").encode()
         with self._lock:
             try:
                 os.write(self._fd, data)  # one write of the whole line: appends never interleave

@@ -35,7 +35,7 @@ from ..generation import GenerationParams, GenerationRequest
 from ..lm import LM
 from ..plugins import Runtime
 from .access import Grant, KeyFile, KeyFileError, RateLimits
-from .audit import AuditLog
+from .audit import AuditLog, shown
 from .documents import SUFFIX
 from .engine import Engine, Job
 from .guard import BadRequest, Guard, authorize, check_host
@@ -291,7 +291,7 @@ async def chat(request: Request):
     names, messages, params, stream, include_usage = parse_request(body, state.config)
     record.update(stream=stream, question=[m["content"] for m in messages if m["role"] == "user"][-1])
     if names is not None:  # the names asked for, refused ones too: a key probing for others' shows in the log
-        record["asked"] = [n[:200] for n in names[:16]]
+        record["asked"] = [shown(n) for n in names]  # every one: the request's size limit bounds them
     names, cartridges, prompt_tokens, used = await asyncio.to_thread(resolve, state, body, names, messages, params,
                                                                      grant)
     record["cartridges"] = names

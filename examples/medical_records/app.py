@@ -133,8 +133,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  Q ({label}): {q['ask']}\n    record says: {q['right']}\n"
                       f"    A: {show(*ask(url, key, model, q['ask'], args.max_tokens))}")
     print(f"\naudit log ({args.work / 'audit.jsonl'}), last lines:")
-    for line in (args.work / "audit.jsonl").read_text().splitlines()[-4:]:
-        print(f"  {line}")
+    # JSON lines: records end at "\n" alone (the log escapes every other line break), each read as JSON
+    records = [json.loads(line) for line in (args.work / "audit.jsonl").read_text().split("\n") if line]
+    for record in records[-4:]:
+        print(f"  {json.dumps(record)}")
     print(f"\nServe it: .venv/bin/cartridges serve --store {store.root} --keys {args.work / 'keys.json'} "
           f"--audit-log {args.work / 'audit.jsonl'} --model {args.model}")
     print(f"Delete a patient and every file made from their record: .venv/bin/cartridges forget PATIENT --store "
