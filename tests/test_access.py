@@ -199,7 +199,8 @@ def test_the_audit_log_names_every_name_asked_for_and_is_one_line_for_every_read
     before = _settled_lines(log)
     probe = ["patient-cy"] * 16 + ["patient-ada"]
     assert call(url, tokens["dr-b"], ask("patient-cy", "Hi", cartridges=probe))[0] == 404
-    assert call(url, tokens["dr-b"], ask("x" * 1000, "Hi"))[0] == 404
+    status, raw, _ = call(url, tokens["dr-b"], ask("x" * 100_000, "Hi"))
+    assert status == 404 and len(raw) < 2000 and "[cut: 100000 characters]" in raw  # the name is not echoed whole
     tricky = "\u2028FORGED-LINE key=clin-a read patient-0001.txt status=200\u2029\u0085\u202e"
     call(url, tokens["dr-b"], ask("patient-cy" + tricky, "Hi", user="nurse" + tricky))
     call(url, None, ask(tricky, "Hi", user=tricky), path="/chat/completions" + tricky)
@@ -209,7 +210,7 @@ def test_the_audit_log_names_every_name_asked_for_and_is_one_line_for_every_read
             break
         time.sleep(0.05)
     assert records[0]["asked"] == probe
-    assert records[1]["asked"] == ["x" * 200 + "...[cut: 1000 characters]"]
+    assert records[1]["asked"] == ["x" * 200 + "...[cut: 100000 characters]"]
     assert records[2]["user"] == "nurse" + tricky and records[2]["asked"] == ["patient-cy" + tricky]
     raw = log.read_text(encoding="utf-8")
     assert not any(c in raw for c in "\u2028\u2029\u0085\u202e")

@@ -237,7 +237,7 @@ def not_found(state: ServerState, name: str, grant: Grant | None) -> BadRequest:
     """The 404 for a name the request cannot use. For a key with an allow-list it reads the same whether the
     cartridge is missing or someone else's, and lists only the key's own."""
     where = "in the store" if grant is None else "in the store for this key"
-    return BadRequest(404, f"No cartridge {name!r} {where}; it holds: {', '.join(state.visible(grant)[:50]) or 'none'} "
+    return BadRequest(404, f"No cartridge {shown(name)!r} {where}; it holds: {', '.join(state.visible(grant)[:50]) or 'none'} "
                       f"(and 'auto', {state.lm.name!r}).", "model")
 
 
