@@ -36,6 +36,7 @@ import attrs
 
 from ..errors import ConfigError
 from ..files import atomic_write, folder_lock
+from .settings import check_rate
 
 FORMAT = "cartridges-keys/1"
 KEY_PREFIX = "ck-"
@@ -45,24 +46,6 @@ DEFAULT_RATE = "60/minute"
 
 def _hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-def check_rate(rate: str | None) -> str | None:
-    """`rate` if `limits` reads it (``60/minute``, ``5/second``, ``1000/day``), or None for no limit."""
-    if rate is None or (isinstance(rate, str) and rate.lower() == "none"):
-        return None
-    if not isinstance(rate, str):
-        raise ConfigError(f"rate={rate!r} must be a string such as '60/minute', or 'none'.")
-    from limits import parse
-
-    try:
-        if "," in rate or ";" in rate:  # `limits` would read one and drop the rest
-            raise ValueError(rate)
-        parse(rate)
-    except ValueError:
-        raise ConfigError(f"rate={rate!r} is not a rate; write it as COUNT/PERIOD, e.g. '60/minute', '5/second', "
-                          "'1000/day', or 'none'.") from None
-    return rate
 
 
 def _check_names(names: Iterable[str]) -> tuple[str, ...]:
@@ -256,6 +239,57 @@ class RateLimits:
             return None
         reset = self._limiter.get_window_stats(item, grant.key_id).reset_time
         return max(reset - time.time(), 0.0)
+
+
+class FailedLogins:
+    """Failed authentications by client address, counted in a moving window (the `limits` library): an address past
+    `rate` is refused whatever it sends until the window moves on, and its refusals are logged one line a minute
+    (`quiet`) instead of a line each, so a flood of wrong keys can neither guess on nor fill the disk."""
+
+    QUIET_SECONDS = 60.0
+
+    def __init__(self, rate: str) -> None:
+        from limits import parse
+        from limits.storage import MemoryStorage
+        from limits.strategies import MovingWindowRateLimiter
+
+        self._item = parse(rate)
+        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+        self._quiet: dict[str, tuple[float, int]] = {}  # address -> (when its last line was logged, refusals since)
+        self._lock = threading.Lock()
+
+    def wait(self, address: str) -> float | None:
+        """None if `address` may try a key now, else the seconds until it may."""
+        import time
+
+        if self._limiter.test(self._item, address):
+            return None
+        reset = self._limiter.get_window_stats(self._item, address).reset_time
+        return max(reset - time.time(), 1.0)
+
+    def failed(self, address: str) -> None:
+        self._limiter.hit(self._item, address)
+
+    def quiet(self, address: str) -> int | None:
+        """For a refusal of a blocked `address`: None when it is only counted, else the number of its refusals
+        counted since its last logged one (this one is to be logged, with that number)."""
+        import time
+
+        now = time.monotonic()
+        with self._lock:
+            since, count = self._quiet.get(address, (-self.QUIET_SECONDS, 0))
+            if now - since < self.QUIET_SECONDS:
+                self._quiet[address] = (since, count + 1)
+                return None
+            if len(self._quiet) > 10_000:  # many addresses: forget those whose minute is over (their count was 0
+                self._quiet = {a: v for a, v in self._quiet.items() if now - v[0] < self.QUIET_SECONDS or v[1]}
+            self._quiet[address] = (now, 0)
+            return count
+
+    def counted(self) -> dict[str, int]:
+        """The refusals counted and not yet logged, by address (logged when the server stops)."""
+        with self._lock:
+            return {address: count for address, (_, count) in self._quiet.items() if count}
 
 
 def _now() -> str:

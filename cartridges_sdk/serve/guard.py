@@ -6,13 +6,12 @@ from __future__ import annotations
 import hmac
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 
 from ..checks import is_loopback
 from ..errors import CartridgeError
-from .settings import LOOPBACK_HOSTS, host_name
+from .settings import LOOPBACK_HOSTS, host_name, origin_host, strict_host
 
 
 class BadRequest(CartridgeError):
@@ -24,14 +23,21 @@ class BadRequest(CartridgeError):
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
 
 
+class Unlogged(Exception):
+    """Raised into the app when its response cannot be logged: the response is dropped before its first byte."""
+
+
 class Guard:
     """A plain ASGI middleware that answers a request `check` refuses, and passes the rest through untouched
     (Starlette's BaseHTTPMiddleware would hide a client's disconnect from the endpoint, so a dropped request
-    would decode on). Each request carries a record (``scope["cartridges.audit"]``) that the endpoints fill in;
-    `done` gets it with the response's status once the response (a whole stream too) is over."""
+    would decode on). Each request carries a record (``scope["cartridges.audit"]``) that the endpoints fill in.
 
-    def __init__(self, app: Any, check, done=None) -> None:
-        self.app, self.check, self.done = app, check, done
+    `opened` gets the record with the response's status before the response's first byte is sent, and says whether
+    it was logged: a response that was not is replaced by a 503 (`unlogged`), so nothing is answered unlogged.
+    `done` gets it once the response (a whole stream too) is over, to log how a stream ended or a crash."""
+
+    def __init__(self, app: Any, check, opened=None, done=None, unlogged=None) -> None:
+        self.app, self.check, self.opened, self.done, self.unlogged = app, check, opened, done, unlogged
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -44,12 +50,18 @@ class Guard:
         async def sending(message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
+                if self.opened is not None and not self.opened(scope, message["status"]):
+                    raise Unlogged
                 status = message["status"]
             await send(message)
 
         try:
             refused = self.check(scope)
             await (refused or self.app)(scope, receive, sending)
+        except Unlogged:
+            if status is None and self.unlogged is not None:
+                status = 503
+                await self.unlogged()(scope, receive, send)
         finally:
             if self.done is not None:
                 self.done(scope, status)
@@ -72,14 +84,18 @@ def check_host(allowed: tuple[str, ...] | None, host: str | None, origin: str | 
     from another site; `allowed` None: any."""
     if allowed is None:
         return
-    name = host_name(host) if host is not None else None  # no Host header: not a browser, not a rebinding
-    if name is not None and name not in allowed:
-        raise BadRequest(403, f"This server does not answer requests addressed to {name[:100]!r} (Host header); "
-                         f"it answers {', '.join(allowed)}. If clients reach it by that name, start it "
-                         "with --allowed-host NAME.", "host")
+    if host is not None:  # no Host header: not a browser, not a rebinding
+        name = strict_host(host)
+        if name is None:  # a userinfo part, something after a bracketed address: read by some as another name
+            raise BadRequest(400, f"The Host header {host[:100]!r} is not a host name or address with an optional "
+                             "port.", "host")
+        if name not in allowed:
+            raise BadRequest(403, f"This server does not answer requests addressed to {name[:100]!r} (Host "
+                             f"header); it answers {', '.join(allowed)}. If clients reach it by that name, start "
+                             "it with --allowed-host NAME.", "host")
     # a web page's request carries its Origin: one from a page not served under an allowed name is another
     # site's, which may not make this server work (it could not read the answer, but it would spend the engine)
-    if origin is not None and host_name(urlsplit(origin).netloc or origin) not in allowed:
+    if origin is not None and origin_host(origin) not in allowed:
         raise BadRequest(403, f"Requests from web pages at {origin[:100]!r} (Origin header) are refused; start the "
                          "server with --allowed-host NAME for pages served under NAME.", "origin")
 

@@ -87,24 +87,50 @@ async def _wait(job: Job, request: Any) -> Completion:
             job.cancelled.set()
 
 
+# how often a running stream checks that its key still opens what answers it (revoked, rotated, narrowed)
+CHECK_SECONDS = 0.25
+
+
 async def stream_events(job: Job, rid: str, model: str, sources: dict[str, list], usage: dict[str, int],
-                        include_usage: bool, scrub: Callable[[str], str], record: dict[str, Any]) -> AsyncIterator[str]:
+                        include_usage: bool, scrub: Callable[[str], str], record: dict[str, Any],
+                        withdrawn: Callable[[], tuple[str, BadRequest] | None] | None = None) -> AsyncIterator[str]:
     """Server-sent events in the OpenAI chunk format, then usage (if asked for, as OpenAI does: a last chunk with no
-    choices); a client that goes away cancels its decoding."""
+    choices); a client that goes away cancels its decoding. Every `CHECK_SECONDS`, tokens or not, `withdrawn` says
+    whether the key may still read the answer: when it may not, an error event ends the stream."""
     def chunk(delta: dict[str, Any] | None, finish: str | None = None, **extra: Any) -> str:
         choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
         body = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                 "choices": choices, **sources, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
+    def error(message: str, kind: str) -> str:
+        return f"data: {json.dumps({'error': {'message': scrub(message), 'type': kind}})}\n\n"
+
     try:
         yield chunk({"role": "assistant", "content": ""})
-        while isinstance(piece := await job.out.get(), str):
-            yield chunk({"content": piece})
+        checked = time.monotonic()
+        while True:
+            try:
+                piece = await asyncio.wait_for(job.out.get(), CHECK_SECONDS)
+            except TimeoutError:
+                piece = ""
+            if withdrawn is not None and time.monotonic() - checked >= CHECK_SECONDS:
+                checked = time.monotonic()
+                stopped = withdrawn()
+                if stopped is not None:
+                    job.cancelled.set()
+                    record["error"] = stopped[0]  # the stream began with 200: the log says how it ended
+                    yield error(stopped[1].message, ERROR_TYPES.get(stopped[1].status, "server_error"))
+                    yield "data: [DONE]\n\n"
+                    return
+            if not isinstance(piece, str):
+                break
+            if piece:
+                yield chunk({"content": piece})
         if isinstance(piece, BaseException):
             kind = "invalid_request_error" if isinstance(piece, REFUSALS) else "server_error"
-            record["error"] = kind  # the stream began with 200: the log says how it ended
-            yield f"data: {json.dumps({'error': {'message': scrub(str(piece)), 'type': kind}})}\n\n"
+            record["error"] = kind
+            yield error(str(piece), kind)
             yield "data: [DONE]\n\n"  # the stream is over: clients waiting for the end marker stop here
             return
         if piece is None:  # cut short (the server is stopping)

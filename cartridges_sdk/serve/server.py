@@ -34,7 +34,7 @@ from ..errors import ConfigError
 from ..generation import GenerationParams, GenerationRequest
 from ..lm import LM
 from ..plugins import Runtime
-from .access import Grant, KeyFile, KeyFileError, RateLimits
+from .access import FailedLogins, Grant, KeyFile, KeyFileError, RateLimits
 from .audit import AuditLog, shown
 from .documents import SUFFIX
 from .engine import Engine, Job
@@ -46,6 +46,9 @@ from .settings import ServeConfig
 from .store import CartridgeStore, NotInStoreError
 
 GRANT = "cartridges.grant"  # the scope key of the request's grant (a key file's entry), set by the guard
+TOKEN = "cartridges.token"  # the scope key of the request's bearer key: a running answer checks it is still good
+JOB = "cartridges.job"  # the scope key of the request's engine job, stopped when the response ends however it ends
+LOGGED = "cartridges.logged"  # the scope key saying the request's line is in the audit log
 AUDIT = "cartridges.audit"  # the scope key of the request's audit record, filled in as the request is read
 
 
@@ -61,8 +64,13 @@ class ServerState:
     audit: AuditLog | None = None
     scrub: Callable[[str], str] = str
     engine: Engine | None = None
+    # failed authentications by client address (a key file or api_key)
+    logins: FailedLogins = attrs.field(default=attrs.Factory(lambda self: FailedLogins(self.config.auth_failures),
+                                                             takes_self=True))
     refreshed: float = 0.0  # when the store's folder was last re-read (time.monotonic)
     ids: Iterator[int] = attrs.field(factory=itertools.count)
+    # each audit line's request id: this server's start (hex seconds) and a count, so two runs' lines never clash
+    requests: Iterator[str] = attrs.field(factory=lambda: (f"{int(time.time()):x}-{n}" for n in itertools.count()))
 
     @classmethod
     def open(cls, store: CartridgeStore, config: ServeConfig) -> ServerState:
@@ -92,7 +100,8 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     app = FastAPI(title="cartridges-sdk", lifespan=functools.partial(_running, state, runtime))
     app.state.served = state
     app.add_exception_handler(BadRequest, _refused)
-    app.add_middleware(Guard, check=functools.partial(refusal, state), done=functools.partial(_logged, state))
+    app.add_middleware(Guard, check=functools.partial(refusal, state), opened=functools.partial(_opened, state),
+                       done=functools.partial(_ended, state), unlogged=_unlogged)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
@@ -107,6 +116,8 @@ async def _running(state: ServerState, runtime: Runtime, app: Any):
     finally:
         await asyncio.to_thread(state.engine.close)
         if state.audit is not None:
+            for address, count in state.logins.counted().items():
+                state.audit.write({"key": None, "client": address, "status": 429, "refusals_not_logged": count})
             state.audit.close()
 
 
@@ -136,10 +147,24 @@ def admit(state: ServerState, scope: dict[str, Any]) -> None:
     if state.audit is not None and state.audit.broken:
         raise BadRequest(503, "The server cannot write its audit log; its operator must fix that (the server's log "
                          "says why).", headers={"retry-after": "10"})
-    if state.keys is None:
-        authorize(state.config.api_key, headers)
+    if state.keys is None and state.config.api_key is None:
         return
-    grant = scope[GRANT] = key_grant(state.keys, headers)
+    address = scope[AUDIT]["client"] = (scope.get("client") or ("unknown",))[0]
+    wait = state.logins.wait(address)
+    if wait is not None:  # too many wrong keys from there: whatever it sends now is refused, and counted quietly
+        scope[AUDIT]["quiet"] = True
+        raise BadRequest(429, f"Too many failed authentications from this address ({state.config.auth_failures}); "
+                         f"retry in {wait:.0f} s.", headers={"retry-after": str(max(1, round(wait)))})
+    try:
+        if state.keys is None:
+            authorize(state.config.api_key, headers)
+            return
+        grant = scope[GRANT] = key_grant(state.keys, bearer(headers))
+    except BadRequest as refused:
+        if refused.status == 401:
+            state.logins.failed(address)
+        raise
+    scope[TOKEN] = bearer(headers)
     scope[AUDIT]["key"] = grant.key_id
     wait = state.limits.wait(grant)
     if wait is not None:
@@ -147,20 +172,40 @@ def admit(state: ServerState, scope: dict[str, Any]) -> None:
                          headers={"retry-after": str(max(1, round(wait)))})
 
 
-def key_grant(keys: KeyFile, headers: Headers) -> Grant:
-    """The grant of the request's bearer key: 401 without one that the file holds; 503 while the file is unreadable
-    (no request is let through on a file that may have revoked its key)."""
+def bearer(headers: Headers) -> str:
     given = headers.get("authorization", "")
-    token = given[7:] if given.lower().startswith("bearer ") else ""
+    return given[7:] if given.lower().startswith("bearer ") else ""
+
+
+def key_grant(keys: KeyFile, token: str) -> Grant:
+    """The grant of the bearer key `token`: 401 when the file does not hold it; 503 while the file is unreadable,
+    for every request, one without a key too (none is let through on a file that may have revoked its key)."""
     try:
-        grant = keys.authenticate(token) if token else None
+        grant = keys.authenticate(token)  # an empty token too: the file is read, and a broken one answers 503
     except KeyFileError as err:
         logging.getLogger("cartridges_sdk.serve").error("Refusing every request: %s", err)
         raise BadRequest(503, "The server's key file cannot be read; its operator must fix it (the server's log "
                          "says how).") from None
-    if grant is None:
+    if grant is None or not token:
         raise BadRequest(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
     return grant
+
+
+def withdrawn(state: ServerState, scope: dict[str, Any], names: list[str]) -> tuple[str, BadRequest] | None:
+    """Why a running answer's key may no longer read it (revoked, rotated, its grant narrowed, its file broken), as
+    the audit log's word and the refusal to send; None while it may."""
+    if state.keys is None:
+        return None
+    try:
+        grant = state.keys.authenticate(scope.get(TOKEN, ""))
+    except KeyFileError:
+        return "key-file-broken", BadRequest(503, "The server's key file cannot be read; the answer was stopped.")
+    if grant is None:
+        return "key-revoked", BadRequest(401, "This key was revoked or rotated; the answer was stopped.")
+    if not all(grant.allows(n) for n in names):
+        return "grant-withdrawn", BadRequest(403, "This key no longer opens the cartridges answering; the answer "
+                                             "was stopped.")
+    return None
 
 
 def grant_of(state: ServerState, scope: dict[str, Any]) -> Grant | None:
@@ -172,9 +217,42 @@ def grant_of(state: ServerState, scope: dict[str, Any]) -> Grant | None:
     return grant
 
 
-def _logged(state: ServerState, scope: dict[str, Any], status: int | None) -> None:
-    if state.audit is not None and scope["path"] != "/health":
-        state.audit.write({**scope[AUDIT], "status": status if status is not None else 500})
+def _opened(state: ServerState, scope: dict[str, Any], status: int) -> bool:
+    """Log the request before its response's first byte; False when the line could not be written (the response is
+    then replaced by a 503: nothing is answered unlogged). A blocked address's refusals are counted, a line a minute."""
+    if state.audit is None or scope["path"] == "/health":
+        return True
+    record = scope[AUDIT]
+    if record.pop("quiet", False):
+        counted = state.logins.quiet(record["client"])
+        if counted is None:
+            return True
+        record["refusals_not_logged"] = counted
+    record.setdefault("request", next(state.requests))
+    state.audit.write({**record, "status": status})
+    scope[LOGGED] = state.audit.broken is None
+    return scope[LOGGED] or status == 503
+
+
+def _ended(state: ServerState, scope: dict[str, Any], status: int | None) -> None:
+    """Once the response is over: its job stopped, and a second line for a stream that ended in an error (it began
+    with 200) or a request that crashed before its response began."""
+    job = scope.get(JOB)
+    if job is not None:
+        job.cancelled.set()
+    if state.audit is None or scope["path"] == "/health":
+        return
+    record = scope[AUDIT]
+    if status is None:
+        record.setdefault("request", next(state.requests))
+        state.audit.write({**record, "status": 500})
+    elif scope.get(LOGGED) and status == 200 and "error" in record:
+        state.audit.write({**record, "status": status, "ended": record["error"]})
+
+
+def _unlogged() -> Any:
+    return error_response(BadRequest(503, "The server cannot write its audit log; its operator must fix that (the "
+                                     "server's log says why).", headers={"retry-after": "10"}), str)
 
 
 # ---- which cartridges answer
@@ -295,15 +373,21 @@ async def chat(request: Request):
     names, cartridges, prompt_tokens, used = await asyncio.to_thread(resolve, state, body, names, messages, params,
                                                                      grant)
     record["cartridges"] = names
-    job = submit(state, GenerationRequest(messages, cartridges, params), stream)
+    job = request.scope[JOB] = submit(state, GenerationRequest(messages, cartridges, params), stream)
+    check = functools.partial(withdrawn, state, request.scope, names)
     rid = f"chatcmpl-{next(state.ids)}-{int(time.time())}"
     # which cartridges answered, and the version (SHA-256) of the document each stands for, if sync made it
     sources = {"cartridges": names, "versions": list(versions(cartridges))}
     usage = {"prompt_tokens": prompt_tokens, "cartridge_tokens": used}
     if stream:
         return StreamingResponse(stream_events(job, rid, body["model"], sources, usage, include_usage, state.scrub,
-                                               record), media_type="text/event-stream")
-    return completion_body(rid, body["model"], await answer(job, request), sources, usage)
+                                               record, check), media_type="text/event-stream")
+    out = await answer(job, request)
+    stopped = check()  # the key revoked while it ran: the answer is not sent
+    if stopped is not None:
+        record["error"] = stopped[0]
+        raise stopped[1]
+    return completion_body(rid, body["model"], out, sources, usage)
 
 
 def submit(state: ServerState, request: GenerationRequest, stream: bool) -> Job:

@@ -8,6 +8,7 @@ costs no FastAPI. Each validator's message names the bad value and the fix.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,27 @@ def host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
+# a Host header as RFC 9110 allows it: a name or an IPv4 address, or an IPv6 address in brackets; then an optional
+# port. Nothing else: no userinfo ("127.0.0.1:80@evil.example"), nothing after the brackets ("[::1]evil.example")
+_HOST = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+))(?::[0-9]{1,5})?")
+# an Origin header: a scheme, "://", and a Host as above; no path, no userinfo
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://(?P<host>[^/?#@\s]+)")
+
+
+def strict_host(host: str) -> str | None:
+    """The name in a Host header (lower case, no port or brackets), or None when the header is not exactly a host
+    and an optional port."""
+    found = _HOST.fullmatch(host.strip().lower())
+    return None if found is None else found["v6"] or found["name"]
+
+
+def origin_host(origin: str) -> str | None:
+    """The host name of an Origin header (``http://[::1]:8000`` -> ``::1``), or None when it is not exactly
+    ``scheme://host[:port]`` (``null``, a userinfo part, a path)."""
+    found = _ORIGIN.fullmatch(origin.strip().lower())
+    return None if found is None else strict_host(found["host"])
+
+
 def host_names(value: Any) -> Any:
     """Host names as a Host header gives them (lower case, no port or brackets); anything else is left for the
     validator to refuse."""
@@ -54,6 +76,30 @@ def _check_key(_inst, _attr, value: str | None) -> None:
                               or not value.isprintable() or " " in value):
         raise ConfigError("The API key must be a non-empty string of printable ASCII characters with no spaces (HTTP "
                           "headers carry ASCII only, so another key could never be sent as typed).")
+
+
+def check_rate(rate: str | None) -> str | None:
+    """`rate` if `limits` reads it (``60/minute``, ``5/second``, ``1000/day``), or None for no limit."""
+    if rate is None or (isinstance(rate, str) and rate.lower() == "none"):
+        return None
+    if not isinstance(rate, str):
+        raise ConfigError(f"rate={rate!r} must be a string such as '60/minute', or 'none'.")
+    from limits import parse
+
+    try:
+        if "," in rate or ";" in rate:  # `limits` would read one and drop the rest
+            raise ValueError(rate)
+        parse(rate)
+    except ValueError:
+        raise ConfigError(f"rate={rate!r} is not a rate; write it as COUNT/PERIOD, e.g. '60/minute', '5/second', "
+                          "'1000/day', or 'none'.") from None
+    return rate
+
+
+def _check_rate(_inst, attribute, value: Any) -> None:
+    if check_rate(value) is None:
+        raise ConfigError(f"{attribute.name}={value!r} must be a rate such as '10/minute': failed authentications "
+                          "are always limited.")
 
 
 @attrs.frozen
@@ -82,6 +128,9 @@ class ServeConfig:
     audit_log: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
     # write each request's last user turn into the audit log too (off: it may hold what the log must not)
     audit_questions: bool = False
+    # failed authentications one client address may make (a `limits` rate): past it, the address is answered 429
+    # whatever it sends, and its further refusals are counted in one audit line a minute instead of a line each
+    auth_failures: str = attrs.field(default="10/minute", validator=_check_rate)
 
     def __attrs_post_init__(self) -> None:
         if self.api_key is not None and self.keys_file is not None:
