@@ -150,8 +150,9 @@ def test_keys_are_checked_and_changed_without_a_restart(clinic):
     # a key file broken by hand: every request is refused until it is fixed (a revoked key never comes back)
     saved = (root / "keys.json").read_text()
     (root / "keys.json").write_text(saved[:-5])
-    status, raw, _ = call(url, tokens["dr-a"], ask("patient-ada", "q"))
-    assert status == 503 and "key file" in raw and str(root) not in raw
+    for token in (tokens["dr-a"], None, "ck-wrong"):  # the same for every request, one without a key too
+        status, raw, _ = call(url, token, ask("patient-ada", "q"))
+        assert status == 503 and "key file" in raw and str(root) not in raw
     (root / "keys.json").write_text(saved)
     assert call(url, tokens["dr-a"], ask("patient-ada", "q"))[0] == 200
 
@@ -215,6 +216,87 @@ def test_the_audit_log_names_every_name_asked_for_and_is_one_line_for_every_read
     raw = log.read_text(encoding="utf-8")
     assert not any(c in raw for c in "\u2028\u2029\u0085\u202e")
     assert len(raw.splitlines()) == len(raw.split("\n")) - 1  # str.splitlines splits where JSON lines do
+
+
+def test_nothing_is_answered_that_the_audit_log_does_not_hold(tmp_path, tiny_llama):
+    """An audit log that cannot be written (a full disk): the first request already is refused 503 before any answer
+    byte, whole or streamed, as is every one after it."""
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    store.add("patient-ada", Cartridge.from_prefix(tiny_llama, RECORDS["patient-ada"], 8), corpus=RECORDS["patient-ada"])
+    log = tmp_path / "audit.jsonl"
+    log.symlink_to("/dev/full")  # every write fails with ENOSPC
+    config = ServeConfig(api_key="sk-audit", audit_log=log)
+    with serving(create_app(store, tiny_llama.get_runtime("hf"), config)) as url:
+        for stream in (False, True, False):
+            status, raw, used = call(url, "sk-audit", ask("patient-ada", "What is the diagnosis?", stream=stream))
+            assert status == 503 and "audit log" in raw and used == [] and "data:" not in raw
+        assert httpx.get(f"{url}/models", headers={"authorization": "Bearer sk-audit"}).status_code == 503
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory, tiny_llama):
+    """A second server over the clinic's records, its own key file and audit log, that lets an address fail to
+    authenticate 5 times a minute (its own limit: the other tests' wrong keys come from the same address)."""
+    root = tmp_path_factory.mktemp("guarded")
+    store = CartridgeStore(root / "store", tiny_llama)
+    for name, text in RECORDS.items():
+        store.add(name, Cartridge.from_prefix(tiny_llama, text, 8), corpus=text)
+    keys = KeyFile(root / "keys.json", create=True)
+    config = ServeConfig(keys_file=root / "keys.json", audit_log=root / "audit.jsonl", auth_failures="5/minute")
+    with serving(create_app(store, tiny_llama.get_runtime("hf"), config)) as url:
+        yield url, keys, root / "audit.jsonl"
+
+
+def _stream_until_stopped(url: str, token: str, stop_after: int, stop) -> tuple[int, float, list[dict]]:
+    """Stream a long answer; after `stop_after` chunks call `stop`. (chunks after it, seconds after it, events)."""
+    events, after, stopped_at = [], 0, None
+    with httpx.stream("POST", url + "/chat/completions", headers={"authorization": f"Bearer {token}"}, timeout=120,
+                      json=ask("patient-ada", "Tell me everything.", stream=True, max_tokens=1500)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            events.append(json.loads(line[6:]))
+            if stopped_at is not None:
+                after += 1
+            elif len(events) == stop_after:
+                stop()
+                stopped_at = time.monotonic()
+    return after, time.monotonic() - stopped_at, events
+
+
+@pytest.mark.parametrize("how", ["revoke", "rotate", "deny"])
+def test_a_running_stream_stops_when_its_key_is_revoked_rotated_or_loses_the_grant(guarded, how):
+    url, keys, log = guarded
+    who = f"locum-{how}"
+    token = keys.add(who, ["patient-ada"], rate="100/minute")
+    change = {"revoke": lambda: keys.revoke(who), "rotate": lambda: keys.rotate(who),
+              "deny": lambda: keys.deny(who, ["patient-ada"])}[how]
+    after, seconds, events = _stream_until_stopped(url, token, 20, change)
+    # undisturbed, the same answer runs 1500 tokens (several seconds here): it was cut within a second
+    assert seconds < 1.0 and after < 200
+    error = events[-1]["error"]
+    assert error["type"] == ("permission_error" if how == "deny" else "authentication_error")
+    assert "stopped" in error["message"] and not any(e.get("choices", [{}])[0].get("finish_reason") for e in events[:-1])
+    ended = [json.loads(line) for line in log.read_text().splitlines() if f'"{who}"' in line]
+    assert [(r["status"], r.get("ended")) for r in ended] == [
+        (200, None), (200, "grant-withdrawn" if how == "deny" else "key-revoked")]
+    assert ended[0]["request"] == ended[1]["request"]  # the stream's first line and how it ended, tied together
+
+
+def test_failed_authentication_is_limited_per_address_and_logged_a_line_a_minute(guarded):
+    url, keys, log = guarded
+    good = keys.add("dr-flood", ["patient-ada"], rate="100/minute")
+    before = len(log.read_text().splitlines())
+    statuses = [call(url, f"ck-wrong-{i}", ask("patient-ada", "q"))[0] for i in range(40)]
+    assert statuses[:5] == [401] * 5 and set(statuses[5:]) == {429}
+    # past the limit, the address is refused whatever it sends, the right key too: guessing cannot go on
+    status, raw, _ = call(url, good, ask("patient-ada", "q"))
+    assert status == 429 and "failed authentications" in raw
+    lines = [json.loads(line) for line in log.read_text().splitlines()[before:]]
+    # 5 lines for the wrong keys, 1 for the first refusal of the blocked address; the other 35 are only counted
+    assert [r["status"] for r in lines] == [401] * 5 + [429]
+    assert all(r["client"] == "127.0.0.1" for r in lines) and lines[-1]["refusals_not_logged"] == 0
 
 
 def test_a_key_file_and_a_single_key_exclude_each_other(tmp_path):

@@ -145,10 +145,16 @@ def test_only_requests_addressed_to_the_server_are_answered(store, tiny_llama):
             assert r.status_code == 403 and "--allowed-host" in r.json()["error"]["message"], host
             assert "c0" not in r.text
             assert httpx.get(f"{url.removesuffix('/v1')}/docs", headers={"host": host}).status_code == 403
+        # read by some as 127.0.0.1 or ::1, by others as evil.example: refused, not guessed at
+        for host in ("127.0.0.1:80@evil.example", "[::1]evil.example", "[::1]:80.evil.example", "localhost:80/x"):
+            r = httpx.get(f"{url}/models", headers={"host": host})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "host", host
         for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", f"[::1]:{port}"):
             assert httpx.get(f"{url}/models", headers={"host": host}).status_code == 200, host
         # a page elsewhere posting straight to 127.0.0.1 (no rebinding needed) carries its Origin: refused
-        for origin in ("http://attacker.example", "null", "https://127.0.0.1.attacker.example:443"):
+        for origin in ("http://attacker.example", "null", "https://127.0.0.1.attacker.example:443",
+                       "http://127.0.0.1:1@evil.example", "http://[::1]@evil.example", "http://[::1]evil.example",
+                       "http://localhost/evil"):
             r = httpx.post(f"{url}/chat/completions", json=body("c0", "Hi"), headers={"origin": origin})
             assert r.status_code == 403 and "Origin" in r.json()["error"]["message"], origin
         r = httpx.post(f"{url}/chat/completions", json=body("c0", "Hi"), headers={"origin": f"http://localhost:{port}"})
