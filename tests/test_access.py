@@ -36,8 +36,8 @@ def clinic(tmp_path_factory, tiny_llama):
     """A store of four patients, a key file with a key for each clinician, an audit log, and a real server."""
     root = tmp_path_factory.mktemp("clinic")
     store = CartridgeStore(root / "store", tiny_llama)
-    for name, text in RECORDS.items():
-        store.add(name, Cartridge.from_prefix(tiny_llama, text, 8), corpus=text)
+    for name, text in RECORDS.items():  # each record says whose it is
+        store.add(name, Cartridge.from_prefix(tiny_llama, text, 8), corpus=text, subject=patient(name))
     keys = KeyFile(root / "keys.json", create=True)
     tokens = {who: keys.add(who, names, rate="1000/minute") for who, names in MINE.items()}
     config = ServeConfig(keys_file=root / "keys.json", audit_log=root / "audit.jsonl")
@@ -60,6 +60,10 @@ def call(url: str, token: str | None, body: dict, path: str = "/chat/completions
 def ask(model: str, question: str, **extra) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 3, "temperature": 0,
             **extra}
+
+
+def patient(name: str) -> str:
+    return RECORDS[name].split("Patient ")[1].split(",")[0]
 
 
 def diagnosis(name: str) -> str:
@@ -127,6 +131,43 @@ def test_auto_routes_among_a_clinicians_own_patients_only(clinic, who):
     status, raw, used = call(url, token, ask("auto", diagnosis(other)))
     assert status == 400 and "shares no word" in raw
     no_leak(raw.replace(diagnosis(other), ""), who)
+
+
+@pytest.mark.parametrize("who", sorted(MINE))
+def test_a_question_naming_a_patient_is_answered_from_their_record_or_refused(clinic, who):
+    """Under `auto`, a question that names one of the key's patients is answered from that patient's record alone,
+    even in another patient's words; one naming another clinician's patient gets, word for word, the 404 of one
+    naming nobody at all, streamed or not, with k or budget, and in a follow-up."""
+    url, tokens, _, _ = clinic
+    token, own, theirs = tokens[who], MINE[who], others(who)
+    for stream in (False, True):
+        for name in own:
+            first, family = patient(name).split()
+            # the other own patient's diagnosis: routed by words alone, the wrong record would answer
+            wrong = diagnosis(next(n for n in own if n != name))
+            for said in (f"{first} {family}", f"{family.upper()}, {first}", f"{first[0]}. {family}'s",
+                         f"Mx {family}", f"{first.lower()} {family.lower()}"):
+                for extra in ({}, {"k": 2}, {"budget": 100}):
+                    status, raw, used = call(url, token, ask("auto", f"Does {said} have {wrong}?", stream=stream,
+                                                             **extra))
+                    assert status == 200 and used == [name], (said, extra)
+        nobody = call(url, token, ask("auto", "When was Zed Nobody born?", stream=stream))
+        assert nobody[0] == 404 and "No record you can open is about 'Zed Nobody'" in nobody[1]
+        for name in theirs:
+            for extra in ({}, {"k": 3}, {"budget": 100}):
+                status, raw, used = call(url, token, ask("auto", f"When was {patient(name)} born?", stream=stream,
+                                                         **extra))
+                assert status == 404 and used == []
+                assert json.loads(raw.replace(patient(name), "Zed Nobody")) == json.loads(nobody[1])
+                no_leak(raw.replace(patient(name), ""), who)
+        # the name in an earlier turn: the follow-up is refused too
+        turns = [{"role": "user", "content": f"When was {patient(theirs[0])} born?"},
+                 {"role": "assistant", "content": "I cannot say."}, {"role": "user", "content": "And the diagnosis?"}]
+        status, raw, used = call(url, token, {**ask("auto", ""), "messages": turns, "stream": stream})
+        assert status == 404 and used == []
+    # a question that names no one routes as ever
+    status, _, used = call(url, token, ask("auto", f"Who has {diagnosis(own[0])}?"))
+    assert status == 200 and used == [own[0]]
 
 
 def test_keys_are_checked_and_changed_without_a_restart(clinic):

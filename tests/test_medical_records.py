@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from cartridges_sdk.serve.documents import read_documents
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples" / "medical_records"))
 
@@ -44,7 +46,10 @@ def test_every_question_is_answered_by_its_own_record_and_no_option_repeats(pati
 def test_the_records_are_laid_out_one_folder_per_patient(patients, tmp_path):
     folder = records.lay_out(patients, tmp_path / "records")
     assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in patients)
-    assert (folder / patients[0].name / "record.txt").read_text() == patients[0].text
+    assert (folder / patients[0].name / "record.txt").read_text() == records.front_matter(patients[0]) + patients[0].text
+    # each record says whose it is: synced, its cartridge carries the patient's name as its subject
+    documents, skipped = read_documents(folder, unit="folder")
+    assert not skipped and {d.name: d.subject for d in documents} == {p.name: p.display_name for p in patients}
     with pytest.raises(ValueError, match="must be from 1 to"):
         records.simulate(0)
     assert records.simulate(2) == tuple(p for p in patients if p.name in {q.name for q in records.simulate(2)})

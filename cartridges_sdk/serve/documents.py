@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 
 from ..errors import ConfigError
+from .subjects import check_subject
 
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")  # what a store serves; also the API's model name
 SUFFIX = ".safetensors"  # a cartridge's file is NAME + SUFFIX
@@ -36,6 +37,7 @@ class SourceDocument:
     origin: str  # the path relative to the folder, or the name the user gave
     text: str = attrs.field(repr=False)
     sha256: str
+    subject: str | None = None  # who or what it is about, from its front matter (`front_subject`)
 
 
 @attrs.frozen
@@ -44,6 +46,28 @@ class NotADocument:
 
     path: str
     why: str
+
+
+# a front-matter block at a document's top: "---" alone on the first line, fields, "---" alone again
+_FRONT = re.compile(r"\A\ufeff?---[ \t]*\r?\n(?P<fields>.*?)^---[ \t]*$", re.DOTALL | re.MULTILINE)
+_SUBJECT = re.compile(r"^subject[ \t]*:[ \t]*(?P<value>.*?)[ \t]*$", re.MULTILINE)
+
+
+def front_subject(text: str) -> str | None:
+    """The ``subject:`` field of the front matter at the top of `text` (who or what the document is about), or None.
+    Raises ValueError for a subject that cannot be one (empty, too long, no word)::
+
+        ---
+        subject: Ada Quill
+        ---
+        Medical record of Ada Quill ...
+    """
+    front = _FRONT.match(text[:4096])
+    found = _SUBJECT.search(front["fields"]) if front else None
+    if found is None:
+        return None
+    value = found["value"].strip("\"'") if len(found["value"]) > 1 else found["value"]
+    return check_subject(value)
 
 
 def content_hash(text: str) -> str:
@@ -94,13 +118,14 @@ def read_documents(source: str | os.PathLike | Mapping[str, str], *, unit: str =
             tops.setdefault(origin.split("/", 1)[0], []).append((origin, path))
         groups = sorted(tops.items())
     for origin, members in groups:
-        texts, failed = [], False
+        texts, fronts, failed = [], [], False
         for member, path in members:
             text, why = _read(path, max_bytes)
             if why is not None:
                 skipped.append(NotADocument(member, why))
                 failed = True
             else:
+                fronts.append(text)
                 texts.append(text if len(members) == 1 else f"### {member}\n\n{text}")
         if failed and len(members) > 1 and texts:  # built without one of its files, a unit would lose it
             skipped.append(NotADocument(origin, "one of its files was skipped (above); the unit keeps its cartridge "
@@ -116,7 +141,12 @@ def read_documents(source: str | os.PathLike | Mapping[str, str], *, unit: str =
             skipped.append(NotADocument(origin, problem))
             continue
         text = "\n\n".join(texts)
-        documents[name] = SourceDocument(name, origin, text, content_hash(text))
+        try:  # in a folder unit, the first of its files with front matter says who the unit is about
+            subject = next((s for s in map(front_subject, fronts) if s is not None), None)
+        except ValueError as err:
+            skipped.append(NotADocument(origin, f"its front matter's {err}"))
+            continue
+        documents[name] = SourceDocument(name, origin, text, content_hash(text), subject)
     return sorted(documents.values(), key=lambda d: d.name), sorted(skipped, key=lambda s: s.path)
 
 
@@ -128,10 +158,15 @@ def _from_mapping(source: Mapping[str, str]) -> tuple[list[SourceDocument], list
             problem = f"its text is a {type(text).__name__}, not a str"
         elif problem is None and not text.strip():
             problem = "its text is empty"
+        if problem is None:
+            try:
+                subject = front_subject(text)
+            except ValueError as err:
+                problem = f"its front matter's {err}"
         if problem is not None:
             skipped.append(NotADocument(str(name), problem))
         else:
-            documents.append(SourceDocument(name, name, text, content_hash(text)))
+            documents.append(SourceDocument(name, name, text, content_hash(text), subject))
     return sorted(documents, key=lambda d: d.name), sorted(skipped, key=lambda s: s.path)
 
 

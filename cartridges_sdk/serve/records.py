@@ -3,7 +3,8 @@ and the integrations.
 
 The record travels inside the cartridge file (``meta.extra["document"]``): ``name``, ``origin``, ``sha256`` (of the
 document's text), ``tokens`` (its length), ``method`` (``whole``, ``compact`` or ``self-study``) and ``size`` (the
-cartridge's tokens). Stores written by earlier versions hold the same keys, so they load as they are.
+cartridge's tokens). Stores written by earlier versions hold the same keys, so they load as they are. Beside it,
+``meta.extra["subject"]`` says who or what the cartridge is about (`subjects`), for any cartridge, synced or not.
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ def document_record(cartridge: Cartridge) -> dict[str, Any] | None:
     return record if isinstance(record, dict) and isinstance(record.get("sha256"), str) else None
 
 
+def subject_of(cartridge: Cartridge) -> str | None:
+    """Who or what the cartridge is about (``meta.extra["subject"]``: a patient's name, a module), or None."""
+    subject = cartridge.meta.extra.get("subject")
+    return subject if isinstance(subject, str) and subject.strip() else None
+
+
+def with_subject(cartridge: Cartridge, subject: str | None) -> Cartridge:
+    """`cartridge` saying it is about `subject` (None: about no one in particular)."""
+    extra = {k: v for k, v in cartridge.meta.extra.items() if k != "subject"}
+    if subject is not None:
+        extra["subject"] = subject
+    return Cartridge(cartridge.keys, cartridge.values, attrs.evolve(cartridge.meta, extra=extra), lm=cartridge.lm)
+
+
 def versions(cartridges: Sequence[Cartridge]) -> tuple[str | None, ...]:
     """The document version (SHA-256) each cartridge stands for, read from the cartridge itself so that it names
     exactly what answered, even when the file was replaced since."""
@@ -36,5 +51,8 @@ def with_record(lm: Any, cartridge: Cartridge, doc: SourceDocument, method: str,
     from a document of `tokens` tokens."""
     record = {"name": doc.name, "origin": doc.origin, "sha256": doc.sha256, "tokens": tokens, "method": method,
               "size": size}
-    meta = attrs.evolve(cartridge.meta, extra={**cartridge.meta.extra, "document": record})
+    extra = {k: v for k, v in cartridge.meta.extra.items() if k != "subject"}
+    if doc.subject is not None:  # from the document's front matter: the document says who it is about
+        extra["subject"] = doc.subject
+    meta = attrs.evolve(cartridge.meta, extra={**extra, "document": record})
     return Cartridge(cartridge.keys, cartridge.values, meta, lm=lm)

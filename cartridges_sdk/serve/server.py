@@ -44,6 +44,7 @@ from .records import versions
 from .replies import answer, completion_body, error_response, scrubber, stream_events
 from .settings import ServeConfig
 from .store import CartridgeStore, NotInStoreError
+from .subjects import named, unknown_name
 
 GRANT = "cartridges.grant"  # the scope key of the request's grant (a key file's entry), set by the guard
 TOKEN = "cartridges.token"  # the scope key of the request's bearer key: a running answer checks it is still good
@@ -276,19 +277,47 @@ def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, m
 def routed(state: ServerState, body: dict[str, Any], messages: list[dict[str, str]],
            grant: Grant | None) -> list[str]:
     """model='auto': the cartridges the last user turn is routed to (`k` or `budget`), or, for a follow-up that
-    routes nowhere ("Why?"), those all the user's turns are; only among the key's own."""
+    routes nowhere ("Why?"), those all the user's turns are; only among the key's own, and, when the question names
+    a subject, only among that subject's (`about`)."""
     among = None if grant is None else state.visible(grant)
     if among == []:
         raise BadRequest(404, "This key opens no cartridge in the store, so there is nothing to route to.", "model")
     turns = [m["content"] for m in messages if m["role"] == "user"]
-    for question in (turns[-1], "\n".join(turns)) if len(turns) > 1 else (turns[-1],):
+    asked = (turns[-1], "\n".join(turns)) if len(turns) > 1 else (turns[-1],)
+    subject = about(state, asked, among)
+    for question in asked:
         try:
-            routes = state.store.within(question, body["budget"], among=among) if body.get("budget") else \
-                state.store.route(question, k=body.get("k", 1), among=among)
+            routes = state.store.within(question, body["budget"], among=subject or among) if body.get("budget") \
+                else state.store.route(question, k=body.get("k", 1), among=subject or among)
             return [r.name for r in routes]
         except ConfigError as err:
             refused = err
+    if subject:  # the question names them, in words their corpora lack: they answer all the same
+        return subject[:body.get("k", 1)] if not body.get("budget") else subject[:1]
     raise BadRequest(400, str(refused), "model")
+
+
+def about(state: ServerState, asked: tuple[str, ...], among: list[str] | None) -> list[str] | None:
+    """The cartridges, of those the key opens (`among`; None: all), about the subject the question names (the last
+    turn first, then the whole conversation); None when it names none. A question naming someone whom no such
+    cartridge is about is refused (404) in the same words whether that someone is another key's subject or nobody:
+    it is never answered from someone else's record, and learns nothing of who else is in the store."""
+    subjects = state.store.subjects()
+    if among is not None:
+        opened = set(among)
+        subjects = {name: subject for name, subject in subjects.items() if name in opened}
+    if not subjects:  # no cartridge the key opens says who it is about: routing as ever
+        return None
+    for question in asked:
+        found = named(question, subjects)
+        if found:
+            return found
+        stranger = unknown_name(question)
+        if stranger is not None:
+            raise BadRequest(404, f"No record you can open is about {shown(stranger)!r}. Ask about a subject of the "
+                             "cartridges your key opens (GET /v1/models lists them), or name a cartridge as model.",
+                             "messages")
+    return None
 
 
 def cartridges_for(state: ServerState, names: list[str], grant: Grant | None) -> list[Cartridge]:

@@ -31,7 +31,8 @@ from ..files import atomic_write
 from ..kv import Recent
 from ..lm import LM
 from .documents import CORPUS_SUFFIX, NAME, SUFFIX, name_problem
-from .records import document_record, versions
+from .records import document_record, subject_of, versions, with_subject
+from .subjects import check_subject
 from .settings import SyncConfig
 from .sync import SyncReport, forget, self_study, sync
 from .words import STOPWORDS, routing_text
@@ -65,6 +66,7 @@ class _Entry:
     corpus_stamp: tuple[int, int] | None = None  # an edited corpus text rebuilds the routing index
     document: dict[str, Any] | None = None  # what sync recorded in the file: the document and its hash
     num_tokens: int = 0  # the cartridge's size, for composing within a budget without loading it
+    subject: str | None = None  # who or what it is about (records.subject_of), for routing without loading it
 
 
 def _link_out_reason(name: str) -> str:
@@ -109,6 +111,11 @@ class CartridgeStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def subjects(self) -> dict[str, str]:
+        """Who or what each cartridge is about, by name, for those that say."""
+        with self._lock:
+            return {name: e.subject for name, e in sorted(self._entries.items()) if e.subject is not None}
 
     def refused(self) -> dict[str, str]:
         """Files left out, and why."""
@@ -158,14 +165,22 @@ class CartridgeStore:
 
     # ---- changing it
 
-    def add(self, name: str, cartridge: Cartridge, *, corpus: str | None = None, replace: bool = False) -> Path:
-        """Save `cartridge` as ``NAME.safetensors`` (and its corpus text, for routing), atomically."""
+    def add(self, name: str, cartridge: Cartridge, *, corpus: str | None = None, replace: bool = False,
+            subject: str | None = None) -> Path:
+        """Save `cartridge` as ``NAME.safetensors`` (and its corpus text, for routing), atomically. `subject` says
+        who or what it is about (a patient's name): under ``model="auto"`` a question naming a subject is routed to
+        that subject's cartridges only (docs/security.md#subjects); None keeps the cartridge's own, if any."""
         if not isinstance(name, str) or not NAME.match(name):
             raise ConfigError(f"name={name!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter "
                               "or digit (it becomes a file name and the API's model name).")
         if name == "auto":
             raise ConfigError("name='auto' is taken by routing (model='auto' picks cartridges per question).")
         cartridge.check_model(self.model, whose="the store's")
+        if subject is not None:
+            try:
+                cartridge = with_subject(cartridge, check_subject(subject))
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         with self._lock:
             path = self.root / f"{name}{SUFFIX}"
             if name in self._entries and not replace:
@@ -178,7 +193,7 @@ class CartridgeStore:
             # this entry alone, from what is in hand: a sync of N documents must not re-read the folder N times
             corpus_path = corpus_path if corpus_path.is_file() else None
             self._entries[name] = _Entry(path, _stamp(path), corpus_path, corpus_path and _stamp(corpus_path),
-                                         document_record(cartridge), cartridge.num_tokens)
+                                         document_record(cartridge), cartridge.num_tokens, subject_of(cartridge))
             self._refused.pop(path, None)
             self._index = {}
             return path
@@ -283,7 +298,7 @@ class CartridgeStore:
                 self._refused.pop(path, None)
                 self._remember(name, cartridge)  # it was read to check it: keep it for the first request
                 seen[name] = _Entry(path, stamp, corpus, corpus_stamp, document_record(cartridge),
-                                    cartridge.num_tokens)
+                                    cartridge.num_tokens, subject_of(cartridge))
                 if old is None:
                     changes["added"].append(name)
             changes["removed"] = sorted(set(self._entries) - set(seen))

@@ -100,6 +100,15 @@ def show(status: int, body: dict) -> str:
     return f"{body['choices'][0]['message']['content'].strip()!r} (from {', '.join(body['cartridges'])})"
 
 
+NOBODY = "Zed Nobody"  # a patient no record is about
+
+
+def nobody(asked: dict) -> dict:
+    """`asked`'s first question about someone no record is about: refused exactly as one about another's patient."""
+    q = asked["questions"][0]
+    return {**q, "ask": q["ask"].replace(asked["display_name"], NOBODY), "right": "(no record)"}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--patients", type=int, default=6, help="synthetic patients to make (default 6)")
@@ -129,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
                 (f"{questions[theirs[0]]['display_name']} ({other}'s patient), by name", theirs[0],
                  questions[theirs[0]]["questions"][0]),
                 (f"{questions[theirs[0]]['display_name']} ({other}'s patient), routed", "auto",
-                 questions[theirs[0]]["questions"][0])]:
+                 questions[theirs[0]]["questions"][0]),
+                (f"{NOBODY} (nobody's patient), routed", "auto", nobody(questions[theirs[0]]))]:
                 print(f"  Q ({label}): {q['ask']}\n    record says: {q['right']}\n"
                       f"    A: {show(*ask(url, key, model, q['ask'], args.max_tokens))}")
     print(f"\naudit log ({args.work / 'audit.jsonl'}), last lines:")

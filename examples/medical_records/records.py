@@ -73,13 +73,20 @@ def _population(seed: int) -> tuple[Patient, ...]:
 
 
 def lay_out(patients: Sequence[Patient], folder: str | Path) -> Path:
-    """Each record as ``FOLDER/NAME/record.txt``: one folder per patient, one cartridge per folder (a store's sync
-    with ``unit="folder"``), so a patient's later files join their cartridge. Returns the folder."""
+    """Each record as ``FOLDER/NAME/record.txt``, under front matter naming the patient: one folder per patient, one
+    cartridge per folder (a store's sync with ``unit="folder"``), so a patient's later files join their cartridge.
+    Returns the folder."""
     folder = Path(folder)
     for p in patients:
         (folder / p.name).mkdir(parents=True, exist_ok=True)
-        (folder / p.name / "record.txt").write_text(p.text, "utf-8")
+        (folder / p.name / "record.txt").write_text(front_matter(p) + p.text, "utf-8")
     return folder
+
+
+def front_matter(patient: Patient) -> str:
+    """The record's front matter: the patient's name as its subject, so that a question naming a patient is answered
+    from that patient's record or refused, never answered from another's (docs/security.md#subjects)."""
+    return f"---\nsubject: {patient.display_name}\n---\n"
 
 
 # ---- the structured facts, as plain values
