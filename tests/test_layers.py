@@ -32,9 +32,9 @@ LAYERS = {
               "making.checkpoint", "making.trainable", "making.loss", "making.training", "making.compaction",
               "making.evaluation", "making.selfstudy", "making"],
     # serving them
-    "serve": ["serve.background", "serve.words", "serve.documents", "serve.settings", "serve.records", "serve.guard",
+    "serve": ["serve.background", "serve.words", "serve.subjects", "serve.documents", "serve.settings", "serve.records", "serve.guard",
               "serve.sync", "serve.store", "serve.answering", "serve.watch", "serve.access", "serve.audit", "serve.parse",
-              "serve.engine", "serve.replies", "serve.server", "serve.mcp_tool", "serve"],
+              "serve.engine", "serve.replies", "serve.state", "serve.admission", "serve.server", "serve.mcp_tool", "serve"],
     # for plugin authors' tests
     "testing": ["testing.fakes", "testing.contract", "testing.isolation", "testing.fixtures", "testing"],
     # the entry points: the command line and the public API

@@ -14,7 +14,9 @@ from cartridges_sdk.serve.access import Grant
 from cartridges_sdk.serve.engine import Job
 from cartridges_sdk.serve.guard import BadRequest
 from cartridges_sdk.serve.replies import error_response, scrubber, stream_events
-from cartridges_sdk.serve.server import AUDIT, ServerState, admit, check_fits, resolve
+from cartridges_sdk.serve.admission import admit
+from cartridges_sdk.serve.server import check_fits, resolve
+from cartridges_sdk.serve.state import AUDIT, ServerState
 from cartridges_sdk.serve.settings import ServeConfig
 
 KEY = "sk-parts"

@@ -161,6 +161,9 @@ def _serve(p: argparse.ArgumentParser) -> None:
                    "the request's user, cartridges used, status")
     p.add_argument("--audit-questions", action="store_true", help="write each request's question into the audit "
                    "log too (off by default: it may hold what the log must not)")
+    p.add_argument("--auth-failures", metavar="RATE", default="10/minute", help="failed authentications one client "
+                   "address may make (default 10/minute); past it the address gets 429 whatever it sends, and its "
+                   "refusals are logged one line a minute")
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting before 429 (default 256)")
     p.add_argument("--max-batch", type=int, default=16, help="requests answered together at most (default 16)")
     p.add_argument("--memory-mb", type=int, default=1024,

@@ -55,7 +55,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     key = None if args.keys else key  # a key file replaces CARTRIDGES_API_KEY
     config = ServeConfig(api_key=key, max_queue=args.max_queue, max_batch=args.max_batch,
                          allowed_hosts=allowed_hosts(args.host, args.allowed_host),  # checked before the model loads
-                         keys_file=args.keys, audit_log=args.audit_log, audit_questions=args.audit_questions)
+                         keys_file=args.keys, audit_log=args.audit_log, audit_questions=args.audit_questions,
+                         auth_failures=args.auth_failures)
     if args.keys:
         from ..serve.access import KeyFile
 

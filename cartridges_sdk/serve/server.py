@@ -17,82 +17,31 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
-import logging
 import time
-from collections.abc import Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import attrs
 from fastapi import FastAPI, Request  # this module is imported only to serve; the core never imports it
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.datastructures import Headers
 
 from ..cartridge import Cartridge
 from ..errors import ConfigError
 from ..generation import GenerationParams, GenerationRequest
 from ..lm import LM
 from ..plugins import Runtime
-from .access import FailedLogins, Grant, KeyFile, KeyFileError, RateLimits
-from .audit import AuditLog, shown
+from .access import Grant
+from .admission import ended, grant_of, opened, refusal, unlogged, withdrawn
+from .audit import shown
 from .documents import SUFFIX
 from .engine import Engine, Job
-from .guard import BadRequest, Guard, authorize, check_host
+from .guard import BadRequest, Guard
 from .parse import parse_request, read_json
 from .records import versions
-from .replies import answer, completion_body, error_response, scrubber, stream_events
+from .replies import answer, completion_body, error_response, stream_events
 from .settings import ServeConfig
+from .state import AUDIT, JOB, ServerState
 from .store import CartridgeStore, NotInStoreError
 from .subjects import named, unknown_name
-
-GRANT = "cartridges.grant"  # the scope key of the request's grant (a key file's entry), set by the guard
-TOKEN = "cartridges.token"  # the scope key of the request's bearer key: a running answer checks it is still good
-JOB = "cartridges.job"  # the scope key of the request's engine job, stopped when the response ends however it ends
-LOGGED = "cartridges.logged"  # the scope key saying the request's line is in the audit log
-AUDIT = "cartridges.audit"  # the scope key of the request's audit record, filled in as the request is read
-
-
-@attrs.define(eq=False)
-class ServerState:
-    """What one app's routes share: the store and the settings, the key file and its rate limits, the audit log, the
-    message scrubber, and the engine (from the app's start to its end)."""
-
-    store: CartridgeStore
-    config: ServeConfig = attrs.field(factory=ServeConfig)
-    keys: KeyFile | None = None
-    limits: RateLimits | None = None
-    audit: AuditLog | None = None
-    scrub: Callable[[str], str] = str
-    engine: Engine | None = None
-    # failed authentications by client address (a key file or api_key)
-    logins: FailedLogins = attrs.field(default=attrs.Factory(lambda self: FailedLogins(self.config.auth_failures),
-                                                             takes_self=True))
-    refreshed: float = 0.0  # when the store's folder was last re-read (time.monotonic)
-    ids: Iterator[int] = attrs.field(factory=itertools.count)
-    # each audit line's request id: this server's start (hex seconds) and a count, so two runs' lines never clash
-    requests: Iterator[str] = attrs.field(factory=lambda: (f"{int(time.time()):x}-{n}" for n in itertools.count()))
-
-    @classmethod
-    def open(cls, store: CartridgeStore, config: ServeConfig) -> ServerState:
-        """The state `config` asks for: its key file read (a bad file stops the start), its audit log opened."""
-        keys = KeyFile(config.keys_file) if config.keys_file is not None else None
-        audit = AuditLog(config.audit_log, questions=config.audit_questions) if config.audit_log is not None else None
-        return cls(store, config, keys, RateLimits() if keys is not None else None, audit, scrubber(store.root))
-
-    @property
-    def lm(self) -> LM:
-        return self.store.model
-
-    def refresh(self, force: bool = False) -> None:
-        if force or time.monotonic() - self.refreshed > 1.0:  # a folder re-read at most once a second
-            self.store.refresh()
-            self.refreshed = time.monotonic()
-
-    def visible(self, grant: Grant | None) -> list[str]:
-        """The cartridges a request may see: all of them, or those its key opens."""
-        return self.store.names() if grant is None else grant.filter(self.store.names())
-
 
 def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | None = None) -> Any:
     """The ASGI app (FastAPI). The engine thread starts with the app and stops with it."""
@@ -101,8 +50,8 @@ def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | No
     app = FastAPI(title="cartridges-sdk", lifespan=functools.partial(_running, state, runtime))
     app.state.served = state
     app.add_exception_handler(BadRequest, _refused)
-    app.add_middleware(Guard, check=functools.partial(refusal, state), opened=functools.partial(_opened, state),
-                       done=functools.partial(_ended, state), unlogged=_unlogged)
+    app.add_middleware(Guard, check=functools.partial(refusal, state), opened=functools.partial(opened, state),
+                       done=functools.partial(ended, state), unlogged=unlogged)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
@@ -124,136 +73,6 @@ async def _running(state: ServerState, runtime: Runtime, app: Any):
 
 async def _refused(request: Request, exc: BadRequest) -> JSONResponse:
     return error_response(exc, request.app.state.served.scrub)
-
-
-# ---- who may ask: every path passes here first
-
-
-def refusal(state: ServerState, scope: dict[str, Any]) -> JSONResponse | None:
-    """The refusal `admit` gives a request, as a response; or None to let it through."""
-    try:
-        admit(state, scope)
-    except BadRequest as refused:
-        return error_response(refused, state.scrub)
-    return None
-
-
-def admit(state: ServerState, scope: dict[str, Any]) -> None:
-    """Every path: the Host and Origin checks first (DNS rebinding, web pages), then the key and its rate limit
-    (all but /health); raises BadRequest. The key's grant goes into the scope, for the endpoints."""
-    headers = Headers(scope=scope)
-    check_host(state.config.allowed_hosts, headers.get("host"), headers.get("origin"))
-    if scope["path"] == "/health":
-        return
-    if state.audit is not None and state.audit.broken:
-        raise BadRequest(503, "The server cannot write its audit log; its operator must fix that (the server's log "
-                         "says why).", headers={"retry-after": "10"})
-    if state.keys is None and state.config.api_key is None:
-        return
-    address = scope[AUDIT]["client"] = (scope.get("client") or ("unknown",))[0]
-    wait = state.logins.wait(address)
-    if wait is not None:  # too many wrong keys from there: whatever it sends now is refused, and counted quietly
-        scope[AUDIT]["quiet"] = True
-        raise BadRequest(429, f"Too many failed authentications from this address ({state.config.auth_failures}); "
-                         f"retry in {wait:.0f} s.", headers={"retry-after": str(max(1, round(wait)))})
-    try:
-        if state.keys is None:
-            authorize(state.config.api_key, headers)
-            return
-        grant = scope[GRANT] = key_grant(state.keys, bearer(headers))
-    except BadRequest as refused:
-        if refused.status == 401:
-            state.logins.failed(address)
-        raise
-    scope[TOKEN] = bearer(headers)
-    scope[AUDIT]["key"] = grant.key_id
-    wait = state.limits.wait(grant)
-    if wait is not None:
-        raise BadRequest(429, f"This key's rate limit ({grant.rate}) is used up; retry in {wait:.0f} s.",
-                         headers={"retry-after": str(max(1, round(wait)))})
-
-
-def bearer(headers: Headers) -> str:
-    given = headers.get("authorization", "")
-    return given[7:] if given.lower().startswith("bearer ") else ""
-
-
-def key_grant(keys: KeyFile, token: str) -> Grant:
-    """The grant of the bearer key `token`: 401 when the file does not hold it; 503 while the file is unreadable,
-    for every request, one without a key too (none is let through on a file that may have revoked its key)."""
-    try:
-        grant = keys.authenticate(token)  # an empty token too: the file is read, and a broken one answers 503
-    except KeyFileError as err:
-        logging.getLogger("cartridges_sdk.serve").error("Refusing every request: %s", err)
-        raise BadRequest(503, "The server's key file cannot be read; its operator must fix it (the server's log "
-                         "says how).") from None
-    if grant is None or not token:
-        raise BadRequest(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
-    return grant
-
-
-def withdrawn(state: ServerState, scope: dict[str, Any], names: list[str]) -> tuple[str, BadRequest] | None:
-    """Why a running answer's key may no longer read it (revoked, rotated, its grant narrowed, its file broken), as
-    the audit log's word and the refusal to send; None while it may."""
-    if state.keys is None:
-        return None
-    try:
-        grant = state.keys.authenticate(scope.get(TOKEN, ""))
-    except KeyFileError:
-        return "key-file-broken", BadRequest(503, "The server's key file cannot be read; the answer was stopped.")
-    if grant is None:
-        return "key-revoked", BadRequest(401, "This key was revoked or rotated; the answer was stopped.")
-    if not all(grant.allows(n) for n in names):
-        return "grant-withdrawn", BadRequest(403, "This key no longer opens the cartridges answering; the answer "
-                                             "was stopped.")
-    return None
-
-
-def grant_of(state: ServerState, scope: dict[str, Any]) -> Grant | None:
-    """The request's grant; with a key file, a request the guard let through without one is refused rather than
-    shown every cartridge (a route added later, a path the guard reads differently)."""
-    grant = scope.get(GRANT)
-    if state.keys is not None and grant is None:
-        raise BadRequest(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
-    return grant
-
-
-def _opened(state: ServerState, scope: dict[str, Any], status: int) -> bool:
-    """Log the request before its response's first byte; False when the line could not be written (the response is
-    then replaced by a 503: nothing is answered unlogged). A blocked address's refusals are counted, a line a minute."""
-    if state.audit is None or scope["path"] == "/health":
-        return True
-    record = scope[AUDIT]
-    if record.pop("quiet", False):
-        counted = state.logins.quiet(record["client"])
-        if counted is None:
-            return True
-        record["refusals_not_logged"] = counted
-    record.setdefault("request", next(state.requests))
-    state.audit.write({**record, "status": status})
-    scope[LOGGED] = state.audit.broken is None
-    return scope[LOGGED] or status == 503
-
-
-def _ended(state: ServerState, scope: dict[str, Any], status: int | None) -> None:
-    """Once the response is over: its job stopped, and a second line for a stream that ended in an error (it began
-    with 200) or a request that crashed before its response began."""
-    job = scope.get(JOB)
-    if job is not None:
-        job.cancelled.set()
-    if state.audit is None or scope["path"] == "/health":
-        return
-    record = scope[AUDIT]
-    if status is None:
-        record.setdefault("request", next(state.requests))
-        state.audit.write({**record, "status": 500})
-    elif scope.get(LOGGED) and status == 200 and "error" in record:
-        state.audit.write({**record, "status": status, "ended": record["error"]})
-
-
-def _unlogged() -> Any:
-    return error_response(BadRequest(503, "The server cannot write its audit log; its operator must fix that (the "
-                                     "server's log says why).", headers={"retry-after": "10"}), str)
 
 
 # ---- which cartridges answer

@@ -167,20 +167,18 @@ class CartridgeStore:
 
     def add(self, name: str, cartridge: Cartridge, *, corpus: str | None = None, replace: bool = False,
             subject: str | None = None) -> Path:
-        """Save `cartridge` as ``NAME.safetensors`` (and its corpus text, for routing), atomically. `subject` says
-        who or what it is about (a patient's name): under ``model="auto"`` a question naming a subject is routed to
-        that subject's cartridges only (docs/security.md#subjects); None keeps the cartridge's own, if any."""
+        """Save `cartridge` as ``NAME.safetensors`` (and its corpus text, for routing), atomically, saying who it is
+        about if `subject` is given (a patient's name; docs/security.md, "Subjects")."""
         if not isinstance(name, str) or not NAME.match(name):
             raise ConfigError(f"name={name!r} must be 1-128 letters, digits, '.', '_' or '-', starting with a letter "
                               "or digit (it becomes a file name and the API's model name).")
         if name == "auto":
             raise ConfigError("name='auto' is taken by routing (model='auto' picks cartridges per question).")
         cartridge.check_model(self.model, whose="the store's")
-        if subject is not None:
-            try:
-                cartridge = with_subject(cartridge, check_subject(subject))
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
+        try:
+            cartridge = with_subject(cartridge, check_subject(subject)) if subject is not None else cartridge
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         with self._lock:
             path = self.root / f"{name}{SUFFIX}"
             if name in self._entries and not replace:

@@ -2,7 +2,7 @@
 
 Under ``model="auto"`` the server routes a question that names a subject only to the cartridges about that subject
 (among those the key opens), and refuses one that names someone it cannot match, so that a question about one
-patient is never answered from another's record (docs/security.md#subjects).
+patient is never answered from another's record (docs/security.md, "Subjects").
 
 A question names a subject when it holds the subject's name as a clinic writes it: in any case, given name first or
 family name first (``Quill, Ada``), with initials for given names (``A. Quill``), possessive or not. It names

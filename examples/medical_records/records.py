@@ -85,7 +85,7 @@ def lay_out(patients: Sequence[Patient], folder: str | Path) -> Path:
 
 def front_matter(patient: Patient) -> str:
     """The record's front matter: the patient's name as its subject, so that a question naming a patient is answered
-    from that patient's record or refused, never answered from another's (docs/security.md#subjects)."""
+    from that patient's record or refused, never answered from another's (docs/security.md, "Subjects")."""
     return f"---\nsubject: {patient.display_name}\n---\n"
 
 
