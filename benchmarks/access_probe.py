@@ -226,7 +226,7 @@ def run(reader: str, out: Path) -> list[Probe]:
             probes += audit_probes(c) + [stream_probe(c), broken_keys_probe(c)] + header_probes(c)
             probes.append(flood_probe(c))  # last: the address stays blocked for a minute
         probes.append(unwritable_probe(tiny, Path(tmp) / "unwritable"))
-        lm = load_model(reader)
+        lm = load_model() if reader == "default" else load_model(reader)
         with clinic(lm, Path(tmp) / "reader") as c:
             found, responses = subject_probes(c)
             probes += found + [leak_probe(responses)]
