@@ -218,7 +218,8 @@ def leak_probe(responses: list[str]) -> Probe:
                  not leaked)
 
 
-def run(reader: str, out: Path) -> list[Probe]:
+def run(reader: str, out: Path, lm=None) -> list[Probe]:
+    """Every probe, printed and written to `out`; `lm`: the reader already loaded (else `reader` is loaded)."""
     tiny = tiny_lm("llama")
     probes: list[Probe] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -226,7 +227,8 @@ def run(reader: str, out: Path) -> list[Probe]:
             probes += audit_probes(c) + [stream_probe(c), broken_keys_probe(c)] + header_probes(c)
             probes.append(flood_probe(c))  # last: the address stays blocked for a minute
         probes.append(unwritable_probe(tiny, Path(tmp) / "unwritable"))
-        lm = load_model() if reader == "default" else load_model(reader)
+        if lm is None:
+            lm = load_model() if reader == "default" else load_model(reader)
         with clinic(lm, Path(tmp) / "reader") as c:
             found, responses = subject_probes(c)
             probes += found + [leak_probe(responses)]

@@ -340,6 +340,16 @@ def test_failed_authentication_is_limited_per_address_and_logged_a_line_a_minute
     assert all(r["client"] == "127.0.0.1" for r in lines) and lines[-1]["refusals_not_logged"] == 0
 
 
+def test_the_hostile_probe_of_issue_45_finds_every_probe_safe(tmp_path, default_lm, capsys):
+    """benchmarks/access_probe.py, the probe docs/security.md reports, on the embedded reader: every probe safe
+    (it found 13 of 15 unsafe before issue 45; the note of that issue has both runs)."""
+    from benchmarks import access_probe
+
+    probes = access_probe.run("default", tmp_path / "probe.json", lm=default_lm)
+    assert [p.name for p in probes if not p.ok] == [], capsys.readouterr().out
+    assert len(probes) == 15 and json.loads((tmp_path / "probe.json").read_text())["reader"] == "default"
+
+
 def test_a_key_file_and_a_single_key_exclude_each_other(tmp_path):
     with pytest.raises(ConfigError, match="exclude each other"):
         ServeConfig(api_key="sk-one", keys_file=tmp_path / "keys.json")
