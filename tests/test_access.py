@@ -329,14 +329,17 @@ def test_failed_authentication_is_limited_per_address_and_logged_a_line_a_minute
     url, keys, log = guarded
     good = keys.add("dr-flood", ["patient-ada"], rate="100/minute")
     before = len(log.read_text().splitlines())
-    statuses = [call(url, f"ck-wrong-{i}", ask("patient-ada", "q"))[0] for i in range(40)]
-    assert statuses[:5] == [401] * 5 and set(statuses[5:]) == {429}
+    statuses = [call(url, f"ck-wrong-{i}", ask("patient-ada", "q"))[0] for i in range(3)]
+    statuses += [httpx.get(f"{url}/models", headers={"host": f"evil-{i}.example"}).status_code for i in range(2)]
+    statuses += [call(url, f"ck-wrong-{i}", ask("patient-ada", "q"))[0] for i in range(35)]
+    # a refused Host counts as a failure too
+    assert statuses[:5] == [401] * 3 + [403] * 2 and set(statuses[5:]) == {429}
     # past the limit, the address is refused whatever it sends, the right key too: guessing cannot go on
     status, raw, _ = call(url, good, ask("patient-ada", "q"))
     assert status == 429 and "failed authentications" in raw
     lines = [json.loads(line) for line in log.read_text().splitlines()[before:]]
-    # 5 lines for the wrong keys, 1 for the first refusal of the blocked address; the other 35 are only counted
-    assert [r["status"] for r in lines] == [401] * 5 + [429]
+    # 5 lines for the failures, 1 for the first refusal of the blocked address; the other 35 are only counted
+    assert [r["status"] for r in lines] == [401] * 3 + [403] * 2 + [429]
     assert all(r["client"] == "127.0.0.1" for r in lines) and lines[-1]["refusals_not_logged"] == 0
 
 

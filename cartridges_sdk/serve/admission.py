@@ -28,20 +28,28 @@ def admit(state: ServerState, scope: dict[str, Any]) -> None:
     """Every path: the Host and Origin checks first (DNS rebinding, web pages), then the key and its rate limit
     (all but /health); raises BadRequest. The key's grant goes into the scope, for the endpoints."""
     headers = Headers(scope=scope)
-    check_host(state.config.allowed_hosts, headers.get("host"), headers.get("origin"))
+    guarded = (state.keys is not None or state.config.api_key is not None) and scope["path"] != "/health"
+    address = (scope.get("client") or ("unknown",))[0]
+    if guarded:
+        scope[AUDIT]["client"] = address
+        wait = state.logins.wait(address)
+        if wait is not None:  # too many failures from there: whatever it sends now is refused, and counted quietly
+            scope[AUDIT]["quiet"] = True
+            raise BadRequest(429, f"Too many failed authentications from this address ({state.config.auth_failures})"
+                             f"; retry in {wait:.0f} s.", headers={"retry-after": str(max(1, round(wait)))})
+    try:
+        check_host(state.config.allowed_hosts, headers.get("host"), headers.get("origin"))
+    except BadRequest:
+        if guarded:  # a refused Host or Origin is a failed authentication too: it costs an audit line all the same
+            state.logins.failed(address)
+        raise
     if scope["path"] == "/health":
         return
     if state.audit is not None and state.audit.broken:
         raise BadRequest(503, "The server cannot write its audit log; its operator must fix that (the server's log "
                          "says why).", headers={"retry-after": "10"})
-    if state.keys is None and state.config.api_key is None:
+    if not guarded:
         return
-    address = scope[AUDIT]["client"] = (scope.get("client") or ("unknown",))[0]
-    wait = state.logins.wait(address)
-    if wait is not None:  # too many wrong keys from there: whatever it sends now is refused, and counted quietly
-        scope[AUDIT]["quiet"] = True
-        raise BadRequest(429, f"Too many failed authentications from this address ({state.config.auth_failures}); "
-                         f"retry in {wait:.0f} s.", headers={"retry-after": str(max(1, round(wait)))})
     try:
         if state.keys is None:
             authorize(state.config.api_key, headers)
