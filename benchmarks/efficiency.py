@@ -7,6 +7,7 @@
   `conversations_per_chunk` rows, each after its own copy of a chunk of the mean sampled length).
 
     python -m benchmarks.efficiency [--doc 3] [--dtype bfloat16] [--train-windows 32] [--conversations 32]
+        [--model qwen2.5-coder-0.5b]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.plugins import synthesizers, trainers
-from cartridges_sdk.making.selfstudy import work_model
+from cartridges_sdk.making.precision import work_model
 from cartridges_sdk.making.settings import SynthesisConfig
 from cartridges_sdk.making.synthesis import synthesize
 from cartridges_sdk.making.memory import process_memory_mb
@@ -40,10 +41,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="cartridge size p")
     parser.add_argument("--train-windows", type=int, default=32, help="256-token windows to train on")
     parser.add_argument("--conversations", type=int, default=32, help="conversations to synthesize")
+    parser.add_argument("--model", default=None, help="a named model, GGUF file or model folder (default: the "
+                        "embedded one)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/efficiency.json"))
     args = parser.parse_args()
 
-    lm = load_model()
+    lm = load_model(args.model) if args.model else load_model()
     work = work_model(lm, args.dtype)
     dtype = getattr(torch, args.dtype)
     text = json.loads(args.data.read_text(encoding="utf-8").splitlines()[args.doc])["input"]

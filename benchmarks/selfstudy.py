@@ -1,22 +1,27 @@
 """Self-study as a user runs it: `from_corpus` on real documents, scored on their real questions.
 
 For each document: gold-answer NLL with no context, with the whole document in context (ICL, computed here),
-with the untrained prefix cartridge and with the trained one; gap closure and KL(ICL || cartridge) for both
-cartridges; wall-clock time of synthesis + training. Work folders are kept, so a re-run resumes.
+with the untrained prefix cartridge, the compacted start (when self-study starts from one) and the trained one; gap
+closure and KL(ICL || cartridge) for each; wall-clock time of the build, and of its training alone (the rest is the
+compacted start and synthesis). Work folders are kept (one per model and settings), so a re-run resumes.
 
-    python -m benchmarks.selfstudy [--docs 1] [--tokens 256] [--conversations 256] [--set lr=0.01 ...]
+    python -m benchmarks.selfstudy [--docs 1] [--tokens 256] [--conversations 128] [--set lr=0.01 ...]
+        [--model qwen2.5-coder-0.5b]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import time
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.cli.common import parse_settings
+from cartridges_sdk.making.checkpoint import RUN_LOG
 from cartridges_sdk.making.evaluation import score
+from cartridges_sdk.making.selfstudy import COMPACT_START
 
 from . import provenance
 from .data import DEFAULT_DATA
@@ -33,9 +38,11 @@ def main() -> None:
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="any from_corpus setting (repeatable)")
     parser.add_argument("--work", type=Path, default=Path("benchmarks/results/selfstudy.work"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/selfstudy.json"))
+    parser.add_argument("--model", default=None, help="a named model, GGUF file or model folder (default: the "
+                        "embedded one)")
     args = parser.parse_args()
 
-    lm = load_model()
+    lm = load_model(args.model) if args.model else load_model()
     settings = parse_settings(args.set)
     lines = args.data.read_text(encoding="utf-8").splitlines()
     rows = []
@@ -43,18 +50,34 @@ def main() -> None:
         doc = json.loads(lines[d])
         text, qa = doc["input"], list(zip(doc["instructions"], doc["outputs"]))
         start = time.perf_counter()
+        # a folder per model and settings: a run with other settings must not resume this one's work
+        tag = hashlib.sha256(json.dumps([lm.name, args.conversations, args.epochs, settings], sort_keys=True,
+                                        default=str).encode()).hexdigest()[:8]
+        work = args.work / f"{args.data.stem}-{d}-p{args.tokens}-s{args.seed}-{tag}"
         trained = Cartridge.from_corpus(
             text, lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
-            seed=args.seed, output_dir=args.work / f"{args.data.stem}-{d}-p{args.tokens}-s{args.seed}", **settings,
+            seed=args.seed, output_dir=work, **settings,
         )
         seconds = time.perf_counter() - start
-        untrained, got = score(lm, text, [Cartridge.from_prefix(lm, text, args.tokens), trained], qa)
+        logged = [json.loads(line) for p in work.rglob(RUN_LOG) for line in p.read_text().splitlines() if line]
+        train_s = max((r["elapsed_s"] for r in logged if "elapsed_s" in r), default=None)
+        starts = sorted(work.rglob(COMPACT_START))
+        cartridges = [Cartridge.from_prefix(lm, text, args.tokens)] + \
+            ([Cartridge.load(starts[0], lm)] if starts else []) + [trained]
+        scored = score(lm, text, cartridges, qa)
+        untrained, got = scored[0], scored[-1]
         row = {
             "doc": d, "corpus_tokens": len(lm.encode(text)), "questions": len(qa), "seconds": round(seconds, 1),
-            "nll_none": got.nll_none, "nll_icl": got.nll_icl,
+            "training_seconds": train_s and round(train_s, 1),
+            "work_dtype": (trained.meta.training or {}).get("work_dtype"), "nll_none": got.nll_none, "nll_icl": got.nll_icl,
             "untrained": {"nll": untrained.nll_cartridge, "closure": untrained.gap_closure, "kl": untrained.kl_icl_cartridge},
             "trained": {"nll": got.nll_cartridge, "closure": got.gap_closure, "kl": got.kl_icl_cartridge},
         }
+        if starts:
+            row["compacted_start"] = {"nll": scored[1].nll_cartridge, "closure": scored[1].gap_closure,
+                                      "kl": scored[1].kl_icl_cartridge}
+            print(f"doc {d}: compacted start closure {scored[1].gap_closure:.3f}, KL {scored[1].kl_icl_cartridge:.3f}; "
+                  f"training {train_s or 0:.0f} s of {seconds:.0f} s, in {row['work_dtype']}", flush=True)
         rows.append(row)
         print(f"doc {d} ({row['corpus_tokens']} tokens, {len(qa)} questions, {seconds:.0f} s): closure "
               f"{untrained.gap_closure:.3f} -> {got.gap_closure:.3f}, KL {untrained.kl_icl_cartridge:.3f} -> "

@@ -203,3 +203,30 @@ def test_a_checkpoint_from_before_ranks_still_resumes(tiny_lm, tmp_path):
     torch.save({**state, "run": {**state["run"], "config": config}}, tmp_path / "checkpoint.pt")
     again = TorchTrainer().fit(init, convs, tiny_lm, cfg, output_dir=tmp_path, progress=False)
     assert all(torch.equal(a, b) for a, b in zip(done.keys + done.values, again.keys + again.values))
+
+
+def test_the_fastest_work_dtype_is_measured_once_and_used_by_both_stages(tiny_llama, monkeypatch):
+    """work_dtype="fastest" picks bfloat16 only where the measured matrix product is clearly faster in it, and a
+    self-study run measures once, so synthesis and training compute in the same dtype."""
+    from cartridges_sdk.making import precision as selfstudy
+
+    assert selfstudy.resolve_work_dtype(tiny_llama, "fastest") in (torch.float32, torch.bfloat16)
+    assert selfstudy.resolve_work_dtype(tiny_llama, "BF16") == torch.bfloat16
+    assert selfstudy.resolve_work_dtype(tiny_llama, None) is None
+    with pytest.raises(ConfigError, match="not supported"):
+        selfstudy.resolve_work_dtype(tiny_llama, "fastest-please")
+    # a machine where bf16 products take half the time, and one where they take 0.9 of it; the first round (a
+    # warm-up) is slow and a later one is loaded: neither decides
+    for bf16_share, expected in ((0.5, torch.bfloat16), (0.9, torch.float32)):
+        times = iter([9.0, 9.0] + [1.0, bf16_share] * 3 + [1.0, 5.0] + [1.0, bf16_share])
+        clock = iter(t for step in times for t in (0.0, step))
+        monkeypatch.setattr(selfstudy.time, "perf_counter", lambda: next(clock))
+        assert selfstudy.fastest_dtype(tiny_llama) == expected
+        monkeypatch.undo()
+    measured = []
+    real = selfstudy.fastest_dtype
+    monkeypatch.setattr(selfstudy, "fastest_dtype", lambda lm: measured.append(lm) or real(lm))
+    Cartridge.from_corpus(TEXT[:400], tiny_llama, num_tokens=8, num_conversations=2, document_windows=0,
+                          max_tokens_a=4, max_tokens_b=4, min_chunk=32, max_chunk=64, work_dtype="fastest",
+                          progress=False)
+    assert len(measured) == 1
