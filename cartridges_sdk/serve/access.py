@@ -221,24 +221,18 @@ class RateLimits:
     """Each key's rate limit, counted in a moving window in this process's memory (the `limits` library)."""
 
     def __init__(self) -> None:
-        from limits.storage import MemoryStorage
-        from limits.strategies import MovingWindowRateLimiter
-
-        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+        self._limiter = _moving_window()
 
     def wait(self, grant: Grant) -> float | None:
         """None if `grant`'s key may make one more request now (counted), else the seconds until it may."""
         if grant.rate is None:
             return None
-        import time
-
         from limits import parse
 
         item = parse(grant.rate)
         if self._limiter.hit(item, grant.key_id):
             return None
-        reset = self._limiter.get_window_stats(item, grant.key_id).reset_time
-        return max(reset - time.time(), 0.0)
+        return max(_window_left(self._limiter, item, grant.key_id), 0.0)
 
 
 class FailedLogins:
@@ -250,22 +244,17 @@ class FailedLogins:
 
     def __init__(self, rate: str) -> None:
         from limits import parse
-        from limits.storage import MemoryStorage
-        from limits.strategies import MovingWindowRateLimiter
 
         self._item = parse(rate)
-        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+        self._limiter = _moving_window()
         self._quiet: dict[str, tuple[float, int]] = {}  # address -> (when its last line was logged, refusals since)
         self._lock = threading.Lock()
 
     def wait(self, address: str) -> float | None:
         """None if `address` may try a key now, else the seconds until it may."""
-        import time
-
         if self._limiter.test(self._item, address):
             return None
-        reset = self._limiter.get_window_stats(self._item, address).reset_time
-        return max(reset - time.time(), 1.0)
+        return max(_window_left(self._limiter, self._item, address), 1.0)
 
     def failed(self, address: str) -> None:
         self._limiter.hit(self._item, address)
@@ -290,6 +279,21 @@ class FailedLogins:
         """The refusals counted and not yet logged, by address (logged when the server stops)."""
         with self._lock:
             return {address: count for address, (_, count) in self._quiet.items() if count}
+
+
+def _moving_window() -> Any:
+    """A moving-window limiter counting in this process's memory (the `limits` library)."""
+    from limits.storage import MemoryStorage
+    from limits.strategies import MovingWindowRateLimiter
+
+    return MovingWindowRateLimiter(MemoryStorage())
+
+
+def _window_left(limiter: Any, item: Any, key: str) -> float:
+    """Seconds until `key`'s window for `item` lets one more through."""
+    import time
+
+    return limiter.get_window_stats(item, key).reset_time - time.time()
 
 
 def _now() -> str:

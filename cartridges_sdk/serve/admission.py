@@ -11,9 +11,10 @@ from fastapi.responses import JSONResponse  # imported only to serve; the core n
 from starlette.datastructures import Headers
 
 from .access import Grant, KeyFile, KeyFileError
-from .guard import BadRequest, authorize, check_host
+from .guard import BadRequest, authorize, bearer, check_host
 from .replies import error_response
 from .state import AUDIT, GRANT, JOB, LOGGED, TOKEN, ServerState
+
 
 def refusal(state: ServerState, scope: dict[str, Any]) -> JSONResponse | None:
     """The refusal `admit` gives a request, as a response; or None to let it through."""
@@ -46,30 +47,25 @@ def admit(state: ServerState, scope: dict[str, Any]) -> None:
     if scope["path"] == "/health":
         return
     if state.audit is not None and state.audit.broken:
-        raise BadRequest(503, "The server cannot write its audit log; its operator must fix that (the server's log "
-                         "says why).", headers={"retry-after": "10"})
+        raise audit_broken()
     if not guarded:
         return
     try:
         if state.keys is None:
             authorize(state.config.api_key, headers)
             return
-        grant = scope[GRANT] = key_grant(state.keys, bearer(headers))
+        token = bearer(headers)
+        grant = scope[GRANT] = key_grant(state.keys, token)
     except BadRequest as refused:
         if refused.status == 401:
             state.logins.failed(address)
         raise
-    scope[TOKEN] = bearer(headers)
+    scope[TOKEN] = token
     scope[AUDIT]["key"] = grant.key_id
     wait = state.limits.wait(grant)
     if wait is not None:
         raise BadRequest(429, f"This key's rate limit ({grant.rate}) is used up; retry in {wait:.0f} s.",
                          headers={"retry-after": str(max(1, round(wait)))})
-
-
-def bearer(headers: Headers) -> str:
-    given = headers.get("authorization", "")
-    return given[7:] if given.lower().startswith("bearer ") else ""
 
 
 def key_grant(keys: KeyFile, token: str) -> Grant:
@@ -145,6 +141,12 @@ def ended(state: ServerState, scope: dict[str, Any], status: int | None) -> None
         state.audit.write({**record, "status": status, "ended": record["error"]})
 
 
+def audit_broken() -> BadRequest:
+    """The 503 of a request that cannot be logged (the audit log cannot be written: a full disk)."""
+    return BadRequest(503, "The server cannot write its audit log; its operator must fix that (the server's log "
+                      "says why).", headers={"retry-after": "10"})
+
+
 def unlogged() -> Any:
-    return error_response(BadRequest(503, "The server cannot write its audit log; its operator must fix that (the "
-                                     "server's log says why).", headers={"retry-after": "10"}), str)
+    """`audit_broken` as the response that replaces one whose line could not be written."""
+    return error_response(audit_broken(), str)

@@ -104,7 +104,11 @@ def authorize(api_key: str | None, headers: Headers) -> None:
     """Refuse (401) a request without the bearer `api_key` (compared in constant time); None: no key needed."""
     if api_key is None:
         return
-    given = headers.get("authorization", "")
-    token = given[7:] if given.lower().startswith("bearer ") else ""
-    if not hmac.compare_digest(token.encode(), api_key.encode()):
+    if not hmac.compare_digest(bearer(headers).encode(), api_key.encode()):
         raise BadRequest(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.")
+
+
+def bearer(headers: Headers) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header, or "" without one."""
+    given = headers.get("authorization", "")
+    return given[7:] if given.lower().startswith("bearer ") else ""

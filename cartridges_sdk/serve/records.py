@@ -51,8 +51,6 @@ def with_record(lm: Any, cartridge: Cartridge, doc: SourceDocument, method: str,
     from a document of `tokens` tokens."""
     record = {"name": doc.name, "origin": doc.origin, "sha256": doc.sha256, "tokens": tokens, "method": method,
               "size": size}
-    extra = {k: v for k, v in cartridge.meta.extra.items() if k != "subject"}
-    if doc.subject is not None:  # from the document's front matter: the document says who it is about
-        extra["subject"] = doc.subject
-    meta = attrs.evolve(cartridge.meta, extra={**extra, "document": record})
-    return Cartridge(cartridge.keys, cartridge.values, meta, lm=lm)
+    meta = attrs.evolve(cartridge.meta, extra={**cartridge.meta.extra, "document": record})
+    # the subject from the document's front matter: the document says who it is about (None: no one)
+    return with_subject(Cartridge(cartridge.keys, cartridge.values, meta, lm=lm), doc.subject)

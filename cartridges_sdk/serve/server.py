@@ -43,6 +43,7 @@ from .state import AUDIT, JOB, ServerState
 from .store import CartridgeStore, NotInStoreError
 from .subjects import named, unknown_name
 
+
 def create_app(store: CartridgeStore, runtime: Runtime, config: ServeConfig | None = None) -> Any:
     """The ASGI app (FastAPI). The engine thread starts with the app and stops with it."""
     state = ServerState.open(store, config or ServeConfig())

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 # a word of a name: letters, with inner apostrophes, hyphens or a trailing dot (O'Neil, Jean-Luc, J.)
 _WORD = re.compile(r"[^\W\d_](?:[^\W\d_]|['\u2019-](?=[^\W\d_]))*\.?")
@@ -77,6 +77,7 @@ def same_name(said: list[str], subject: list[str]) -> bool:
 def named(question: str, subjects: Mapping[str, str]) -> list[str]:
     """The cartridges (keys of `subjects`: name -> subject) whose subject `question` names, in any case."""
     said = [f for _, f in words(question)]
+    phrases = [[fold(w) for w in phrase] for phrase in name_phrases(question)]
     found = []
     for cartridge, subject in subjects.items():
         target = [f for _, f in words(subject)]
@@ -87,7 +88,7 @@ def named(question: str, subjects: Mapping[str, str]) -> list[str]:
         if any(same_name(said[i:i + n], target) for n in spans for i in range(len(said) - n + 1)):
             found.append(cartridge)
             continue
-        if any(same_name([fold(w) for w in phrase], target) for phrase in name_phrases(question)):
+        if any(same_name(phrase, target) for phrase in phrases):
             found.append(cartridge)
     return found
 
@@ -129,8 +130,3 @@ def unknown_name(question: str) -> str | None:
     """The first phrase of `question` written like a person's name, as written; None when there is none."""
     phrases = name_phrases(question)
     return " ".join(phrases[0]) if phrases else None
-
-
-def subjects_in(names: Iterable[str], subjects: Mapping[str, str | None]) -> dict[str, str]:
-    """The subjects of `names` that have one."""
-    return {n: subjects[n] for n in names if subjects.get(n)}
