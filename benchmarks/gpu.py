@@ -40,9 +40,15 @@ from . import provenance
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072),
+    # Qwen2.5-0.5B's shape (the reader of docs/self-study.md), as a Llama with biased q/k/v projections
+    "qwen-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                      num_key_value_heads=2, rope_theta=1000000.0, max_position_embeddings=32768, attention_bias=True,
+                      vocab_size=151936, tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=8192),
 }
+# docs/self-study.md's recipe for Qwen2.5-Coder-0.5B on a CPU (part "recipe")
+RECIPE_0_5B = dict(num_tokens=256, num_conversations=16, document_windows=96, lr=0.01, seed=0)
 PAPER_THROUGHPUT_RATIO = 26.4  # the paper's peak-throughput gain over ICL (SGLang, Llama 8B, one H100)
 NO_GPU = "benchmarks.gpu: no CUDA GPU here (torch.cuda.is_available() is False); run it on a GPU machine (scripts/gpu-bench.sh)."
 
@@ -82,7 +88,7 @@ def random_lm(shape: str, tokenizer: Any, device: str, dtype: torch.dtype, seed:
 
     if shape not in SHAPES:
         raise SystemExit(f"benchmarks.gpu: --shape {shape!r} is not one of {sorted(SHAPES)}.")
-    config = LlamaConfig(**SHAPES[shape], vocab_size=len(tokenizer), tie_word_embeddings=False,
+    config = LlamaConfig(**{"vocab_size": len(tokenizer), "tie_word_embeddings": False, **SHAPES[shape]},
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
@@ -401,59 +407,134 @@ def profile_decode(lm: LM, shapes: list[tuple[int, int]], new_tokens: int, out_d
 
 
 # -- part 3: self-study ------------------------------------------------------------------------------------------
-def selfstudy(lm: LM, text: str, tokens: int, windows: int, conversations: int, per_chunk: int) -> dict[str, Any]:
-    """Training's useful FLOP/s against the measured bf16 matmul peak, and synthesis tokens/s against the raw batched
-    decode of the same model (as benchmarks.efficiency does on a CPU)."""
-    from cartridges_sdk.making.settings import SynthesisConfig
-    from cartridges_sdk.making.synthesis import synthesize
+def training_speed(lm: LM, text: str, tokens: int, windows: int, batch_tokens: list[int], peak: float) -> dict[str, Any]:
+    """Training's useful FLOP/s against the matmul peak, for each micro-batch size: small micro-batches leave a GPU
+    waiting on the host's kernel launches. Timed is the step loop alone (the trainer's own clock), without the final
+    checkpoint (no output folder) or the copy of the result to the host."""
+    from cartridges_sdk.plugins import trainers
     from cartridges_sdk.trainer_inputs import TrainConfig
-    from cartridges_sdk.kv import decoding_kernels
-    from cartridges_sdk.plugins import synthesizers, trainers
 
     from . import methods
-    from .measure import matmul_peak, synthesis_yardstick
+
+    device = lm.device
+    ids = methods.document_ids(lm, text)
+    chunks = methods.raw_windows(ids, windows, seed=0)
+    start_cart = Cartridge.from_prefix(lm, ids, min(tokens, len(ids)))
+    flops = methods.training_flops(lm, chunks, start_cart.num_tokens, 1)
+    train_tokens = sum(c.num_tokens for c in chunks)
+    out: dict[str, Any] = {"tokens": train_tokens, "cartridge_tokens": start_cart.num_tokens, "windows": len(chunks),
+                           "runs": []}
+    for bt in batch_tokens:
+        config = TrainConfig(objective="ntp", eval_fraction=0.0, checkpoint_every=10**6, checkpoint_seconds=1e9,
+                             batch_tokens=bt)
+        trainer = trainers.create("torch", lm)
+        try:
+            per_batch = max(1, bt // max(c.num_tokens for c in chunks))
+            trainer.fit(start_cart, chunks[:per_batch], lm, config, progress=False)  # warm-up at this batch's shapes
+            trainer = trainers.create("torch", lm)  # a history of the timed run alone
+            _, wall = timed(device, lambda: trainer.fit(start_cart, chunks, lm, config, progress=False))
+            loop = trainer.history[-1]["elapsed_s"]
+            row = {"batch_tokens": bt, "steps": len(trainer.history), "seconds": loop, "wall_seconds": wall,
+                   "tokens_per_s": train_tokens / loop, "useful_flops_per_s": flops / loop, "mfu": flops / loop / peak,
+                   "peak_memory_mb": trainer.history[-1].get("peak_memory_mb")}
+            log(f"training, batch_tokens={bt}: {row['tokens_per_s']:,.0f} tokens/s, MFU {row['mfu']:.2f} "
+                f"({row['steps']} steps in {loop:.2f} s; {wall:.2f} s with setup and the copy out; "
+                f"peak {row['peak_memory_mb'] or 0:,.0f} MB)")
+        except torch.OutOfMemoryError as err:
+            row = {"batch_tokens": bt, "error": f"out of memory: {err}"[:300]}
+            log(f"training, batch_tokens={bt}: out of memory")
+        out["runs"].append(row)
+        del trainer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    done = [r for r in out["runs"] if "mfu" in r]
+    if done:
+        out.update(max(done, key=lambda r: r["mfu"]))
+    return out
+
+
+@contextlib.contextmanager
+def rows_one_by_one():
+    """The synthesizer as it was before `PackedRows`: each row's KV concatenated and written into the batch cache
+    on its own (two copies per row and layer), to measure what the packed layout saves."""
+    from cartridges_sdk.hf import synthesizer as module
+
+    packed = module.prefill_rows
+
+    def one_by_one(lm, prefix, prompts):
+        rows = packed(lm, prefix, prompts)
+        return [rows.row(i) for i in range(len(rows))] if hasattr(rows, "row") else rows
+
+    module.prefill_rows = one_by_one
+    try:
+        yield
+    finally:
+        module.prefill_rows = packed
+
+
+def synthesis_speed(lm: LM, text: str, conversations: int, per_chunk: list[int]) -> dict[str, Any]:
+    """Synthesis tokens/s against the raw batched decode of the same model where synthesis decodes (as
+    benchmarks.efficiency does on a CPU), with rows packed (now) and one by one (before)."""
+    from cartridges_sdk.making.settings import SynthesisConfig
+    from cartridges_sdk.making.synthesis import synthesize
+    from cartridges_sdk.plugins import synthesizers
+
+    from . import methods
+    from .measure import synthesis_yardstick
+
+    device = lm.device
+    ids = methods.document_ids(lm, text)
+    runs = []
+    for chunk in per_chunk:
+        config = SynthesisConfig(num_conversations=conversations, conversations_per_chunk=chunk, document_windows=0,
+                                 seed=0)
+        raw = synthesis_yardstick(lm, ids, config)
+        for layout in ("packed", "one_by_one"):
+            with rows_one_by_one() if layout == "one_by_one" else contextlib.nullcontext():
+                with tempfile.TemporaryDirectory() as tmp:
+                    ds, seconds = timed(device, lambda: synthesize(text, lm, Path(tmp) / "data", config,
+                                                                   synthesizer=synthesizers.create("hf", lm),
+                                                                   progress=False))
+                    generated = methods.generated_tokens(lm, list(ds))  # read before its folder goes
+            row = {"per_chunk": chunk, "layout": layout, "conversations": conversations, "generated_tokens": generated,
+                   "seconds": seconds, "tokens_per_s": generated / seconds, "raw_decode_tokens_per_s": raw,
+                   "ratio": generated / seconds / raw}
+            log(f"synthesis, {chunk} per chunk, rows {layout}: {row['tokens_per_s']:,.0f} tokens/s = {row['ratio']:.2f} "
+                f"of raw batched decode ({raw:,.0f} tokens/s)")
+            runs.append(row)
+    best = max((r for r in runs if r["layout"] == "packed"), key=lambda r: r["ratio"])
+    return {"runs": runs, **best}
+
+
+def selfstudy(lm: LM, text: str, tokens: int, windows: int, conversations: int, per_chunk: list[int],
+              batch_tokens: list[int]) -> dict[str, Any]:
+    """Training's MFU and synthesis against raw decode, the two figures docs/gpu.md tracks."""
+    from .measure import matmul_peak
 
     device = lm.device
     n = 8192 if device.type == "cuda" else 512
     peak = matmul_peak(lm.dtype, n=n, device=device)
-    ids = methods.document_ids(lm, text)
-    chunks = methods.raw_windows(ids, windows, seed=0)
-    start_cart = Cartridge.from_prefix(lm, ids, min(tokens, len(ids)))
-    trainer = trainers.create("torch", lm)
-    config = TrainConfig(objective="ntp", eval_fraction=0.0, checkpoint_every=10**6, checkpoint_seconds=1e9)
-    flops = methods.training_flops(lm, chunks, start_cart.num_tokens, 1)
-    train_tokens = sum(c.num_tokens for c in chunks)
-    training: dict[str, Any] = {"tokens": train_tokens, "cartridge_tokens": start_cart.num_tokens, "windows": len(chunks)}
-    # with SDPA's own kernel choice (cuDNN's included, on a GPU), then with cuDNN's attention kept out
-    for setting in ("default", "cudnn_kept_out") if device.type == "cuda" else ("default",):
-        with decoding_kernels(device) if setting != "default" else contextlib.nullcontext():
-            with tempfile.TemporaryDirectory() as tmp:
-                trainer.fit(start_cart, chunks[:2], lm, config, progress=False)  # warm-up: kernels chosen
-                _, train_s = timed(device, lambda: trainer.fit(start_cart, chunks, lm, config, progress=False,
-                                                               output_dir=Path(tmp) / "train"))
-        training[setting] = {"seconds": train_s, "tokens_per_s": train_tokens / train_s,
-                             "useful_flops_per_s": flops / train_s, "mfu": flops / train_s / peak}
-    best = max((v for k, v in training.items() if isinstance(v, dict)), key=lambda v: v["mfu"])
-    training.update(best)
-    synth_config = SynthesisConfig(num_conversations=conversations, conversations_per_chunk=per_chunk,
-                                   document_windows=0, seed=0)
-    raw = synthesis_yardstick(lm, ids, synth_config)
+    log(f"self-study: {lm.dtype} matmul peak {peak / 1e12:.1f} TFLOP/s ({n}^3)")
+    return {"matmul_peak_flops": peak, "matmul_n": n,
+            "training": training_speed(lm, text, tokens, windows, batch_tokens, peak),
+            "synthesis": synthesis_speed(lm, text, conversations, per_chunk)}
+
+
+def recipe(lm: LM, text: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """A whole `from_corpus` build with docs/self-study.md's recipe for the 0.5B reader: the seconds a user waits,
+    and the training loop's share. Random weights never end a message early, so synthesis here is its longest."""
+    from cartridges_sdk.making.training import RUN_LOG
+
+    device = lm.device
     with tempfile.TemporaryDirectory() as tmp:
-        ds, synth_s = timed(device, lambda: synthesize(text, lm, Path(tmp) / "data", synth_config,
-                                                        synthesizer=synthesizers.create("hf", lm), progress=False))
-        generated = methods.generated_tokens(lm, list(ds))
-    result = {
-        "matmul_peak_flops": peak, "matmul_n": n,
-        "training": training,
-        "synthesis": {"conversations": conversations, "per_chunk": per_chunk, "generated_tokens": generated,
-                      "seconds": synth_s, "tokens_per_s": generated / synth_s, "raw_decode_tokens_per_s": raw,
-                      "ratio": generated / synth_s / raw},
-    }
-    log(f"self-study: matmul peak {peak / 1e12:.1f} TFLOP/s; training " + ", ".join(
-        f"{k}: {v['tokens_per_s']:,.0f} tokens/s, MFU {v['mfu']:.2f}" for k, v in training.items() if isinstance(v, dict))
-        + f"; synthesis {generated / synth_s:,.0f} tokens/s = "
-        f"{result['synthesis']['ratio']:.2f} of raw batched decode ({raw:,.0f} tokens/s)")
-    return result
+        work = Path(tmp) / "build"
+        cart, seconds = timed(device, lambda: Cartridge.from_corpus(text, lm, output_dir=work, **settings))
+        logged = [json.loads(line) for p in work.rglob(RUN_LOG) for line in p.read_text().splitlines() if line]
+    train_s = max((r["elapsed_s"] for r in logged if "elapsed_s" in r), default=None)
+    out = {"settings": settings, "seconds": seconds, "training_seconds": train_s,
+           "corpus_tokens": len(lm.encode(text)), "work_dtype": (cart.meta.training or {}).get("work_dtype")}
+    log(f"recipe {settings}: {seconds:.1f} s in all, training {train_s or 0:.1f} s")
+    return out
 
 
 # -- the commands ------------------------------------------------------------------------------------------------
@@ -491,7 +572,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             if part == "exactness":
                 result["exactness"] = exactness(device)
-            elif part in ("serving", "selfstudy", "profile"):
+            elif part in ("serving", "selfstudy", "profile", "recipe"):
                 if "lm" not in locals():
                     tok = tokenizer_of(args.assets, args.shape)
                     (lm, build_s) = timed(torch.device(device), lambda: random_lm(args.shape, tok, device, dtype))
@@ -504,12 +585,14 @@ def run(args: argparse.Namespace) -> int:
                     sizes = [int(s) for s in args.cartridges.split(",")] + [int(s) for s in args.documents.split(",")]
                     result["serving"] = serving(lm, sizes, {int(s) for s in args.documents.split(",")}, args.budget_gib,
                                                 args.new_tokens, args.repeats, args.max_batch)
-                else:
+                elif part == "selfstudy":
                     result["selfstudy"] = selfstudy(lm, document_of(args.assets), args.train_tokens, args.windows,
-                                                    args.conversations, args.per_chunk)
+                                                    args.conversations, ints(args.per_chunk), ints(args.batch_tokens))
+                else:
+                    result["recipe"] = recipe(lm, document_of(args.assets), RECIPE_0_5B)
             else:
                 raise SystemExit(f"benchmarks.gpu: unknown part {part!r}; parts are exactness, serving, selfstudy, "
-                                 "profile.")
+                                 "recipe, profile.")
         except SystemExit:
             raise
         except Exception as err:  # noqa: BLE001 - one part failing must not lose the others' figures
@@ -519,6 +602,10 @@ def run(args: argparse.Namespace) -> int:
     log(f"wrote {out}")
     print_table(result)
     return 0 if all("error" not in result.get(p, {}) for p in parts) else 1
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -553,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--device", default="cuda")
     go.add_argument("--shape", default="llama-8b", choices=sorted(SHAPES))
     go.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    go.add_argument("--parts", default="exactness,serving,selfstudy")
+    go.add_argument("--parts", default="exactness,serving,selfstudy,recipe")
     go.add_argument("--cartridges", default="512,2048", help="cartridge sizes p")
     go.add_argument("--documents", default="8192,32768,131072", help="ICL document lengths")
     go.add_argument("--budget-gib", type=float, help="KV budget every cache size shares (default: from free memory)")
@@ -561,9 +648,11 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--new-tokens", type=int, default=128, help="tokens decoded per row (the paper: 128)")
     go.add_argument("--repeats", type=int, default=2, help="timed runs per size, after one short warm-up")
     go.add_argument("--train-tokens", type=int, default=2048, help="cartridge size trained (the paper's 2048)")
-    go.add_argument("--windows", type=int, default=64, help="256-token windows trained on")
+    go.add_argument("--windows", type=int, default=128, help="256-token windows trained on")
     go.add_argument("--conversations", type=int, default=128)
-    go.add_argument("--per-chunk", type=int, default=64, help="conversations decoded together per chunk")
+    go.add_argument("--per-chunk", default="64", help="conversations decoded together per chunk (comma-separated)")
+    go.add_argument("--batch-tokens", default="2048,8192,16384",
+                    help="training micro-batch sizes to measure (comma-separated; the default setting is 2048)")
     go.add_argument("--profile", default="131072x4,8192x73,512x904",
                     help="part 'profile': comma-separated CACHExROWS decode calls to profile")
     go.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu.json"))

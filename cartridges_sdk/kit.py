@@ -19,7 +19,7 @@ from .files import atomic_write, atomic_write_json
 from .generation import (Completion, GenerationParams, GenerationRequest, Message, SynthesisRequest, check_fits,
                          settled_delta, text_deltas)
 from .identity import ModelIdentity, architecture_of, tokenizer_fingerprint
-from .kv import Layers, Recent, concat_layers, decoding_kernels, join_layers, prefix_cache, refuse_foreign, rows_prefix_cache
+from .kv import Layers, PackedRows, Recent, concat_layers, decoding_kernels, join_layers, prefix_cache, refuse_foreign, rows_prefix_cache
 from .lm import LM, autocast, resolve_dtype, rope_inv_freq
 from .models import default_model_gguf
 from .net import free_port
@@ -49,7 +49,7 @@ __all__ = [
     # rules every engine follows (the prompt rule is `LM.prompt_ids`)
     "check_fits", "refuse_foreign", "ends_answer", "sample_next", "settled_delta", "text_deltas",
     # KV and RoPE
-    "Layers", "Recent", "concat_layers", "join_layers", "prefix_cache", "rows_prefix_cache", "decoding_kernels", "tensor_name", "layer_tensors",
+    "Layers", "PackedRows", "Recent", "concat_layers", "join_layers", "prefix_cache", "rows_prefix_cache", "decoding_kernels", "tensor_name", "layer_tensors",
     "ROTATE_HALF", "INTERLEAVED", "key_layout", "rope_inv_freq", "shift_keys",
     # vetting a teacher: the same-model probe
     "PROBE_TOLERANCE", "PROBE_TOP_K", "check_probe", "probe_gap", "probe_request",

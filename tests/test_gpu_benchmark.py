@@ -36,7 +36,8 @@ def test_every_part_on_a_cpu_with_a_tiny_shape(tmp_path):
     out = tmp_path / "gpu.json"
     code = gpu.main(["run", "--device", "cpu", "--shape", "tiny", "--dtype", "float32", "--cartridges", "16,32",
                      "--documents", "96", "--budget-gib", "0.001", "--new-tokens", "4", "--repeats", "1",
-                     "--train-tokens", "32", "--windows", "4", "--conversations", "4", "--per-chunk", "2",
+                     "--train-tokens", "32", "--windows", "4", "--batch-tokens", "256,1024", "--conversations", "4",
+                     "--per-chunk", "2",
                      "--out", str(out)])
     result = json.loads(out.read_text())
     assert code == 0, {k: v.get("error") for k, v in result.items() if isinstance(v, dict)}
@@ -57,7 +58,13 @@ def test_every_part_on_a_cpu_with_a_tiny_shape(tmp_path):
         assert all(a[f"{name}_ms"] > 0 and a[f"{name}_error"] < 1e-5 for name in ("enable_gqa", "folded_sdpa", "folded_matmul"))
     study = result["selfstudy"]
     assert 0 < study["training"]["mfu"] < 1.5
-    assert study["synthesis"]["generated_tokens"] > 0 and study["synthesis"]["ratio"] > 0
+    # one micro-batch size per run: 4 windows take 4 steps of one window, then one step of all four
+    assert [(r["batch_tokens"], r["steps"]) for r in study["training"]["runs"]] == [(256, 4), (1024, 1)]
+    runs = study["synthesis"]["runs"]
+    assert [r["layout"] for r in runs] == ["packed", "one_by_one"]
+    assert all(r["generated_tokens"] > 0 and r["ratio"] > 0 for r in runs)
+    # the whole 0.5B recipe, built end to end
+    assert result["recipe"]["seconds"] > result["recipe"]["training_seconds"] > 0
 
 
 @pytest.mark.default_model

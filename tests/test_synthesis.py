@@ -284,11 +284,31 @@ def test_packed_prompts_give_each_row_the_kv_it_would_have_alone(tiny_lm):
     prefix_ids = tiny_lm.encode(TEXT[:120])
     prompts = [tiny_lm.encode(t) for t in ("a question", "another, longer question here", "a question", "x")]
     rows = prefill_rows(tiny_lm, tiny_lm.kv(prefix_ids), prompts)
-    for prompt, layers in zip(prompts, rows):
+    assert len(rows) == len(prompts)
+    for i, prompt in enumerate(prompts):
+        layers = rows.row(i)
         alone = tiny_lm.kv(prefix_ids + prompt[:-1])
         assert len(layers) == len(alone)
         for (k, v), (k0, v0) in zip(layers, alone):
             torch.testing.assert_close(k, k0, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(v, v0, rtol=1e-4, atol=1e-5)
     no_prefix = prefill_rows(tiny_lm, None, prompts[:2])
-    torch.testing.assert_close(no_prefix[1][0][0], tiny_lm.kv(prompts[1][:-1])[0][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(no_prefix.row(1)[0][0], tiny_lm.kv(prompts[1][:-1])[0][0], rtol=1e-4, atol=1e-5)
+
+
+def test_packed_rows_decode_as_the_same_rows_laid_out_one_by_one(tiny_lm):
+    """`PackedRows` put padding between the shared prefix and each row's own tokens; decoding must not see it: the
+    greedy tokens and top-k log-probabilities equal those of the rows written one by one (right-aligned)."""
+    from cartridges_sdk import GenerationParams
+    from cartridges_sdk.hf.decode import decode, prefill_rows
+
+    prefix_ids = tiny_lm.encode(TEXT[:90])
+    prompts = [tiny_lm.encode(t) for t in ("a question", "another, longer question here", "x", "a question")]
+    packed = prefill_rows(tiny_lm, tiny_lm.kv(prefix_ids), prompts)
+    params = GenerationParams(max_new_tokens=6, temperature=0.0)
+    last = [p[-1:] for p in prompts]
+    *_, fast = decode(tiny_lm, packed, last, params, top_logprobs=3)
+    *_, slow = decode(tiny_lm, [packed.row(i) for i in range(len(prompts))], last, params, top_logprobs=3)
+    assert fast.tokens == slow.tokens
+    for a, b in zip(fast.top_logprobs, slow.top_logprobs):
+        torch.testing.assert_close(torch.stack(a), torch.stack(b), rtol=1e-4, atol=1e-5)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kit import (Completion, ConfigError, decoding_kernels, ends_answer, GenerationParams, Layers, rows_prefix_cache,
-    sample_next)
+from ..kit import (Completion, ConfigError, decoding_kernels, ends_answer, GenerationParams, Layers, PackedRows,
+    rows_prefix_cache, sample_next)
 
 if TYPE_CHECKING:
     from ..kit import LM
@@ -33,7 +33,7 @@ class DecodeState:
 @torch.inference_mode()
 def decode(
     lm: LM,
-    prefixes: Sequence[Layers | None],
+    prefixes: Sequence[Layers | None] | PackedRows,
     prompts: Sequence[Sequence[int]],
     params: GenerationParams,
     *,
@@ -89,12 +89,13 @@ def decode(
     yield state
 
 
-def _first_inputs(lm: LM, prefixes: Sequence[Layers | None], prompts: Sequence[Sequence[int]], max_new_tokens: int):
+def _first_inputs(lm: LM, prefixes: Sequence[Layers | None] | PackedRows, prompts: Sequence[Sequence[int]], max_new_tokens: int):
     """The first forward's cache, input ids, attention mask and position ids: prompts padded on the left, after
     their right-aligned prefixes, each token at the position it would have alone (padding is masked out)."""
     device = lm.device
     batch, width = len(prompts), max(len(p) for p in prompts)
-    longest_prefix = max((layers[0][0].shape[1] for layers in prefixes if layers), default=0)
+    longest_prefix = prefixes.width if isinstance(prefixes, PackedRows) else max(
+        (layers[0][0].shape[1] for layers in prefixes if layers), default=0)
     cache, _, prefix_mask = rows_prefix_cache(lm, prefixes, capacity=longest_prefix + width + max_new_tokens)
     ids = torch.full((batch, width), lm.pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros((batch, width), dtype=torch.long)
@@ -137,8 +138,9 @@ def _record_step(lm: LM, state: DecodeState, live: list[int], token: torch.Tenso
 
 
 @torch.inference_mode()
-def prefill_rows(lm: LM, prefix: Layers | None, prompts: Sequence[Sequence[int]]) -> list[Layers | None]:
-    """Each row's KV: `prefix`, then its prompt but the last token (which `decode` feeds to get the first logits).
+def prefill_rows(lm: LM, prefix: Layers | None, prompts: Sequence[Sequence[int]]) -> PackedRows | list[Layers | None]:
+    """Each row's KV: `prefix`, then its prompt but the last token (which `decode` feeds to get the first logits),
+    as `PackedRows` (or the prefix for every row, when no prompt has more than one token).
 
     The distinct prompts are packed end to end into one sequence, each seeing the prefix and its own earlier tokens
     only, at the positions it would have alone. A padded batch would compute every row to the longest prompt and
@@ -166,12 +168,7 @@ def prefill_rows(lm: LM, prefix: Layers | None, prompts: Sequence[Sequence[int]]
     cache = DynamicCache(ddp_cache_data=data, config=lm.model.config) if data else DynamicCache(config=lm.model.config)
     lm.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True)
     layers = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-    rows: dict[tuple[int, ...], Layers] = {
-        body: [(torch.cat([k[:, :past], k[:, past + a : past + b]], dim=1),
-                torch.cat([v[:, :past], v[:, past + a : past + b]], dim=1)) for k, v in layers]
-        for body, (a, b) in spans.items()
-    }
-    return [rows[body] if body else prefix for body in bodies]
+    return PackedRows(layers, past, [spans[body] if body else (0, 0) for body in bodies])
 
 
 def row_completion(

@@ -17,8 +17,10 @@ from ..lm import LM
 from ..trainer_inputs import SEED_KIND_DOCUMENT, Conversation
 from .trainable import TrainableCartridge
 
-# target positions whose logits are in memory at once (256 x a 50k vocabulary in float32 = 50 MB)
+# target positions whose logits are in memory at once (256 x a 50k vocabulary in float32 = 50 MB); on a GPU more,
+# since each chunk costs the host about ten kernel launches whatever its size (2,048 x a 152k vocabulary = 1.2 GB)
 OUTPUT_CHUNK = 256
+OUTPUT_CHUNK_GPU = 2048
 
 
 def target_weights(batch: Sequence[Conversation], conversation_weight: float = 1.0) -> np.ndarray:
@@ -129,8 +131,9 @@ class OutputLoss(torch.autograd.Function):
         need_grad = ctx.needs_input_grad[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden) if need_grad else None
-        for start in range(0, hidden.shape[0], OUTPUT_CHUNK):
-            rows = slice(start, start + OUTPUT_CHUNK)
+        chunk = OUTPUT_CHUNK if hidden.device.type == "cpu" else OUTPUT_CHUNK_GPU
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
             logits = torch.nn.functional.linear(hidden[rows], weight, bias).float()
             lse = logits.logsumexp(-1)
             p, w = top_p[rows].float(), weights[rows].float()
