@@ -5,7 +5,7 @@ with the untrained prefix cartridge, the compacted start (when self-study starts
 closure and KL(ICL || cartridge) for each; wall-clock time of the build, and of its training alone (the rest is the
 compacted start and synthesis). Work folders are kept (one per model and settings), so a re-run resumes.
 
-    python -m benchmarks.selfstudy [--docs 1] [--tokens 256] [--conversations 128] [--set lr=0.01 ...]
+    python -m benchmarks.selfstudy [--docs 1] [--tokens 256] [--conversations 16] [--set lr=0.01 ...]
         [--model qwen2.5-coder-0.5b]
 """
 
@@ -22,6 +22,7 @@ from cartridges_sdk.cli.common import parse_settings
 from cartridges_sdk.making.checkpoint import RUN_LOG
 from cartridges_sdk.making.evaluation import score
 from cartridges_sdk.making.selfstudy import COMPACT_START
+from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS
 
 from . import provenance
 from .data import DEFAULT_DATA
@@ -32,7 +33,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="L-Eval-format JSONL (input, instructions, outputs)")
     parser.add_argument("--docs", default="1", help="comma-separated document indices")
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--conversations", type=int, default=128)
+    parser.add_argument("--conversations", type=int, default=DEFAULT_CONVERSATIONS)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="any from_corpus setting (repeatable)")
@@ -69,7 +70,8 @@ def main() -> None:
         row = {
             "doc": d, "corpus_tokens": len(lm.encode(text)), "questions": len(qa), "seconds": round(seconds, 1),
             "training_seconds": train_s and round(train_s, 1),
-            "work_dtype": (trained.meta.training or {}).get("work_dtype"), "nll_none": got.nll_none, "nll_icl": got.nll_icl,
+            "work_dtype": (trained.meta.training or {}).get("work_dtype"),
+            "synthesis_dtype": (trained.meta.training or {}).get("synthesis_dtype"), "nll_none": got.nll_none, "nll_icl": got.nll_icl,
             "untrained": {"nll": untrained.nll_cartridge, "closure": untrained.gap_closure, "kl": untrained.kl_icl_cartridge},
             "trained": {"nll": got.nll_cartridge, "closure": got.gap_closure, "kl": got.kl_icl_cartridge},
         }

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cartridges_sdk import Completion, ConfigError, Synthesizer, SynthesizerCapabilities
+from cartridges_sdk import Cartridge, Completion, ConfigError, Synthesizer, SynthesizerCapabilities
 from cartridges_sdk.making.dataset import SelfStudyDataset, Shard, merge
 from cartridges_sdk.hf import HFSynthesizer
 from cartridges_sdk.generation import SynthesisRequest
@@ -312,3 +312,23 @@ def test_packed_rows_decode_as_the_same_rows_laid_out_one_by_one(tiny_lm):
     assert fast.tokens == slow.tokens
     for a, b in zip(fast.top_logprobs, slow.top_logprobs):
         torch.testing.assert_close(torch.stack(a), torch.stack(b), rtol=1e-4, atol=1e-5)
+
+
+def test_windows_scored_together_match_each_scored_alone(tiny_lm):
+    """The HF synthesizer scores a chunk's equally long windows in one forward pass (and a shorter one apart): each
+    window's top-k must be what the model gives it alone after the chunk. With `score_dtype` a copy of the model in
+    that dtype scores, close to the float32 figures."""
+
+    chunk = tiny_lm.encode(TEXT[:150])
+    windows = [tiny_lm.encode(TEXT[a : a + 40])[:12] for a in (0, 50, 100)] + [tiny_lm.encode(TEXT[200:240])[:7]]
+    scored = HFSynthesizer(tiny_lm).score(chunk, windows, 5)
+    for window, (ids, lps) in zip(windows, scored):
+        alone = tiny_lm.logits(window, [Cartridge.from_prefix(tiny_lm, chunk, len(chunk))])[:-1].log_softmax(-1)
+        top = torch.topk(alone, 5, dim=-1)
+        assert ids.shape == (len(window) - 1, 5)
+        torch.testing.assert_close(torch.from_numpy(lps), top.values, rtol=1e-4, atol=1e-5)
+        assert (ids[:, 0] == top.indices[:, 0].numpy()).all()
+    in_bf16 = HFSynthesizer(tiny_lm, score_dtype="bf16")
+    assert in_bf16.scorer.dtype == torch.bfloat16 and in_bf16.lm is tiny_lm
+    for (_, lps), (_, lps16) in zip(scored, in_bf16.score(chunk, windows, 5)):
+        torch.testing.assert_close(torch.from_numpy(lps16), torch.from_numpy(lps), rtol=0.05, atol=0.05)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -205,28 +207,43 @@ def test_a_checkpoint_from_before_ranks_still_resumes(tiny_lm, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(done.keys + done.values, again.keys + again.values))
 
 
-def test_the_fastest_work_dtype_is_measured_once_and_used_by_both_stages(tiny_llama, monkeypatch):
-    """work_dtype="fastest" picks bfloat16 only where the measured matrix product is clearly faster in it, and a
-    self-study run measures once, so synthesis and training compute in the same dtype."""
-    from cartridges_sdk.making import precision as selfstudy
+def test_the_fastest_work_dtype_is_measured_per_stage_once_per_run(tiny_llama, monkeypatch):
+    """work_dtype="fastest" picks bfloat16 for a stage only where that stage's miniature runs clearly faster in it
+    (the 135M model trains faster in bf16 and synthesizes slower), and a self-study run measures once, for both
+    stages, recording each stage's dtype in the cartridge."""
+    from cartridges_sdk.making import precision
 
-    assert selfstudy.resolve_work_dtype(tiny_llama, "fastest") in (torch.float32, torch.bfloat16)
-    assert selfstudy.resolve_work_dtype(tiny_llama, "BF16") == torch.bfloat16
-    assert selfstudy.resolve_work_dtype(tiny_llama, None) is None
+    # a toy model is not measured: it computes in its own dtype
+    assert precision.resolve_work_dtype(tiny_llama, "fastest") == {"synthesis": None, "training": None}
+    monkeypatch.setattr(precision, "SMALLEST_MEASURED", 0)
+    assert set(precision.resolve_work_dtype(tiny_llama, "fastest").values()) <= {torch.float32, torch.bfloat16}
+    assert precision.resolve_work_dtype(tiny_llama, "BF16") == {"synthesis": torch.bfloat16, "training": torch.bfloat16}
+    assert precision.resolve_work_dtype(tiny_llama, None) == {"synthesis": None, "training": None}
     with pytest.raises(ConfigError, match="not supported"):
-        selfstudy.resolve_work_dtype(tiny_llama, "fastest-please")
-    # a machine where bf16 products take half the time, and one where they take 0.9 of it; the first round (a
-    # warm-up) is slow and a later one is loaded: neither decides
-    for bf16_share, expected in ((0.5, torch.bfloat16), (0.9, torch.float32)):
-        times = iter([9.0, 9.0] + [1.0, bf16_share] * 3 + [1.0, 5.0] + [1.0, bf16_share])
-        clock = iter(t for step in times for t in (0.0, step))
-        monkeypatch.setattr(selfstudy.time, "perf_counter", lambda: next(clock))
-        assert selfstudy.fastest_dtype(tiny_llama) == expected
-        monkeypatch.undo()
+        precision.resolve_work_dtype(tiny_llama, "fastest-please")
+    # seconds per run of each stage's miniature, by dtype: a slow warm-up round and a loaded round decide nothing
+    times = {"synthesis": {torch.float32: [9.0, 1.0, 1.0], torch.bfloat16: [9.0, 5.0, 0.9]},
+             "training": {torch.float32: [9.0, 1.0, 1.0], torch.bfloat16: [9.0, 0.6, 5.0]}}
+
+    def probe(stage):
+        def make(lm):
+            runs = list(times[stage][lm.dtype])
+            return lambda: runs.pop(0)
+        return make
+
+    monkeypatch.setattr(precision, "_synthesis_probe", probe("synthesis"))
+    monkeypatch.setattr(precision, "_training_probe", probe("training"))
+    assert precision.fastest_dtypes(tiny_llama) == {"synthesis": torch.float32, "training": torch.bfloat16}
+    assert precision.work_model(tiny_llama, torch.bfloat16) is precision.work_model(tiny_llama, torch.bfloat16)
     measured = []
-    real = selfstudy.fastest_dtype
-    monkeypatch.setattr(selfstudy, "fastest_dtype", lambda lm: measured.append(lm) or real(lm))
-    Cartridge.from_corpus(TEXT[:400], tiny_llama, num_tokens=8, num_conversations=2, document_windows=0,
-                          max_tokens_a=4, max_tokens_b=4, min_chunk=32, max_chunk=64, work_dtype="fastest",
-                          progress=False)
+    monkeypatch.setattr(precision, "_CHOSEN", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(precision, "fastest_dtypes", lambda lm: measured.append(lm) or
+                        {"synthesis": torch.float32, "training": torch.bfloat16})
+    cart = Cartridge.from_corpus(TEXT[:400], tiny_llama, num_tokens=8, num_conversations=2, document_windows=0,
+                                 max_tokens_a=4, max_tokens_b=4, min_chunk=32, max_chunk=64, work_dtype="fastest",
+                                 progress=False)
     assert len(measured) == 1
+    assert (cart.meta.training["synthesis_dtype"], cart.meta.training["work_dtype"]) == ("float32", "bfloat16")
+    precision.resolve_work_dtype(tiny_llama, "fastest")
+    assert len(measured) == 1  # once per model and process
+    assert cart.keys[0].dtype == tiny_llama.dtype  # bound to the model it was asked for

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from ..making.settings import DEFAULT_START, STARTS
+from ..making.settings import DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS
 from .files import cmd_compact, cmd_compose, cmd_init, cmd_inspect
 from .selfstudy import cmd_build, cmd_merge, cmd_synthesize, cmd_train
 from .access import cmd_forget, cmd_keys
@@ -85,7 +85,8 @@ def _compact(p: argparse.ArgumentParser) -> None:
 def _build(p: argparse.ArgumentParser) -> None:
     _corpus_args(p)
     _cartridge_output(p, "cartridge file to write")
-    p.add_argument("--conversations", type=int, default=128)
+    p.add_argument("--conversations", type=int, default=DEFAULT_CONVERSATIONS,
+                   help=f"conversations to synthesize (default {DEFAULT_CONVERSATIONS})")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--init", choices=STARTS, default=DEFAULT_START, help=INIT_HELP)
     p.add_argument("--work-dir", help="where data and checkpoints go (default OUTPUT.work); a re-run resumes")
@@ -99,7 +100,8 @@ def _build(p: argparse.ArgumentParser) -> None:
 def _synthesize(p: argparse.ArgumentParser) -> None:
     _corpus_args(p)
     p.add_argument("-o", "--output", required=True, help="dataset folder (e.g. data.parquet); a re-run resumes")
-    p.add_argument("--conversations", type=int, default=128)
+    p.add_argument("--conversations", type=int, default=DEFAULT_CONVERSATIONS,
+                   help=f"conversations to synthesize (default {DEFAULT_CONVERSATIONS})")
     _nproc_arg(p, "share the synthesis among")
     p.add_argument("--shard", metavar="I/N", help="make only shard I of N (from 0) in this process, e.g. one per "
                    "machine; `cartridges merge` gathers them into the dataset one process makes")

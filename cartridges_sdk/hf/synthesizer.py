@@ -9,11 +9,15 @@ import attrs
 import torch
 
 from ..kit import (autocast, Cartridge, Completion, concat_layers, GenerationParams, ModelIdentity, one_of,
-    resolve_dtype, SynthesisRequest, Synthesizer, SynthesizerCapabilities)
+    prefix_cache, resolve_dtype, SynthesisRequest, Synthesizer, SynthesizerCapabilities)
 from .decode import decode, prefill_rows, row_completion
 
 if TYPE_CHECKING:
     from ..kit import LM
+
+# logits scored in one forward pass (4 windows of 256 tokens x a 49k vocabulary; one window of a 152k one): 200 MB
+# in float32, and their log-softmax as much again
+SCORE_LOGITS = 64_000_000
 
 
 def _dtype_name(value: Any) -> Any:
@@ -29,6 +33,11 @@ class HFSynthesizerOptions:
     # the model's dtype
     autocast_dtype: str | None = attrs.field(default=None, converter=_dtype_name,
                                              validator=one_of(None, "bfloat16", "float16"))
+    # dtype of the model copy that scores given sequences (document windows): scoring is forward passes over whole
+    # sequences, like training, and can gain from bf16 where decoding loses (the 135M model on 2 cores); None
+    # scores with the model itself
+    score_dtype: str | None = attrs.field(default=None, converter=_dtype_name,
+                                          validator=one_of(None, "bfloat16", "float16", "float32"))
 
 
 class HFSynthesizer(Synthesizer):
@@ -39,9 +48,13 @@ class HFSynthesizer(Synthesizer):
     capabilities = SynthesizerCapabilities(max_top_logprobs=1024, score=True, prefix_reuse=True)
     lm: LM  # an `LM`, all of it (`Backend` names only what every backend's model has)
 
-    def __init__(self, lm: LM, *, autocast_dtype: str | torch.dtype | None = None):
-        super().__init__(lm, autocast_dtype=autocast_dtype)
+    def __init__(self, lm: LM, *, autocast_dtype: str | torch.dtype | None = None,
+                 score_dtype: str | torch.dtype | None = None):
+        from ..making.precision import work_model
+
+        super().__init__(lm, autocast_dtype=autocast_dtype, score_dtype=score_dtype)
         self.autocast_dtype = resolve_dtype(self.options.autocast_dtype)
+        self.scorer = work_model(lm, resolve_dtype(self.options.score_dtype))
         # it returns top-k up to the whole vocabulary: the class says 1024 (known before the model), the instance more
         self.capabilities = attrs.evolve(self.capabilities, max_top_logprobs=lm.identity.architecture["vocab_size"])
         self._prefix: tuple[tuple[int, ...], Cartridge] | None = None
@@ -49,11 +62,13 @@ class HFSynthesizer(Synthesizer):
     def identity(self) -> ModelIdentity:
         return self.lm.identity
 
-    def _prefix_cartridge(self, ids: Sequence[int]) -> Cartridge:
-        """The KV of a shared prompt as an (unfrozen) cartridge; the last one is kept, since A and B share the chunk."""
-        key = tuple(ids)
+    def _prefix_cartridge(self, ids: Sequence[int], lm: LM | None = None) -> Cartridge:
+        """The KV of a shared prompt as an (unfrozen) cartridge, computed by `lm` (default: the sampling model); the
+        last one is kept, since A and B share the chunk."""
+        lm = lm or self.lm
+        key = (tuple(ids), lm.dtype)
         if self._prefix is None or self._prefix[0] != key:
-            self._prefix = (key, Cartridge.from_prefix(self.lm, list(ids), len(ids), num_frozen=0))
+            self._prefix = (key, Cartridge.from_prefix(lm, list(ids), len(ids), num_frozen=0))
         return self._prefix[1]
 
     def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]:
@@ -80,13 +95,39 @@ class HFSynthesizer(Synthesizer):
         return results  # type: ignore[return-value]
 
     def score(self, prefix_ids: Sequence[int], sequences: Sequence[Sequence[int]], top_k: int) -> list[tuple[Any, Any]]:
-        prefix = self._prefix_cartridge(prefix_ids)
-        out = []
-        for seq in sequences:
-            logp = self.lm.logits(list(seq), [prefix])[:-1].log_softmax(-1)
-            top = torch.topk(logp, top_k, dim=-1)
-            out.append((top.indices.cpu().numpy(), top.values.cpu().numpy()))
-        return out
+        """Each sequence's top-k log-probabilities after the prefix; sequences of one length (a chunk's document
+        windows) go through the model together, up to `SCORE_LOGITS` logits at a time."""
+        lm = self.scorer
+        prefix = self._prefix_cartridge(prefix_ids, lm)
+        out: list[tuple[Any, Any] | None] = [None] * len(sequences)
+        by_length: dict[int, list[int]] = {}
+        for i, seq in enumerate(sequences):
+            by_length.setdefault(len(seq), []).append(i)
+        vocab = lm.identity.architecture["vocab_size"]
+        for n, rows in by_length.items():
+            lm.check_context(prefix.num_tokens + n, f"Scoring {n} tokens after a {prefix.num_tokens}-token prefix",
+                             "lower window_tokens or the chunk size")
+            per_call = max(1, SCORE_LOGITS // (n * vocab))
+            for start in range(0, len(rows), per_call):
+                part = rows[start : start + per_call]
+                logp = self._logits(lm, prefix, [sequences[i] for i in part])[:, :-1].log_softmax(-1)
+                top = torch.topk(logp, top_k, dim=-1)
+                for r, i in enumerate(part):
+                    out[i] = (top.indices[r].cpu().numpy(), top.values[r].cpu().numpy())
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    @torch.inference_mode()
+    def _logits(lm: LM, prefix: Cartridge, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Float32 logits ``[rows, n, vocab]`` of equally long `rows`, each after `prefix`."""
+        ids = torch.tensor([list(r) for r in rows], dtype=torch.long, device=lm.device)
+        cache, p = prefix_cache(lm, [prefix], batch_size=len(rows))
+        n = ids.shape[1]
+        return lm.model(
+            input_ids=ids, attention_mask=torch.ones(len(rows), p + n, dtype=torch.long, device=lm.device),
+            position_ids=torch.arange(p, p + n, device=lm.device)[None].expand(len(rows), -1),
+            past_key_values=cache, use_cache=True,
+        ).logits.float()
 
 
 def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:

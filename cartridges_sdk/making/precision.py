@@ -1,11 +1,13 @@
-"""The dtype self-study computes in (`work_dtype`): the model's own, one named, or ``"fastest"``, measured on this
-machine at the start of a run; and the copy of the model in that dtype (`work_model`)."""
+"""The dtypes self-study computes in (`work_dtype`): the model's own, one named, or ``"fastest"``, measured per stage
+on this machine at the start of a run; and the copy of the model in a stage's dtype (`work_model`)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
+import weakref
 
 import torch
 
@@ -13,41 +15,125 @@ from ..lm import LM, resolve_dtype
 
 log = logging.getLogger(__name__)
 
-FASTEST = "fastest"  # work_dtype: bfloat16 where this machine multiplies matrices in it clearly faster, else the model's
+FASTEST = "fastest"  # work_dtype: per stage, bfloat16 where this machine runs that stage clearly faster in it
 
 
-def fastest_dtype(lm: LM, *, size: int = 1024, rounds: int = 5, margin: float = 1.3) -> torch.dtype:
-    """bfloat16 when a `size`-cubed matrix product runs at least `margin` times faster in it than in the model's own
-    float32 on `lm`'s device, measured now; else the model's dtype. bf16 is 2x faster than float32 on some CPUs and
-    slower on others (docs/self-study.md), so it is measured, not assumed: `rounds` alternating products of each
-    (about 0.2 s), the best of each kept, so a moment's load on the machine does not decide it."""
+STAGES = ("synthesis", "training")
+
+
+def _synthesis_probe(lm: LM, context: int = 128, rows: int = 16, steps: int = 8):
+    """Synthesis in miniature, through the HF synthesizer itself: `rows` answers after one shared `context`-token
+    chunk, `steps` tokens each with the teacher's top-20. (A model of the stage from a prefill's and a decode step's
+    timings ranked the two dtypes wrongly for the 0.5B model: its real synthesis gains more from bf16.)"""
+    from ..generation import SynthesisRequest
+    from ..hf import HFSynthesizer
+
+    sampler = HFSynthesizer(lm)
+    vocab = lm.identity.architecture["vocab_size"]
+    chunk = [t % vocab for t in range(100, 100 + context)]
+    requests = [SynthesisRequest(prompt_ids=chunk + [(7 * r) % vocab, (11 * r + 1) % vocab], max_tokens=steps,
+                                 temperature=0.0, top_logprobs=min(20, vocab), group=0) for r in range(rows)]
+
+    def run() -> float:
+        start = time.perf_counter()
+        sampler.complete(requests)
+        return time.perf_counter() - start
+
+    return run
+
+
+def _training_probe(lm: LM, tokens: int = 256, targets: int = 64):
+    """A training step in miniature: forward and backward through the frozen model on `tokens` positions whose
+    inputs need a gradient (as the cartridge's keys and values do), the loss on the last `targets`."""
+    embed = lm.model.get_input_embeddings()
+    ids = torch.arange(100, 100 + tokens, device=lm.device)[None] % embed.num_embeddings
+
+    def step() -> float:
+        start = time.perf_counter()
+        inputs = embed(ids).detach().requires_grad_()
+        logits = lm.model(inputs_embeds=inputs, logits_to_keep=targets).logits
+        logits.float().logsumexp(-1).sum().backward()
+        inputs.grad.sum().item()  # waits for the device
+        return time.perf_counter() - start
+
+    return step
+
+
+# how much faster bf16 must run a stage's miniature to be chosen: the synthesis probe ranks the 135M model's dtypes
+# less clearly (1.16-1.33x for bf16 in the probe, 0.8x in real synthesis) than the 0.5B's (2x in both)
+MARGINS = {"synthesis": 1.3, "training": 1.2}
+
+
+def fastest_dtypes(lm: LM, *, rounds: int = 2) -> dict[str, torch.dtype]:
+    """Per stage, bfloat16 where that stage's own work, run in miniature on `lm` and on a bfloat16 copy of it, is
+    faster by the stage's margin (`MARGINS`); else the model's dtype.
+
+    bf16 matrix products are 2x faster than float32 on this project's CPUs, but decoding a small model attends over
+    the chunk with elementwise work that bf16 slows: the 135M model synthesizes 0.8x as fast in bf16 and trains 1.8x
+    as fast, where the 0.5B does both 1.7-2x as fast (docs/self-study.md). So each stage is measured, not assumed:
+    a warm-up, then `rounds` alternating runs of each dtype, the best of each kept (10-30 s on 2 cores)."""
     if lm.dtype != torch.float32:
-        return lm.dtype
-    pairs = {dtype: (torch.randn(size, size, dtype=dtype, device=lm.device),
-                     torch.randn(size, size, dtype=dtype, device=lm.device)) for dtype in (torch.float32, torch.bfloat16)}
-    best = dict.fromkeys(pairs, float("inf"))
-    for round_ in range(rounds + 1):
-        for dtype, (a, b) in pairs.items():
-            start = time.perf_counter()
-            (a @ b).sum().item()  # .item() waits for the device
-            took = time.perf_counter() - start
-            if round_:  # the first round warms up
-                best[dtype] = min(best[dtype], took)
-    chosen = torch.bfloat16 if best[torch.float32] >= margin * best[torch.bfloat16] else lm.dtype
-    log.info("work_dtype='fastest': %s (a %d^3 product: float32 %.1f ms, bfloat16 %.1f ms)", chosen, size,
-             best[torch.float32] * 1e3, best[torch.bfloat16] * 1e3)
+        return dict.fromkeys(STAGES, lm.dtype)
+    models = {torch.float32: lm, torch.bfloat16: _copy_in(lm, torch.bfloat16)}
+    probes = {"synthesis": {dtype: _synthesis_probe(m) for dtype, m in models.items()},
+              "training": {dtype: _training_probe(m) for dtype, m in models.items()}}
+    chosen = {}
+    for stage, runs in probes.items():
+        best = dict.fromkeys(runs, float("inf"))
+        for round_ in range(rounds + 1):
+            for dtype, run in runs.items():
+                with torch.inference_mode() if stage == "synthesis" else contextlib.nullcontext():
+                    took = run()
+                if round_:  # the first round warms up
+                    best[dtype] = min(best[dtype], took)
+        faster = best[torch.float32] / best[torch.bfloat16]
+        chosen[stage] = torch.bfloat16 if faster >= MARGINS[stage] else lm.dtype
+        log.info("work_dtype='fastest', %s: %s (float32 %.0f ms, bfloat16 %.0f ms)", stage, chosen[stage],
+                 best[torch.float32] * 1e3, best[torch.bfloat16] * 1e3)
     return chosen
 
 
-def resolve_work_dtype(lm: LM, dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """`dtype` as a torch dtype ("fastest" measured once, here, so both stages use the same), or None."""
-    return fastest_dtype(lm) if isinstance(dtype, str) and dtype.lower() == FASTEST else resolve_dtype(dtype)
+WorkDtypes = dict[str, torch.dtype | None]
+
+# models smaller than this compute in their own dtype under "fastest", unmeasured: the test models and toys, whose
+# runs take less time than measuring would (and whose tests would then depend on a moment's timing)
+SMALLEST_MEASURED = 50_000_000
+# model -> its measured choice: one measurement per model and process (a page of examples builds several)
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def work_model(lm: LM, dtype: str | torch.dtype | None) -> LM:
-    """The model to synthesize and train with: `lm` itself, or a copy in another dtype."""
-    dtype = resolve_work_dtype(lm, dtype)
+def resolve_work_dtype(lm: LM, dtype: str | torch.dtype | WorkDtypes | None) -> WorkDtypes:
+    """`dtype` for each stage: "fastest" measured here, once per model and process, so a run's stages are decided
+    together; a named dtype or None (the model's) for both."""
+    if isinstance(dtype, dict):  # already resolved (by from_corpus, for its training stage)
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() == FASTEST:
+        from .distributed import under_torchrun
+
+        # ranks timing alone could choose differently and train one cartridge in two dtypes: under torchrun the
+        # model's own dtype, unless work_dtype names one
+        if under_torchrun() or sum(p.numel() for p in lm.model.parameters()) < SMALLEST_MEASURED:
+            return dict.fromkeys(STAGES, None)
+        if lm.model not in _CHOSEN:
+            _CHOSEN[lm.model] = dict(fastest_dtypes(lm))
+        return dict(_CHOSEN[lm.model])
+    return dict.fromkeys(STAGES, resolve_dtype(dtype))
+
+
+# model -> {dtype: its copy}: a run's probe and both its stages share one bf16 copy (0.5 GB for the 0.5B model)
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _copy_in(lm: LM, dtype: torch.dtype) -> LM:
+    held = _COPIES.setdefault(lm.model, {})
+    if dtype not in held:
+        held[dtype] = LM(copy.deepcopy(lm.model).to(dtype), lm.tokenizer, name=lm.name, source=lm.identity.source,
+                         revision=lm.identity.revision, files=lm.files)
+    return held[dtype]
+
+
+def work_model(lm: LM, dtype: torch.dtype | None) -> LM:
+    """The model to synthesize or train with: `lm` itself, or its copy in another dtype (made once per model)."""
     if dtype is None or dtype == lm.dtype:
         return lm
-    return LM(copy.deepcopy(lm.model).to(dtype), lm.tokenizer, name=lm.name, source=lm.identity.source,
-              revision=lm.identity.revision, files=lm.files)
+    return _copy_in(lm, dtype)

@@ -28,7 +28,7 @@ from ..trainer_inputs import TrainConfig
 from .checkpoint import CHECKPOINT, RUN_LOG
 from .compaction import compact_corpus
 from .corpus import Corpus
-from .precision import resolve_work_dtype, work_model
+from .precision import FASTEST, resolve_work_dtype, work_model, WorkDtypes
 from .dataset import CORPUS_TEXT, SelfStudyDataset
 from .distractors import check_among, check_distractors
 from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_torchrun
@@ -200,7 +200,7 @@ def train_cartridge(
     trainer_options: dict[str, Any] | None = None,
     output_dir: str | os.PathLike | None = None,
     num_frozen: int = 1,
-    work_dtype: str | torch.dtype | None = None,
+    work_dtype: str | torch.dtype | None = FASTEST,
     restart: bool = False,
     progress: bool = True,
     distractors: Sequence[Cartridge] = (),
@@ -225,13 +225,13 @@ def train_cartridge(
 def train_checked(
     dataset: SelfStudyDataset, lm: LM, start: StartConfig, config: TrainConfig, *,
     prefix_ids: Sequence[int] | None = None, trainer: str | Trainer = "torch", trainer_options: dict[str, Any] | None = None,
-    output_dir: str | os.PathLike | None = None, work_dtype: str | torch.dtype | None = None, restart: bool = False,
-    progress: bool = True, distractors: Sequence[Cartridge] = (),
+    output_dir: str | os.PathLike | None = None, work_dtype: str | torch.dtype | WorkDtypes | None = None,
+    restart: bool = False, progress: bool = True, distractors: Sequence[Cartridge] = (),
 ) -> Cartridge:
     """`train_cartridge` once its settings, trainer and distractors are checked (`build_cartridge` checks them before
     synthesis): the dataset's checks, the trainer's fit, and the result bound to `lm` in its dtype."""
     check_training_data(dataset, lm, start.num_tokens, config, distractors, prefix_ids)
-    work = work_model(lm, work_dtype)
+    work = work_model(lm, resolve_work_dtype(lm, work_dtype)["training"])
     fitter, owned = trainers.resolve(trainer, work, trainer_options)
     try:
         if restart and output_dir is not None and is_lead():  # under torchrun, rank 0 alone touches the folder
@@ -317,7 +317,7 @@ def build_cartridge(
     synthesizer_options: dict[str, Any] | None = None, trainer: str | Trainer = "torch",
     trainer_options: dict[str, Any] | None = None, allow_unverified_model: bool = False,
     output_dir: str | os.PathLike | None = None, restart: bool = False, num_frozen: int = 1,
-    work_dtype: str | torch.dtype | None = None, progress: bool = True, distractors: Sequence[Cartridge] = (),
+    work_dtype: str | torch.dtype | None = FASTEST, progress: bool = True, distractors: Sequence[Cartridge] = (),
     **settings: Any,
 ) -> Cartridge:
     """Synthesize `num_conversations` self-study conversations about `corpus`, then train a `num_tokens` cartridge.
@@ -329,8 +329,9 @@ def build_cartridge(
     With `output_dir`, the dataset (``data/``) and training checkpoints (``train/``) are kept there and a re-run
     resumes both stages; without it they live in a temporary folder. A re-run with other settings is refused,
     naming them, unless ``restart=True``, which starts both stages over. `work_dtype` is the dtype synthesis and
-    training compute in (default: the model's; ``"fastest"``: bfloat16 where this machine multiplies in it at least
-    1.3x faster, measured at the start); the returned cartridge is bound to the original model.
+    training compute in (``"fastest"``, the default: per stage, bfloat16 where this machine runs a miniature of
+    that stage clearly faster in it, measured at the start; None: the model's own); the returned cartridge is bound to the
+    original model, and its ``meta.training`` names both stages' dtypes.
     `distractors` (other documents' cartridges) are composed around it in training, so it holds up when composed
     with others (making/distractors.py).
 
@@ -348,8 +349,11 @@ def build_cartridge(
     prefix_ids = corpus_start_ids(lm, corpus, start)
     check_context(lm, synth_cfg, len(corpus.token_ids(lm)), num_tokens)
     check_among(lm, distractors, train_cfg, num_tokens)
-    work_dtype = resolve_work_dtype(lm, work_dtype)
-    work = work_model(lm, work_dtype)
+    work_dtype = resolve_work_dtype(lm, work_dtype)  # measured once, for both stages
+    work = work_model(lm, work_dtype["synthesis"])
+    if synthesizer == "hf" and work_dtype["training"] not in (None, work.dtype):
+        # its document windows are scored by forward passes over whole sequences, as training runs them
+        synthesizer_options = {"score_dtype": work_dtype["training"], **(synthesizer_options or {})}
     sampler, owned = synthesizers.resolve(synthesizer, work, synthesizer_options)
     check_built_synthesizer(sampler, owned, synthesizer, synth_cfg)
     # one process group for both stages (under torchrun)
@@ -362,6 +366,9 @@ def build_cartridge(
         finally:
             if owned:
                 sampler.close()
-        return train_checked(dataset, lm, start, train_cfg, prefix_ids=prefix_ids, trainer=trainer,
-                             trainer_options=trainer_options, output_dir=root / "train", work_dtype=work_dtype,
-                             restart=restart, progress=progress, distractors=distractors)
+        trained = train_checked(dataset, lm, start, train_cfg, prefix_ids=prefix_ids, trainer=trainer,
+                                trainer_options=trainer_options, output_dir=root / "train", work_dtype=work_dtype,
+                                restart=restart, progress=progress, distractors=distractors)
+    trained.meta = attrs.evolve(trained.meta, training={**trained.meta.training,
+                                                        "synthesis_dtype": str(work.dtype).removeprefix("torch.")})
+    return trained
