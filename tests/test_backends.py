@@ -48,7 +48,7 @@ def _tiny_synthesis(**kw):
 def test_one_constructor_contract_with_checked_options(tiny_llama):
     synth = synthesizers.create("hf", tiny_llama, autocast_dtype="bfloat16")
     assert isinstance(synth, HFSynthesizer) and synth.autocast_dtype == torch.bfloat16
-    with pytest.raises(ConfigError, match=r"Unknown option\(s\) \['dtype'\] for synthesizer 'hf'; valid options: \['autocast_dtype'\]"):
+    with pytest.raises(ConfigError, match=r"Unknown option\(s\) \['dtype'\] for synthesizer 'hf'; valid options: \['autocast_dtype', 'score_dtype'\]"):
         synthesizers.create("hf", tiny_llama, dtype="bf16")
     with pytest.raises(ConfigError, match="autocast_dtype='int8'"):
         synthesizers.create("hf", tiny_llama, autocast_dtype="int8")
