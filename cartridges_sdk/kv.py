@@ -1,5 +1,9 @@
 """KV helpers: the wrong-model check for a batch, cartridges as per-layer KV and as a transformers cache, the grouped
-SDPA the HF model runs with, and `Recent`, what engines and the store keep of what they made."""
+SDPA the HF model runs with, and `Recent`, what engines and the store keep of what they made.
+
+Longer than 400 lines because the batch cache layouts (one prefix for every row, a prefix per row, packed rows) and
+the attention that reads them must agree on where each row's tokens sit, and are read and tested together.
+"""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import contextlib
 import json
 import numbers
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
@@ -55,6 +56,10 @@ def autocast(device: torch.device, dtype: str | torch.dtype | None):
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
+# model -> {dtype: its LM copy}, for `LM.in_dtype`; weak, so a copy goes with its model
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class LM:
     """A frozen causal LM plus its tokenizer, with the few primitives cartridges need.
 
@@ -82,6 +87,19 @@ class LM:
         # a local folder with the model's config, weights and tokenizer in Hugging Face layout, when there is one:
         # engines that load weights themselves (vLLM) start from it
         self.files = Path(files) if files is not None else None
+
+    def in_dtype(self, dtype: torch.dtype | None) -> LM:
+        """This model, or its copy in `dtype` (made once per model and dtype, then shared: self-study's stage probe,
+        its stages and a synthesizer's scorer use one bf16 copy, 0.5 GB for a 0.5B model)."""
+        if dtype is None or dtype == self.dtype:
+            return self
+        held = _COPIES.setdefault(self.model, {})
+        if dtype not in held:
+            import copy
+
+            held[dtype] = LM(copy.deepcopy(self.model).to(dtype), self.tokenizer, name=self.name,
+                             source=self.identity.source, revision=self.identity.revision, files=self.files)
+        return held[dtype]
 
     # -- facts -----------------------------------------------------------------------------------------
     @property

@@ -27,7 +27,7 @@ LAYERS = {
     # the built-in backend, a plugin like any other (it imports the kit alone)
     "hf": ["hf.decode", "hf.runtime", "hf.synthesizer", "hf"],
     # making cartridges: corpus -> seeds -> synthesis -> dataset -> training (or compaction)
-    "making": ["making.corpus", "making.dataset", "making.seeds", "making.settings", "making.precision", "making.distributed",
+    "making": ["making.corpus", "making.dataset", "making.seeds", "making.settings", "making.distributed", "making.precision",
               "making.conversations", "making.windows", "making.synthesis", "making.memory", "making.distractors",
               "making.checkpoint", "making.trainable", "making.loss", "making.training", "making.compaction",
               "making.evaluation", "making.selfstudy", "making"],

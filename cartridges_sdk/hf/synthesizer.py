@@ -50,11 +50,9 @@ class HFSynthesizer(Synthesizer):
 
     def __init__(self, lm: LM, *, autocast_dtype: str | torch.dtype | None = None,
                  score_dtype: str | torch.dtype | None = None):
-        from ..making.precision import work_model
-
         super().__init__(lm, autocast_dtype=autocast_dtype, score_dtype=score_dtype)
         self.autocast_dtype = resolve_dtype(self.options.autocast_dtype)
-        self.scorer = work_model(lm, resolve_dtype(self.options.score_dtype))
+        self.scorer = lm.in_dtype(resolve_dtype(self.options.score_dtype))
         # it returns top-k up to the whole vocabulary: the class says 1024 (known before the model), the instance more
         self.capabilities = attrs.evolve(self.capabilities, max_top_logprobs=lm.identity.architecture["vocab_size"])
         self._prefix: tuple[tuple[int, ...], Cartridge] | None = None

@@ -4,7 +4,6 @@ on this machine at the start of a run; and the copy of the model in a stage's dt
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 import weakref
@@ -120,20 +119,10 @@ def resolve_work_dtype(lm: LM, dtype: str | torch.dtype | WorkDtypes | None) -> 
     return dict.fromkeys(STAGES, resolve_dtype(dtype))
 
 
-# model -> {dtype: its copy}: a run's probe and both its stages share one bf16 copy (0.5 GB for the 0.5B model)
-_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _copy_in(lm: LM, dtype: torch.dtype) -> LM:
-    held = _COPIES.setdefault(lm.model, {})
-    if dtype not in held:
-        held[dtype] = LM(copy.deepcopy(lm.model).to(dtype), lm.tokenizer, name=lm.name, source=lm.identity.source,
-                         revision=lm.identity.revision, files=lm.files)
-    return held[dtype]
+    return lm.in_dtype(dtype)
 
 
 def work_model(lm: LM, dtype: torch.dtype | None) -> LM:
     """The model to synthesize or train with: `lm` itself, or its copy in another dtype (made once per model)."""
-    if dtype is None or dtype == lm.dtype:
-        return lm
-    return _copy_in(lm, dtype)
+    return lm.in_dtype(dtype)
