@@ -319,7 +319,14 @@ def test_a_running_stream_stops_when_its_key_is_revoked_rotated_or_loses_the_gra
     error = events[-1]["error"]
     assert error["type"] == ("permission_error" if how == "deny" else "authentication_error")
     assert "stopped" in error["message"] and not any(e.get("choices", [{}])[0].get("finish_reason") for e in events[:-1])
-    ended = [json.loads(line) for line in log.read_text().splitlines() if f'"{who}"' in line]
+    # the line saying how it ended is written as the server closes the stream, which may be just after the client
+    # has read the stream's last event: wait for it (a loaded machine once took longer than the read)
+    deadline = time.monotonic() + 5
+    while True:
+        ended = [json.loads(line) for line in log.read_text().splitlines() if f'"{who}"' in line]
+        if len(ended) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert [(r["status"], r.get("ended")) for r in ended] == [
         (200, None), (200, "grant-withdrawn" if how == "deny" else "key-revoked")]
     assert ended[0]["request"] == ended[1]["request"]  # the stream's first line and how it ended, tied together
