@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from cartridges_sdk import Cartridge, load_model
+from cartridges_sdk.lm import resolve_dtype
 from cartridges_sdk.plugins import synthesizers, trainers
-from cartridges_sdk.making.precision import work_model
 from cartridges_sdk.making.settings import SynthesisConfig
 from cartridges_sdk.making.synthesis import synthesize
 from cartridges_sdk.making.memory import process_memory_mb
@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
 
     lm = load_model(args.model) if args.model else load_model()
-    work = work_model(lm, args.dtype)
+    work = lm.in_dtype(resolve_dtype(args.dtype))
     dtype = getattr(torch, args.dtype)
     text = json.loads(args.data.read_text(encoding="utf-8").splitlines()[args.doc])["input"]
     ids = methods.document_ids(lm, text)

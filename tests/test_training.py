@@ -234,7 +234,7 @@ def test_the_fastest_work_dtype_is_measured_per_stage_once_per_run(tiny_llama, m
     monkeypatch.setattr(precision, "_synthesis_probe", probe("synthesis"))
     monkeypatch.setattr(precision, "_training_probe", probe("training"))
     assert precision.fastest_dtypes(tiny_llama) == {"synthesis": torch.float32, "training": torch.bfloat16}
-    assert precision.work_model(tiny_llama, torch.bfloat16) is precision.work_model(tiny_llama, torch.bfloat16)
+    assert tiny_llama.in_dtype(torch.bfloat16) is tiny_llama.in_dtype(torch.bfloat16)
     measured = []
     monkeypatch.setattr(precision, "_CHOSEN", weakref.WeakKeyDictionary())
     monkeypatch.setattr(precision, "fastest_dtypes", lambda lm: measured.append(lm) or

@@ -1,5 +1,5 @@
 """The dtypes self-study computes in (`work_dtype`): the model's own, one named, or ``"fastest"``, measured per stage
-on this machine at the start of a run; and the copy of the model in a stage's dtype (`work_model`)."""
+on this machine at the start of a run (the model's copy in a stage's dtype is `LM.in_dtype`)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def fastest_dtypes(lm: LM, *, rounds: int = 2) -> dict[str, torch.dtype]:
     a warm-up, then `rounds` alternating runs of each dtype, the best of each kept (10-30 s on 2 cores)."""
     if lm.dtype != torch.float32:
         return dict.fromkeys(STAGES, lm.dtype)
-    models = {torch.float32: lm, torch.bfloat16: _copy_in(lm, torch.bfloat16)}
+    models = {torch.float32: lm, torch.bfloat16: lm.in_dtype(torch.bfloat16)}
     probes = {"synthesis": {dtype: _synthesis_probe(m) for dtype, m in models.items()},
               "training": {dtype: _training_probe(m) for dtype, m in models.items()}}
     chosen = {}
@@ -118,11 +118,3 @@ def resolve_work_dtype(lm: LM, dtype: str | torch.dtype | WorkDtypes | None) -> 
         return dict(_CHOSEN[lm.model])
     return dict.fromkeys(STAGES, resolve_dtype(dtype))
 
-
-def _copy_in(lm: LM, dtype: torch.dtype) -> LM:
-    return lm.in_dtype(dtype)
-
-
-def work_model(lm: LM, dtype: torch.dtype | None) -> LM:
-    """The model to synthesize or train with: `lm` itself, or its copy in another dtype (made once per model)."""
-    return lm.in_dtype(dtype)

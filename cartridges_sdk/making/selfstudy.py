@@ -28,7 +28,7 @@ from ..trainer_inputs import TrainConfig
 from .checkpoint import CHECKPOINT, RUN_LOG
 from .compaction import compact_corpus
 from .corpus import Corpus
-from .precision import FASTEST, resolve_work_dtype, work_model, WorkDtypes
+from .precision import FASTEST, resolve_work_dtype, WorkDtypes
 from .dataset import CORPUS_TEXT, SelfStudyDataset
 from .distractors import check_among, check_distractors
 from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_torchrun
@@ -231,7 +231,7 @@ def train_checked(
     """`train_cartridge` once its settings, trainer and distractors are checked (`build_cartridge` checks them before
     synthesis): the dataset's checks, the trainer's fit, and the result bound to `lm` in its dtype."""
     check_training_data(dataset, lm, start.num_tokens, config, distractors, prefix_ids)
-    work = work_model(lm, resolve_work_dtype(lm, work_dtype)["training"])
+    work = lm.in_dtype(resolve_work_dtype(lm, work_dtype)["training"])
     fitter, owned = trainers.resolve(trainer, work, trainer_options)
     try:
         if restart and output_dir is not None and is_lead():  # under torchrun, rank 0 alone touches the folder
@@ -350,7 +350,7 @@ def build_cartridge(
     check_context(lm, synth_cfg, len(corpus.token_ids(lm)), num_tokens)
     check_among(lm, distractors, train_cfg, num_tokens)
     work_dtype = resolve_work_dtype(lm, work_dtype)  # measured once, for both stages
-    work = work_model(lm, work_dtype["synthesis"])
+    work = lm.in_dtype(work_dtype["synthesis"])
     if synthesizer == "hf" and work_dtype["training"] not in (None, work.dtype):
         # its document windows are scored by forward passes over whole sequences, as training runs them
         synthesizer_options = {"score_dtype": work_dtype["training"], **(synthesizer_options or {})}
