@@ -28,11 +28,11 @@ from ..trainer_inputs import TrainConfig
 from .checkpoint import CHECKPOINT, RUN_LOG
 from .compaction import compact_corpus
 from .corpus import Corpus
-from .precision import FASTEST, resolve_work_dtype, WorkDtypes
 from .dataset import CORPUS_TEXT, SelfStudyDataset
 from .distractors import check_among, check_distractors
 from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_torchrun
 from .loss import check_shardable
+from .precision import FASTEST, resolve_work_dtype, WorkDtypes
 from .settings import (DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS, StartConfig, check_settings,
                        check_training_settings)
 from .synthesis import check_built_synthesizer, check_context, check_synthesizer, synthesize_checked
