@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 from cartridges_sdk import Cartridge, CartridgeStore, SyncConfig, load_model
+from cartridges_sdk.cli.common import parse_settings
+from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.kv import prefix_cache
@@ -40,10 +42,31 @@ from .measure import Context, decode_throughput, kv_bytes_per_token, mean, score
 from .rag import Retriever, passages
 
 DATASETS = {"qasper": "scientific_qa_dev.jsonl", "quality": "quality_dev.jsonl", "tpo": "tpo_dev.jsonl"}
-METHODS = ("none", "icl", "bm25", "dense", "cartridge", "selfstudy")
+METHODS = ("none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "default")
 LABELS = {"none": "no context", "icl": "whole document in context", "bm25": "RAG, BM25", "dense": "RAG, dense (MiniLM)",
-          "cartridge": "routed cartridge (compacted)", "selfstudy": "routed cartridge (self-studied)"}
+          "cartridge": "routed cartridge (compacted)", "selfstudy": "routed cartridge (self-studied)",
+          "hybrid": "cartridge (compacted) + passages", "hybrid-selfstudy": "cartridge (self-studied) + passages",
+          "default": "SDK default: store.ask(q, budget=TOKENS)"}
+STORED = ("cartridge", "selfstudy", "hybrid", "hybrid-selfstudy")  # methods answering from a store of cartridges
 _OPTION = re.compile(r"^\s*\(?([A-Z])[).]\s+(.*\S)\s*$", re.MULTILINE)
+
+
+def method_spec(method: str, tokens: int) -> tuple[str, int]:
+    """A method's kind and its cartridges' size: ``hybrid:128`` is 128-token cartridges with passages filling the
+    rest of the budget; a stored method without a size uses the whole budget (a hybrid one, half of it)."""
+    kind, _, size = method.partition(":")
+    if kind not in METHODS or (size and (kind not in STORED or not size.isdigit())):
+        raise ConfigError(f"method {method!r}: use one of {list(METHODS)}, with ':TOKENS' after one of {list(STORED)}.")
+    default = tokens // 2 if kind.startswith("hybrid") else tokens
+    size_ = int(size) if size else default
+    if size_ > tokens or (kind.startswith("hybrid") and size_ >= tokens):
+        raise ConfigError(f"method {method!r}: its cartridges must be smaller than the budget of {tokens} tokens.")
+    return kind, size_
+
+
+def label(method: str) -> str:
+    kind, _, size = method.partition(":")
+    return LABELS[kind] + (f", {size}-token cartridge" if size else "")
 
 
 def options(question: str) -> tuple[str, list[str]]:
@@ -61,32 +84,71 @@ def likeliest(lm, question: str, context: Context) -> int:
     return max(range(len(texts)), key=scores.__getitem__)
 
 
-def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, selfstudy: dict) -> tuple[dict, dict]:
-    """The stores a run answers from: compacted, and self-studied with `selfstudy`'s settings (`Cartridge.from_corpus`
-    keyword arguments) when given; made once, resumed when a run is interrupted."""
-    texts = {c.name: c.text for c in corpora}
-    stores, seconds = {}, {}
+def build_store(lm, texts: dict[str, str], folder: Path, tokens: int, selfstudy: dict | None) -> tuple:
+    """A store of one cartridge per text: compacted by sync to `tokens`, then trained by
+    self-study with `selfstudy`'s settings (`Cartridge.from_corpus` keyword arguments) when given. Made once,
+    resumed when a run is interrupted; returns it and its build seconds (None when an earlier run made it)."""
+    config = SyncConfig(tokens=tokens)
+    store = CartridgeStore(folder, lm)
     start = time.perf_counter()
-    stores["cartridge"] = CartridgeStore(work / f"compact-{tokens}", lm)
-    report = stores["cartridge"].sync(texts, SyncConfig(tokens=tokens))
-    seconds["cartridge"] = time.perf_counter() - start if report.added or report.updated else None
-    if selfstudy:
-        start = time.perf_counter()
-        tag = "-".join(f"{v}" for _, v in sorted(selfstudy.items()))
-        stores["selfstudy"] = CartridgeStore(work / f"selfstudy-{tokens}-{tag}", lm)
-        stores["selfstudy"].sync(texts, SyncConfig(tokens=tokens))
-        stores["selfstudy"].self_study(texts, SyncConfig(tokens=tokens), selfstudy)
-        untrained = [n for n, r in stores["selfstudy"].records().items() if r.get("method") != "self-study"]
+    report = store.sync(texts, config)
+    built = bool(report.added or report.updated)
+    if selfstudy is not None:
+        built = store.self_study(texts, config, selfstudy) or built
+        untrained = [n for n, r in store.records().items() if r.get("method") != "self-study"]
         if untrained:  # sync keeps a compacted cartridge when training fails: it must not be scored as trained
             raise ConfigError(f"self-study did not finish for {untrained} (see the log above); run again to resume.")
-        seconds["selfstudy"] = time.perf_counter() - start
+    return store, (time.perf_counter() - start if built else None)
+
+
+def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods: Sequence[str],
+                 selfstudy: dict) -> tuple[dict, dict]:
+    """The store each stored method answers from (one per kind of cartridge and size, shared by the methods that
+    use it), and each method's build seconds."""
+    texts = {c.name: c.text for c in corpora}
+    stores, seconds, made = {}, {}, {}
+    tag = "-".join(f"{k}={v}" for k, v in sorted(selfstudy.items()))
+    for method in methods:
+        kind = method.partition(":")[0]
+        if kind not in STORED and kind != "default":
+            continue
+        if kind == "default":  # sync's default size: the same store as a compacted method of that size
+            key = ("compact", SyncConfig().tokens)
+            folder = work / f"compact-{key[1]}"
+        else:
+            trained = kind.endswith("selfstudy")
+            size = method_spec(method, tokens)[1]
+            key = ("selfstudy" if trained else "compact", size)
+            folder = work / (f"selfstudy-{size}-{tag}" if trained else f"compact-{size}")
+        if key not in made:
+            made[key] = build_store(lm, texts, folder, key[1], selfstudy if key[0] == "selfstudy" else None)
+        stores[method], seconds[method] = made[key]
     return stores, seconds
+
+
+def stored_context(store: CartridgeStore, method: str, question: str, tokens: int) -> tuple[Context, str | None]:
+    """What a stored method answers `question` with, and the cartridge it was routed to (None when the question
+    shares no word with any document: answered with nothing, as a router would)."""
+    kind = method.partition(":")[0]
+    try:
+        if kind == "default":
+            plan = store.plan(question, budget=tokens)
+        elif kind.startswith("hybrid"):
+            size = method_spec(method, tokens)[1]
+            plan = store.plan(question, budget=tokens, passages=tokens - size)
+        else:
+            plan = store.plan(question, k=1)
+    except ConfigError:
+        return Context(), None
+    parts = [store.get(n) for n in plan.cartridges]
+    cartridge = parts[0] if len(parts) == 1 else Cartridge.compose(parts) if parts else None
+    return Context(document=plan.prefix_ids or None, cartridge=cartridge), plan.cartridges[0] if parts else None
 
 
 def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Path, methods: Sequence[str],
                 selfstudy: dict | None = None) -> dict:
     corpora = load_corpora(path, list(range(docs)))
-    stores, build = build_stores(lm, corpora, tokens, work, (selfstudy or {}) if "selfstudy" in methods else {})
+    stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {})
     chunks = passages([c.text for c in corpora])
     retrievers = {kind: Retriever(kind, [p for _, p in chunks], work) for kind in ("bm25", "dense") if kind in methods}
     build.update({kind: r.seconds for kind, r in retrievers.items()})
@@ -104,18 +166,15 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
             for kind, r in retrievers.items():
                 contexts[kind] = Context(document=tuple(r.context(lm, q.question, tokens)))
             routed = {}
-            for kind, store in stores.items():
-                try:
-                    routed[kind] = store.route(q.question)[0].name
-                except ConfigError:  # shares no word with any document: answered with nothing, as a router would
-                    routed[kind] = None
-                contexts[kind] = Context(cartridge=store.get(routed[kind]) if routed[kind] else None)
+            for method, store in stores.items():
+                contexts[method], routed[method] = stored_context(store, method, q.question, tokens)
             scores = score_questions(lm, [q], contexts, icl="icl", desc=c.name)
             row = {"doc": c.name, "question": q.question[:120], "routed": routed,
                    "routed_right": {k: v == c.name for k, v in routed.items()},
                    "nll": {m: round(s["nll"][0], 4) for m, s in scores.items()},
                    "kl": {m: round(s["kl"][0], 4) for m, s in scores.items()},
-                   "rag_tokens": {k: len(contexts[k].document or ()) for k in retrievers}}
+                   "context_tokens": {m: len(ctx.document or ()) + (ctx.cartridge.num_tokens if ctx.cartridge else 0)
+                                      for m, ctx in contexts.items() if m != "icl"}}
             if q.multiple_choice:
                 gold = q.options.index(q.gold)
                 row["likeliest_right"] = {m: likeliest(lm, q.question, ctx) == gold for m, ctx in contexts.items()}
@@ -132,6 +191,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
                     for m in used},
         "kl": {m: round(mean([r["kl"][m] for r in rows]), 4) for m in used},
         "mc_accuracy": {m: round(mean([r["likeliest_right"][m] for r in mc]), 3) for m in used} if mc else None,
+        "mc_questions": len(mc),
         "routed_right": {k: round(mean([r["routed_right"][k] for r in rows]), 3) for k in stores},
         "build_seconds": {k: round(v, 3) if v is not None else None for k, v in build.items()},
         "rows": rows,
@@ -194,9 +254,12 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=3, help="documents per set: one corpus, one store, one RAG index")
     parser.add_argument("--questions", type=int, default=4, help="at most this many per document")
     parser.add_argument("--tokens", type=int, default=256, help="cartridge tokens, and RAG's prompt budget")
-    parser.add_argument("--methods", default="none,icl,bm25,dense,cartridge", help=f"of {','.join(METHODS)}")
-    parser.add_argument("--selfstudy", type=int, default=128,
-                        help="self-study conversations, with 'selfstudy' in --methods (the SDK's default recipe)")
+    parser.add_argument("--methods", default="none,icl,bm25,dense,cartridge",
+                        help=f"of {','.join(METHODS)}; stored ones take a cartridge size, as hybrid:128")
+    parser.add_argument("--selfstudy", type=int, default=DEFAULT_CONVERSATIONS,
+                        help="self-study conversations, for the self-studied methods (the SDK's default recipe)")
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="any other from_corpus setting for the self-studied methods (repeatable)")
     parser.add_argument("--users", default="1,32", help="concurrent users for the speed figures ('' skips them)")
     parser.add_argument("--icl-users", default="1", help="the --users ICL is timed at (its prefill is the slow part)")
     parser.add_argument("--decode", type=int, default=16, help="new tokens per user in the decode-rate figure")
@@ -211,16 +274,24 @@ def main() -> None:
         print(table(result), *plots(result, args.plots), sep="\n")
         return
     methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in METHODS] + [s for s in args.sets.split(",") if s not in DATASETS]
+    try:
+        for m in methods:
+            method_spec(m, args.tokens)
+    except ConfigError as err:
+        parser.error(str(err))
+    bad = [s for s in args.sets.split(",") if s not in DATASETS]
     if bad or not {"none", "icl"} <= set(methods):
-        parser.error(f"unknown {bad}; --methods must include none and icl (the reference); sets: {sorted(DATASETS)}")
+        parser.error(f"unknown sets {bad}; --methods must include none and icl (the reference); sets: "
+                     f"{sorted(DATASETS)}")
+    selfstudy = {"num_conversations": args.selfstudy, **parse_settings(args.set)}
     lm = load_model(None if args.model == "default" else args.model)
     start = time.perf_counter()
-    result = {"model": lm.name, "tokens": args.tokens, "kv_bytes_per_token": kv_bytes_per_token(lm), "sets": {}}
+    result = {"model": lm.name, "tokens": args.tokens, "kv_bytes_per_token": kv_bytes_per_token(lm),
+              "selfstudy": selfstudy, "sets": {}}
     for name in args.sets.split(","):
         work = args.work / f"{args.model}-{name}-{args.docs}"
         result["sets"][name] = run_dataset(lm, args.data_dir / DATASETS[name], args.docs, args.questions,
-                                           args.tokens, work, methods, {"num_conversations": args.selfstudy})
+                                           args.tokens, work, methods, selfstudy)
     if args.users:
         first = args.sets.split(",")[0]
         corpus = load_corpora(args.data_dir / DATASETS[first], [0])[0]
@@ -246,7 +317,7 @@ def plots(result: dict, folder: Path) -> list[Path]:
 
     folder.mkdir(parents=True, exist_ok=True)
     sets = result["sets"]
-    methods = [m for m in METHODS if any(m in s["methods"] for s in sets.values()) and m != "icl"]
+    methods = [m for m in dict.fromkeys(m for s in sets.values() for m in s["methods"]) if m != "icl"]
     panels = [("closure", "gold-answer closure (ICL = 1)")] + [("mc_accuracy", "multiple-choice accuracy")] * any(
         s["mc_accuracy"] for s in sets.values())
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.6), squeeze=False)
@@ -255,7 +326,7 @@ def plots(result: dict, folder: Path) -> list[Path]:
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
             ax.bar([j + i * width for j in range(len(names))], [sets[n][key].get(m) or 0 for n in names], width,
-                   label=LABELS[m])
+                   label=label(m))
         if key == "mc_accuracy":
             ax.axhline(0.25, color="gray", lw=0.8, ls="--")
             ax.axhline(mean([sets[n][key]["icl"] for n in names]), color="black", lw=0.8, label="ICL (mean)")
@@ -298,7 +369,7 @@ def table(result: dict) -> str:
             cells.append(_f(s["closure"].get(m)))
             if s["mc_accuracy"]:
                 cells.append(_f(s["mc_accuracy"].get(m)))
-        lines.append(f"| {LABELS[m]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
     if result.get("speed"):
         lines += ["", "| method | users | prompt tokens | KV MiB/user | first token s | decode tokens/s |",
                   "|---|---|---|---|---|---|"]

@@ -118,7 +118,7 @@ def test_auto_routes_among_a_clinicians_own_patients_only(clinic, who):
     for stream in (False, True):
         for name in RECORDS:  # a question in each patient's own words
             question = f"Who has {diagnosis(name)} and lives in {town(name)}?"
-            for extra in ({}, {"k": 3}, {"budget": 100}):
+            for extra in ({}, {"k": 3}, {"budget": 100}, {"budget": 100, "passages": 40}):
                 status, raw, used = call(url, token, ask("auto", question, stream=stream, **extra))
                 if name in MINE[who]:
                     assert status == 200 and name in used
@@ -147,7 +147,7 @@ def test_a_question_naming_a_patient_is_answered_from_their_record_or_refused(cl
             wrong = diagnosis(next(n for n in own if n != name))
             for said in (f"{first} {family}", f"{family.upper()}, {first}", f"{first[0]}. {family}'s",
                          f"Mx {family}", f"{first.lower()} {family.lower()}"):
-                for extra in ({}, {"k": 2}, {"budget": 100}):
+                for extra in ({}, {"k": 2}, {"budget": 100}, {"passages": 64}):
                     status, raw, used = call(url, token, ask("auto", f"Does {said} have {wrong}?", stream=stream,
                                                              **extra))
                     assert status == 200 and used == [name], (said, extra)

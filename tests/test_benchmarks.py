@@ -285,7 +285,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     half = len(TEXT) // 2
     data = _write(tmp_path / "set.jsonl", [(TEXT[:half], FREE), (TEXT[half:], MC)])
     assert vs_rag.options(MC[1][0]) == ("Which sea?", ["the north one", "the south one", "the east one"])
-    methods_ = ["none", "icl", "bm25", "dense", "cartridge", "selfstudy"]
+    methods_ = ["none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default"]
     result = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", methods_,
                                 {"num_conversations": 2, "document_windows": 2})
     assert result["questions"] == 4 and result["methods"] == methods_
@@ -294,16 +294,21 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
         assert result["closure"]["none"] == 0 and result["closure"]["icl"] == 1
     else:
         assert set(result["closure"].values()) == {None}
-    assert set(result["mc_accuracy"]) == set(methods_) and set(result["routed_right"]) == {"cartridge", "selfstudy"}
-    assert all(0 < r["rag_tokens"][k] <= 16 for r in result["rows"] for k in ("bm25", "dense"))
+    stored = {"cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default"}
+    assert set(result["mc_accuracy"]) == set(methods_) and set(result["routed_right"]) == stored
+    # every method is held to the budget: cartridge tokens plus passage tokens
+    assert all(0 < r["context_tokens"][k] <= 16 for r in result["rows"] for k in ("bm25", "dense"))
+    assert all(r["context_tokens"][k] == 16 for r in result["rows"] for k in ("cartridge", "selfstudy", "hybrid:8"))
+    with pytest.raises(vs_rag.ConfigError, match="smaller than the budget"):
+        vs_rag.method_spec("hybrid:16", 16)
     # RAG's score is the reader's with those passages in context, recomputed here from the retriever alone
     q = FREE[0]
     retriever = Retriever("bm25", [p for _, p in passages([TEXT[:half], TEXT[half:]])], tmp_path / "work")
     direct = nll(answer_logprobs(lm, q[0], q[1], document=retriever.context(lm, q[0], 16)), lm, q[1])
     assert result["rows"][0]["nll"]["bm25"] == pytest.approx(direct, abs=1e-3)
-    assert all(result["build_seconds"][k] > 0 for k in ("cartridge", "selfstudy", "dense"))
+    assert all(result["build_seconds"][k] > 0 for k in ("cartridge", "selfstudy", "dense", "hybrid:8"))
     assert result["build_seconds"]["bm25"] >= 0  # milliseconds on a corpus this small
-    studied = vs_rag.CartridgeStore(tmp_path / "work" / "selfstudy-16-2-2", lm)
+    studied = vs_rag.CartridgeStore(tmp_path / "work" / "selfstudy-16-document_windows=2-num_conversations=2", lm)
     assert {r["method"] for r in studied.records().values()} == {"self-study"}
     corpus = load_corpora(data, [0])[0]
     store = vs_rag.CartridgeStore(tmp_path / "work" / "compact-16", lm)

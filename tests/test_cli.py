@@ -56,6 +56,29 @@ def test_ask_stream(files, capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_ask_a_store_with_passages(files, capsys, default_lm):
+    from cartridges_sdk import CartridgeStore
+
+    harrow = (DATA / "harrow_point.txt").read_text("utf-8")
+    store = CartridgeStore(files / "store", default_lm)
+    store.add("harrow", Cartridge.load(files / "a.safetensors", store.model), corpus=harrow)
+    store.add("tides", Cartridge.load(files / "b.safetensors", store.model),
+              corpus=(files / "tides.txt").read_text("utf-8"))
+    question = "When was the Harrow Point lighthouse built?"
+    args = ["ask", "--store", str(files / "store"), question, "--max-new-tokens", "8"]
+    assert main(args + ["--budget", "200", "--passages", "64"]) == 0
+    out, err = capsys.readouterr()
+    want = store.ask(question, budget=200, passages=64, max_new_tokens=8)
+    assert out.strip() == want.text.strip() and want.cartridges == ("harrow",)
+    assert "cartridges: harrow; passages from: harrow" in err
+    for bad, said in [(["--passages", "64"], "--passages picks a store's cartridges or passages; add --store"),
+                      (["--store", str(files / "store")], "not both, not neither")]:
+        assert main(["ask", str(files / "a.safetensors"), question, *bad]) == 2
+        assert said in capsys.readouterr().err
+    assert main(args + ["--budget", "64", "--passages", "64"]) == 2
+    assert "leaves nothing of budget=64 for cartridges" in capsys.readouterr().err
+
+
 def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"garbage" * 10)

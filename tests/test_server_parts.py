@@ -57,10 +57,12 @@ def test_admit_checks_the_host_first_then_the_key(state):
 
 def test_resolve_names_routes_and_refuses_a_barred_name_as_a_missing_one(state):
     params = GenerationParams(max_new_tokens=4)
-    names, cartridges, prompt_tokens, used = resolve(state, {}, ["bees"], QUESTION, params, None)
-    assert names == ["bees"] and used == cartridges[0].num_tokens == 6 and prompt_tokens > 0
-    assert resolve(state, {"k": 1}, None, QUESTION, params, None)[0] == ["tides"]  # model="auto"
-    assert resolve(state, {}, [state.lm.name], QUESTION, params, None)[:2] == ([], [])  # the bare model
+    got = resolve(state, {}, ["bees"], QUESTION, params, None)
+    assert got.names == ["bees"] and got.cartridge_tokens == got.cartridges[0].num_tokens == 6
+    assert got.prompt_tokens > 0 and got.passages == () and got.prefix_ids == ()
+    assert resolve(state, {"k": 1}, None, QUESTION, params, None).names == ["tides"]  # model="auto"
+    bare = resolve(state, {}, [state.lm.name], QUESTION, params, None)  # the bare model
+    assert bare.names == [] and bare.cartridges == []
     missing = refused(resolve, state, {}, ["nope"], QUESTION, params, None)
     assert missing.status == 404 and "No cartridge 'nope' in the store;" in missing.message
     grant = Grant("clinic", allow=("bees",))
@@ -70,6 +72,26 @@ def test_resolve_names_routes_and_refuses_a_barred_name_as_a_missing_one(state):
     assert barred.message.replace("'tides'", "'tidez'") == absent.message  # it learns nothing of others' names
     nowhere = refused(resolve, state, {}, None, QUESTION, params, Grant("nobody", allow=("none-*",)))
     assert nowhere.status == 404 and "opens no cartridge" in nowhere.message
+
+
+def test_passages_fill_the_budget_after_the_routed_cartridge_and_stay_within_what_the_key_opens(state):
+    params = GenerationParams(max_new_tokens=4)
+    got = resolve(state, {"budget": 30, "passages": 10}, None, QUESTION, params, None)
+    assert got.names == ["tides"] and len(got.prefix_ids) == 30 - 6 and got.passages[0].name == "tides"
+    bare = resolve(state, {"budget": 30, "passages": 10}, None, QUESTION, params, None)
+    assert got.prompt_tokens == bare.prompt_tokens == len(state.lm.prompt_ids(QUESTION, prefix_ids=got.prefix_ids))
+    # the whole store's passages by default; a key's passages come only from the cartridges it opens
+    wide = resolve(state, {"passages": 400}, ["bees"], QUESTION, params, None)
+    assert {p.name for p in wide.passages} == {"tides"}  # the only passage sharing a word with the question
+    barred = resolve(state, {"passages": 400}, ["bees"], QUESTION, params, Grant("clinic", allow=("bees",)))
+    assert barred.passages == () and barred.prefix_ids == ()
+    own = resolve(state, {"passages": 400, "passages_from": "routed"}, ["bees"], QUESTION, params, None)
+    assert own.passages == ()
+    # passages alone, with the bare model: RAG over the store
+    rag = resolve(state, {"passages": 12}, [state.lm.name], QUESTION, params, None)
+    assert rag.cartridges == [] and len(rag.prefix_ids) == 12
+    assert refused(resolve, state, {"passages": 12, "passages_from": "routed"}, [state.lm.name], QUESTION, params,
+                   None).param == "passages_from"
 
 
 def test_check_fits_refuses_a_conversation_the_context_cannot_hold(state):

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.data import DEFAULT_DATA, EVALDATA, load_corpora, only_own_words
 from cartridges_sdk import Cartridge, ConfigError, IncompatibleCartridgeError
+from cartridges_sdk.generation import GenerationParams, GenerationRequest
 from cartridges_sdk.serve.store import CartridgeStore, NotInStoreError
 
 CORPORA = {
@@ -101,6 +102,38 @@ def test_questions_are_routed_to_the_cartridges_whose_corpora_answer_them(store,
     assert sorted(r.name for r in store.route("slate and cider", k=3)) == ["orchard", "railway"]  # not ...
     with pytest.raises(ConfigError, match="shares no word with the corpus of any cartridge"):  # ... the lighthouse
         store.route("zeppelin?")
+
+
+def test_passages_fill_what_the_cartridges_leave_of_the_budget(store, tiny_llama):
+    q = "When did the railway to Colby close?"
+    plan = store.plan(q, budget=40, passages=20)
+    assert plan.cartridges == ("railway",)  # 12 tokens each: one fits in 40 - 20, then ...
+    assert len(plan.prefix_ids) == 40 - 12  # ... passages fill the rest
+    assert plan.passages[0].name == "railway" and "closed in 1962" in plan.passages[0].text
+    text = tiny_llama.tokenizer.decode(plan.prefix_ids)
+    assert text.startswith("From railway:\nThe branch")
+    # passages of the routed documents only, or of the whole store (within `among`)
+    assert {p.name for p in store.plan("railway and lighthouse", k=1, passages=200, passages_from="routed")
+            .passages} == {store.route("railway and lighthouse")[0].name}
+    assert {p.name for p in store.plan("railway and lighthouse", k=1, passages=200).passages} == {"railway",
+                                                                                                   "lighthouse"}
+    assert {p.name for p in store.plan("railway and lighthouse", k=1, passages=200, among=["lighthouse",
+                                                                                           "orchard"]).passages} \
+        == {"lighthouse"}
+    # the answer is the cartridge with the passages in context before the question
+    answer = store.ask(q, budget=40, passages=20, max_new_tokens=5)
+    assert answer.cartridges == ("railway",) and answer.passages == plan.passages
+    runtime = tiny_llama._runtime("hf", None)
+    same = runtime.generate([GenerationRequest([{"role": "user", "content": q}], [store.get("railway")],
+                                               GenerationParams(max_new_tokens=5), prefix_ids=plan.prefix_ids)])[0]
+    assert answer.text == same.text
+    assert store.plan(q, k=1).passages == () and store.plan(q, k=1, passages=0).prefix_ids == ()
+    for bad, match in [({"passages": 40, "budget": 40}, "leaves nothing of budget=40 for cartridges"),
+                       ({"passages": -1}, "passages=-1 must be a number of prompt tokens"),
+                       ({"passages": 8, "retrieval": "tfidf"}, "retrieval='tfidf' must be one of"),
+                       ({"passages": 8, "passages_from": "web"}, "passages_from='web' must be one of")]:
+        with pytest.raises(ConfigError, match=match):
+            store.plan(q, **bad)
 
 
 @pytest.mark.skipif(not EVALDATA.is_dir(), reason="../shared/evaldata is not on this machine")

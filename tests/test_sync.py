@@ -367,7 +367,15 @@ def test_servers_watching_one_store_pick_up_changes_and_name_the_versions(tmp_pa
                 "max_tokens": 2, "budget": 96}  # two 48-token cartridges: the question needs several documents
         data = httpx.post(f"{url}/chat/completions", json=body, timeout=60).json()
         assert sorted(data["cartridges"]) == ["harbour.txt", "railway.txt"] and len(data["versions"]) == 2
-        for extra, param in (({"budget": "all"}, "budget"), ({"k": 2}, "k"), ({"model": "harbour.txt"}, "budget")):
+        # the budget shared: one 48-token cartridge, then passages of the whole store filling the other 48
+        shared = httpx.post(f"{url}/chat/completions", json={**body, "passages": 40}, timeout=60).json()
+        assert len(shared["cartridges"]) == 1 and shared["usage"]["cartridge_tokens"] == 48
+        assert shared["passages"] and {p["source"] for p in shared["passages"]} <= {"harbour.txt", "railway.txt"}
+        assert shared["usage"]["prompt_tokens"] >= 48 + data["usage"]["prompt_tokens"]
+        for extra, param in (({"budget": "all"}, "budget"), ({"k": 2}, "k"), ({"model": "harbour.txt"}, "budget"),
+                             ({"passages": 96}, "passages"), ({"passages": -1}, "passages"),
+                             ({"retrieval": "dense"}, "retrieval"), ({"passages": 8, "passages_from": "web"},
+                                                                     "passages_from")):
             bad = httpx.post(f"{url}/chat/completions", json={**body, **extra}, timeout=60)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (extra, bad.text)
 

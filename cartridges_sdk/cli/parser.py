@@ -143,8 +143,18 @@ def _compose(p: argparse.ArgumentParser) -> None:
     _model_args(p)
 
 def _ask(p: argparse.ArgumentParser) -> None:
-    p.add_argument("cartridge", nargs="+", help="cartridge file(s); several are used one after another")
+    p.add_argument("cartridge", nargs="*", help="cartridge file(s); several are used one after another (or "
+                   "--store, to route the question)")
     p.add_argument("question")
+    p.add_argument("--store", help="answer from this store's cartridges instead: routed to the best --k, or as many "
+                   "as fit --budget tokens")
+    p.add_argument("--k", type=int, default=1, help="with --store: cartridges routed to (default 1)")
+    p.add_argument("--budget", type=int, help="with --store: context tokens in all, cartridges plus --passages")
+    p.add_argument("--passages", type=int, default=0, help="with --store: at least this many prompt tokens of the "
+                   "store's passages best matching the question, after the cartridges (default 0: none)")
+    p.add_argument("--retrieval", default="bm25", choices=["bm25", "dense"], help="how passages are ranked")
+    p.add_argument("--passages-from", default="store", choices=["store", "routed"],
+                   help="passages of the whole store, or only of the routed cartridges' documents")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)

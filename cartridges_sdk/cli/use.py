@@ -20,6 +20,16 @@ from .common import backend_options, bind_all
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
+    if bool(args.cartridge) == bool(args.store):
+        raise ConfigError("Give cartridge files to answer with, or --store FOLDER to route the question to its "
+                          "cartridges; not both, not neither.")
+    routing = {"--k": args.k != 1, "--budget": args.budget is not None, "--passages": args.passages != 0,
+               "--retrieval": args.retrieval != "bm25", "--passages-from": args.passages_from != "store"}
+    stray = [flag for flag, given in routing.items() if given and not args.store]
+    if stray:
+        raise ConfigError(f"{stray[0]} picks a store's cartridges or passages; add --store FOLDER, or drop it.")
+    if args.store and args.stream:
+        raise ConfigError("--stream answers with cartridge files; with --store the answer comes whole.")
     cartridges = [Cartridge.load(p) for p in args.cartridge]
     options = backend_options(args, {"runtime": args.runtime})["runtime"]
     lm = common.model_for(args.model, device=args.device)
@@ -28,7 +38,16 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if args.seed is not None:
         gen["seed"] = args.seed
     try:
-        if args.stream:
+        if args.store:
+            store = CartridgeStore(args.store, lm)
+            answer = store.ask(args.question, k=args.k, budget=args.budget, passages=args.passages,
+                               retrieval=args.retrieval, passages_from=args.passages_from, runtime=args.runtime,
+                               runtime_options=options, **gen)
+            print(answer.text)
+            sources = sorted({p.name for p in answer.passages})
+            print(f"(cartridges: {', '.join(answer.cartridges)}"
+                  + (f"; passages from: {', '.join(sources)}" if sources else "") + ")", file=sys.stderr)
+        elif args.stream:
             pieces = lm.chat([{"role": "user", "content": args.question}], cartridges, stream=True,
                              runtime=args.runtime, runtime_options=options, **gen)
             for piece in pieces:

@@ -17,6 +17,7 @@ from ..cartridge import Cartridge
 from ..checks import at_least_one
 from ..errors import ConfigError
 from ..generation import Completion, GenerationParams, GenerationRequest, Message
+from .passages import PASSAGES_FROM, Passage, check_retrieval
 from .store import CartridgeStore
 from .records import document_record
 
@@ -72,6 +73,31 @@ class Chosen:
 
 
 @attrs.frozen
+class Selection:
+    """What answers a conversation: the cartridges picked (composed in order), then the passages of the store's
+    corpora put after them as prompt tokens (`prefix_ids`, each after a line naming its document)."""
+
+    cartridges: tuple[Chosen, ...]
+    passages: tuple[Passage, ...] = ()
+    prefix_ids: tuple[int, ...] = ()
+
+    def __iter__(self):
+        return iter(self.cartridges)
+
+    def __len__(self) -> int:
+        return len(self.cartridges)
+
+    def sources(self) -> dict[str, Any]:
+        """What an answer says it came from, JSON-ready: cartridges, the document version each stands for, and,
+        with passages, each passage's document and score, best first."""
+        out: dict[str, Any] = {"cartridges": [c.name for c in self.cartridges],
+                               "versions": [c.version for c in self.cartridges]}
+        if self.passages:
+            out["passages"] = [{"source": p.name, "score": round(p.score, 4)} for p in self.passages]
+        return out
+
+
+@attrs.frozen
 class Usage:
     """Token counts of one answer: the prompt (chat turns, without the cartridges' KV) and the new tokens."""
 
@@ -84,7 +110,8 @@ class Usage:
 @attrs.frozen
 class Answerer:
     """Answers chat turns with `cartridge`, or with `store`'s cartridges: `names` when given, else the best `k` for
-    the question (or as many as fit `budget` tokens). `runtime` is a runtime name or object, as for `lm.chat`."""
+    the question (or as many as fit `budget` tokens); with `passages` tokens, the store's best passages after them,
+    the budget shared (`CartridgeStore.plan`). `runtime` is a runtime name or object, as for `lm.chat`."""
 
     cartridge: Cartridge | None = None
     store: CartridgeStore | None = None
@@ -93,6 +120,9 @@ class Answerer:
     names: tuple[str, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
     runtime: Any = "hf"
     runtime_options: dict[str, Any] | None = None
+    passages: int = 0
+    retrieval: str = "bm25"
+    passages_from: str = "store"
 
     def __attrs_post_init__(self) -> None:
         if (self.cartridge is None) == (self.store is None):
@@ -104,37 +134,44 @@ class Answerer:
             raise ConfigError("The cartridge has no model to answer with; load it with Cartridge.load(path, model=lm).")
         if self.store is not None and not isinstance(self.store, CartridgeStore):
             raise ConfigError(f"store={self.store!r:.60} must be a CartridgeStore (CartridgeStore(folder, lm)).")
+        if isinstance(self.passages, bool) or not isinstance(self.passages, int) or self.passages < 0:
+            raise ConfigError(f"passages={self.passages!r} must be a number of prompt tokens (0 or more).")
+        check_retrieval(self.retrieval)
+        if self.passages_from not in PASSAGES_FROM:
+            raise ConfigError(f"passages_from={self.passages_from!r} must be one of {list(PASSAGES_FROM)}.")
+        if self.passages and self.store is None:
+            raise ConfigError(f"passages={self.passages} are retrieved from a store's documents; build it with store=.")
+        if self.passages and self.budget is not None and self.passages >= self.budget:
+            raise ConfigError(f"passages={self.passages} leaves nothing of budget={self.budget} for cartridges; give "
+                              "fewer passage tokens or a larger budget (it counts cartridges and passages).")
 
     @property
     def model(self) -> Any:
         return self.cartridge.lm if self.cartridge is not None else self.store.model
 
-    def choose(self, question: str, names: Sequence[str] | None = None) -> list[Chosen]:
-        """The cartridges that answer `question`: `names` (of the store) when given, else this answerer's."""
+    def choose(self, question: str, names: Sequence[str] | None = None) -> Selection:
+        """The cartridges (and passages) that answer `question`: `names` (of the store) when given, else this
+        answerer's."""
         if self.cartridge is not None:
             if names:
                 raise ConfigError(f"cartridges={list(names)!r} names store cartridges, but this answers with one "
                                   "cartridge; build it with store= to pick cartridges by name.")
             record = document_record(self.cartridge) or {}
-            return [Chosen(record.get("name") or "cartridge", self.cartridge, version=record.get("sha256"),
-                           origin=record.get("origin"))]
+            return Selection((Chosen(record.get("name") or "cartridge", self.cartridge, version=record.get("sha256"),
+                                     origin=record.get("origin")),))
         names = list(names) if names else list(self.names) if self.names else None
-        if names is not None:
-            routes = [(n, None) for n in names]
-        elif self.budget is not None:
-            routes = [(r.name, r.score) for r in self.store.within(question, self.budget)]
-        else:
-            routes = [(r.name, r.score) for r in self.store.route(question, self.k)]
+        plan = self.store.plan(question, k=self.k, budget=self.budget, passages=self.passages,
+                               retrieval=self.retrieval, passages_from=self.passages_from, cartridges=names)
         out = []
-        for name, score in routes:
+        for name, score in zip(plan.cartridges, plan.scores):
             cartridge = self.store.get(name)
             record = document_record(cartridge) or {}
             out.append(Chosen(name, cartridge, score, record.get("sha256"), record.get("origin"),
                               self.store.corpus_path(name)))
-        return out
+        return Selection(tuple(out), plan.passages, plan.prefix_ids)
 
     def plan(self, turns: Sequence[Message], names: Sequence[str] | None, call: dict[str, Any],
-             defaults: dict[str, Any], stop: Sequence[str] = ()) -> tuple[list[Chosen], dict[str, Any]]:
+             defaults: dict[str, Any], stop: Sequence[str] = ()) -> tuple[Selection, dict[str, Any]]:
         """The cartridges for a conversation (`names`, else routed by its last user turn) and its generation
         settings: a call's own `call` keyword arguments (of `CALL_SETTINGS`) over the integration's `defaults`."""
         unknown = sorted(set(call) - set(CALL_SETTINGS))
@@ -142,24 +179,25 @@ class Answerer:
             raise ConfigError(f"Unknown setting(s) {unknown}; a call takes cartridges and {', '.join(CALL_SETTINGS)}.")
         merged = {**defaults, **call}
         gen = {"max_new_tokens" if k == "max_tokens" else k: merged[k] for k in CALL_SETTINGS if k in merged}
-        question = last_user_text(turns) if self.store is not None and not names else ""
+        question = last_user_text(turns) if self.store is not None and (not names or self.passages) else ""
         return self.choose(question, names), {**gen, "stop": tuple(stop)}
 
-    def request(self, messages: Sequence[Message], chosen: Sequence[Chosen], **gen: Any) -> GenerationRequest:
+    def request(self, messages: Sequence[Message], chosen: Selection, **gen: Any) -> GenerationRequest:
         if not messages:
             raise ConfigError("No messages to answer; send at least one user message.")
-        return GenerationRequest(list(messages), [c.cartridge for c in chosen], GenerationParams.from_kwargs(gen))
+        return GenerationRequest(list(messages), [c.cartridge for c in chosen], GenerationParams.from_kwargs(gen),
+                                 prefix_ids=chosen.prefix_ids)
 
-    def answer(self, messages: Sequence[Message], chosen: Sequence[Chosen], **gen: Any) -> tuple[str, Usage]:
-        """The answer to the conversation with the `chosen` cartridges before it, and its token counts."""
+    def answer(self, messages: Sequence[Message], chosen: Selection, **gen: Any) -> tuple[str, Usage]:
+        """The answer to the conversation with the `chosen` cartridges (and passages) before it, and its token
+        counts."""
         request = self.request(messages, chosen, **gen)
         runtime = self._runtime()
         with engine_lock(runtime):
             completion = runtime.generate([request])[0]
         return completion.text, self._usage(request, completion)
 
-    def stream(self, messages: Sequence[Message], chosen: Sequence[Chosen],
-               **gen: Any) -> Generator[str, None, Usage]:
+    def stream(self, messages: Sequence[Message], chosen: Selection, **gen: Any) -> Generator[str, None, Usage]:
         """Yield the answer's text as it comes; return its token counts when read to the end."""
         request = self.request(messages, chosen, **gen)
         runtime = self._runtime()
@@ -170,7 +208,8 @@ class Answerer:
         return self.model._runtime(self.runtime, self.runtime_options)
 
     def _usage(self, request: GenerationRequest, completion: Completion) -> Usage:
-        prompt = len(self.model.prompt_ids(list(request.messages), after_cartridge=bool(request.cartridges)))
+        prompt = len(self.model.prompt_ids(list(request.messages), prefix_ids=request.prefix_ids,
+                                           after_cartridge=bool(request.cartridges)))
         return Usage(prompt, len(completion.token_ids), sum(c.num_tokens for c in request.cartridges),
                      completion.finish_reason)
 

@@ -9,9 +9,13 @@ from typing import Any
 from ..errors import ConfigError
 from ..generation import GenerationParams
 from .guard import BadRequest
+from .passages import PASSAGES_FROM, RETRIEVALS
 from .settings import ServeConfig
 
 ROLES = ("system", "user", "assistant")
+# this server's own fields, beside OpenAI's: how many cartridges are routed to, and the passages put after them
+ROUTING = {"k", "budget", "passages", "retrieval", "passages_from"}
+MAX_PASSAGE_TOKENS = 8192
 # request fields this server reads; others are refused by name (an ignored setting would answer something else)
 FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
           "stream_options", "n", "user", "cartridges", "presence_penalty", "frequency_penalty"}
@@ -62,7 +66,7 @@ def parse_request(body: dict[str, Any], config: ServeConfig):
     """(cartridge names, or None for routing; messages; generation params; stream; whether a stream ends with usage),
     or BadRequest naming the field. Fields are checked in a fixed order, so a request with several faults is told
     of the same one every time."""
-    unknown = sorted(set(body) - FIELDS - {"k", "budget"})
+    unknown = sorted(set(body) - FIELDS - ROUTING)
     if unknown:
         raise BadRequest(400, f"Unsupported parameter(s) {unknown}; this server reads {sorted(FIELDS)}.", unknown[0])
     model = body.get("model")
@@ -74,6 +78,7 @@ def parse_request(body: dict[str, Any], config: ServeConfig):
     stream, include_usage = _streaming(body)
     max_tokens, stop = _length(body, config)
     _check_routing_sizes(body)
+    _check_passages(body)
     try:
         params = GenerationParams(max_new_tokens=max_tokens, temperature=_number(body, "temperature", 0.0),
                                   top_p=_number(body, "top_p", 1.0), seed=body.get("seed"), stop=stop)
@@ -142,6 +147,24 @@ def _check_routing_sizes(body: dict[str, Any]) -> None:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise BadRequest(400, "'budget' (cartridge tokens routed to, with model='auto') must be a positive int.",
                          "budget")
+
+
+def _check_passages(body: dict[str, Any]) -> None:
+    passages = body.get("passages")
+    if passages is not None and (isinstance(passages, bool) or not isinstance(passages, int)
+                                 or not 0 <= passages <= MAX_PASSAGE_TOKENS):
+        raise BadRequest(400, f"'passages' (prompt tokens of the store's passages after the cartridges) must be an int "
+                         f"from 0 to {MAX_PASSAGE_TOKENS}.", "passages")
+    for field, allowed in (("retrieval", RETRIEVALS), ("passages_from", PASSAGES_FROM)):
+        if field in body and not passages:  # an ignored setting would answer something else than asked for
+            raise BadRequest(400, f"'{field}' says how passages are found; it goes with 'passages' (tokens of them).",
+                             field)
+        if field in body and body[field] not in allowed:
+            raise BadRequest(400, f"'{field}' must be one of {list(allowed)}.", field)
+    budget = body.get("budget")
+    if passages and budget is not None and passages >= budget:
+        raise BadRequest(400, f"'passages' ({passages}) leaves nothing of 'budget' ({budget}) for cartridges; send "
+                         "fewer passage tokens or a larger budget ('budget' counts cartridges and passages).", "passages")
 
 
 def _names(body: dict[str, Any], model: str) -> list[str] | None:

@@ -18,8 +18,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from typing import Any
+
+import attrs
 
 from fastapi import FastAPI, Request  # this module is imported only to serve; the core never imports it
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -35,7 +38,9 @@ from .audit import shown
 from .documents import SUFFIX
 from .engine import Engine, Job
 from .guard import BadRequest, Guard
+from .answering import last_user_text
 from .parse import parse_request, read_json
+from .passages import Passage
 from .records import versions
 from .replies import answer, completion_body, error_response, stream_events
 from .settings import ServeConfig
@@ -80,41 +85,76 @@ async def _refused(request: Request, exc: BadRequest) -> JSONResponse:
 
 
 def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, messages: list[dict[str, str]],
-            params: GenerationParams, grant: Grant | None) -> tuple[list[str], list[Cartridge], int, int]:
-    """The request's cartridge names and cartridges (routed, for model='auto') and token counts (the prompt's, the
-    cartridges'), checked against the context. Runs off the event loop: it may read files, rebuild the routing
-    index and tokenize a long conversation."""
+            params: GenerationParams, grant: Grant | None) -> Resolved:
+    """The request's cartridge names and cartridges (routed, for model='auto'), the passages after them (with
+    'passages') and token counts, checked against the context. Runs off the event loop: it may read files, rebuild
+    the routing or passage index and tokenize a long conversation."""
     state.refresh()
     if names == [state.lm.name] and state.lm.name not in state.store:  # the bare model, no cartridge
         names = []
+    scope = None if grant is None else state.visible(grant)
     if names is None:
-        names = routed(state, body, messages, grant)
+        names, scope = routed(state, body, messages, grant)
     cartridges = cartridges_for(state, names, grant)
-    prompt_tokens, used = check_fits(state.lm, messages, cartridges, params)
-    return names, cartridges, prompt_tokens, used
+    found, prefix = passages_for(state, body, messages, names, scope) if body.get("passages") else ((), ())
+    prompt_tokens, used = check_fits(state.lm, messages, cartridges, params, prefix)
+    return Resolved(names, cartridges, found, prefix, prompt_tokens, used)
+
+
+@attrs.frozen
+class Resolved:
+    """What answers a request: cartridges by name, passages as prompt tokens after them, and the token counts."""
+
+    names: list[str]
+    cartridges: list[Cartridge]
+    passages: tuple[Passage, ...]
+    prefix_ids: tuple[int, ...]
+    prompt_tokens: int
+    cartridge_tokens: int
 
 
 def routed(state: ServerState, body: dict[str, Any], messages: list[dict[str, str]],
-           grant: Grant | None) -> list[str]:
-    """model='auto': the cartridges the last user turn is routed to (`k` or `budget`), or, for a follow-up that
-    routes nowhere ("Why?"), those all the user's turns are; only among the key's own, and, when the question names
-    a subject, only among that subject's (`about`)."""
+           grant: Grant | None) -> tuple[list[str], list[str] | None]:
+    """model='auto': the cartridges the last user turn is routed to (`k`, or `budget` less `passages`), or, for a
+    follow-up that routes nowhere ("Why?"), those all the user's turns are; only among the key's own, and, when the
+    question names a subject, only among that subject's (`about`). Also returns those it routed among (None: all)."""
     among = None if grant is None else state.visible(grant)
     if among == []:
         raise BadRequest(404, "This key opens no cartridge in the store, so there is nothing to route to.", "model")
     turns = [m["content"] for m in messages if m["role"] == "user"]
     asked = (turns[-1], "\n".join(turns)) if len(turns) > 1 else (turns[-1],)
     subject = about(state, asked, among)
+    budget = body["budget"] - (body.get("passages") or 0) if body.get("budget") else None
     for question in asked:
         try:
-            routes = state.store.within(question, body["budget"], among=subject or among) if body.get("budget") \
+            routes = state.store.within(question, budget, among=subject or among) if budget \
                 else state.store.route(question, k=body.get("k", 1), among=subject or among)
-            return [r.name for r in routes]
+            return [r.name for r in routes], subject or among
         except ConfigError as err:
             refused = err
     if subject:  # the question names them, in words their corpora lack: they answer all the same
-        return subject[:body.get("k", 1)] if not body.get("budget") else subject[:1]
+        return (subject[:body.get("k", 1)] if not body.get("budget") else subject[:1]), subject
     raise BadRequest(400, str(refused), "model")
+
+
+def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[str, str]], names: list[str],
+                 scope: list[str] | None) -> tuple[tuple[Passage, ...], tuple[int, ...]]:
+    """The passages best matching the last user turn, as prompt tokens after the cartridges: of the documents the
+    request may see (`scope`), or only the answering cartridges' own. In a store whose cartridges say whom they are
+    about (records), always only their own: a passage of someone else's record never reaches the answer."""
+    source = body.get("passages_from", "store")
+    if state.store.subjects():
+        source = "routed"
+    if source == "routed" and not names:
+        raise BadRequest(400, "Passages from the answering cartridges' documents need cartridges to answer with; "
+                         "this request has none (send 'passages_from': 'store', or a cartridge).", "passages_from")
+    try:
+        plan = state.store.plan(last_user_text(messages), cartridges=names, budget=body.get("budget"),
+                                passages=body["passages"], retrieval=body.get("retrieval", "bm25"),
+                                passages_from=source, among=scope)
+    except ConfigError as err:
+        raise BadRequest(400, str(err), "passages") from None
+    return plan.passages, plan.prefix_ids
 
 
 def about(state: ServerState, asked: tuple[str, ...], among: list[str] | None) -> list[str] | None:
@@ -168,11 +208,12 @@ def not_found(state: ServerState, name: str, grant: Grant | None) -> BadRequest:
                       f"(and 'auto', {state.lm.name!r}).", "model")
 
 
-def check_fits(lm: LM, messages: list[dict[str, str]], cartridges: list[Cartridge],
-               params: GenerationParams) -> tuple[int, int]:
-    """The prompt's tokens and the cartridges', refused (400) when they and max_tokens overflow the context."""
+def check_fits(lm: LM, messages: list[dict[str, str]], cartridges: list[Cartridge], params: GenerationParams,
+               prefix_ids: Sequence[int] = ()) -> tuple[int, int]:
+    """The prompt's tokens (passages included) and the cartridges', refused (400) when they and max_tokens overflow
+    the context."""
     try:
-        prompt_tokens = len(lm.prompt_ids(messages, after_cartridge=bool(cartridges)))
+        prompt_tokens = len(lm.prompt_ids(messages, prefix_ids=prefix_ids, after_cartridge=bool(cartridges)))
     except Exception as err:  # noqa: BLE001 - e.g. a template that wants alternating turns or no system turn
         raise BadRequest(400, f"The model's chat template refuses these messages: {type(err).__name__}: "
                          f"{str(err)[:300]}", "messages") from None
@@ -219,15 +260,21 @@ async def chat(request: Request):
     record.update(stream=stream, question=[m["content"] for m in messages if m["role"] == "user"][-1])
     if names is not None:  # the names asked for, refused ones too: a key probing for others' shows in the log
         record["asked"] = [shown(n) for n in names]  # every one: the request's size limit bounds them
-    names, cartridges, prompt_tokens, used = await asyncio.to_thread(resolve, state, body, names, messages, params,
-                                                                     grant)
+    got = await asyncio.to_thread(resolve, state, body, names, messages, params, grant)
+    names = got.names
     record["cartridges"] = names
-    job = request.scope[JOB] = submit(state, GenerationRequest(messages, cartridges, params), stream)
+    if body.get("passages"):
+        record["passages"] = sorted({p.name for p in got.passages})
+    job = request.scope[JOB] = submit(state, GenerationRequest(messages, got.cartridges, params,
+                                                               prefix_ids=got.prefix_ids), stream)
     check = functools.partial(withdrawn, state, request.scope, names)
     rid = f"chatcmpl-{next(state.ids)}-{int(time.time())}"
-    # which cartridges answered, and the version (SHA-256) of the document each stands for, if sync made it
-    sources = {"cartridges": names, "versions": list(versions(cartridges))}
-    usage = {"prompt_tokens": prompt_tokens, "cartridge_tokens": used}
+    # which cartridges answered, and the version (SHA-256) of the document each stands for, if sync made it; and
+    # the passages put after them, by document, best first
+    sources = {"cartridges": names, "versions": list(versions(got.cartridges))}
+    if body.get("passages"):
+        sources["passages"] = [{"source": p.name, "score": round(p.score, 4)} for p in got.passages]
+    usage = {"prompt_tokens": got.prompt_tokens, "cartridge_tokens": got.cartridge_tokens}
     if stream:
         return StreamingResponse(stream_events(job, rid, body["model"], sources, usage, include_usage, state.scrub,
                                                record, check), media_type="text/event-stream")

@@ -11,7 +11,12 @@ store in step with a folder of documents, one cartridge per document (`serve/syn
 Routing (`route`, `ask`) ranks cartridges by BM25 with each cartridge's whole corpus as one document (the ``bm25s``
 library; install the ``serve`` extra). Scoring whole corpora rather than passages is deliberate: a word's weight then
 says how few *cartridges* use it, so a question naming what only one corpus talks about goes there, even when that
-corpus repeats the word in every passage (passage-level weights rate a paper's own topic as common).
+corpus repeats the word in every passage (passage-level weights rate a paper's own topic as common). Passages, which
+`plan` and `ask` put after the routed cartridges within one budget, are ranked per passage (`serve/passages.py`).
+
+Longer than 400 lines because it is the store's one public face (its files, routing, passages, answering, syncing,
+forgetting) and each method must hold the store's lock and caches the same way; the work of syncing, forgetting
+and planning passages lives in their own modules.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import attrs
 from ..cartridge import Cartridge
 from ..errors import CartridgeError, ConfigError, NotInStoreError
 from ..files import atomic_write
+from ..generation import GenerationParams, GenerationRequest
 from ..kv import Recent
 from ..lm import LM
 from .documents import CORPUS_SUFFIX, NAME, SUFFIX, name_problem
+from .passages import Passage, PassageIndex, Plan, check_retrieval, plan
 from .records import document_record, subject_of, versions, with_subject
 from .subjects import check_subject
 from .settings import SyncConfig
@@ -51,11 +58,13 @@ class Route:
 @attrs.frozen
 class StoreAnswer:
     """An answer from the store, which cartridges gave it (composed in this order), and for each the version of the
-    document it stands for (its SHA-256; None for a cartridge that sync did not make)."""
+    document it stands for (its SHA-256; None for a cartridge that sync did not make); and the passages put after
+    them, if any."""
 
     text: str
     cartridges: tuple[str, ...]
     versions: tuple[str | None, ...] = ()
+    passages: tuple[Passage, ...] = ()
 
 
 @attrs.frozen
@@ -383,17 +392,46 @@ class CartridgeStore:
                 used += size
         return picked
 
-    def ask(self, question: str, *, k: int = 1, budget: int | None = None, cartridges: Sequence[str] | None = None,
+    def passages(self, question: str, *, k: int = 8, retrieval: str = "bm25",
+                 among: Sequence[str] | None = None) -> list[Passage]:
+        """The best `k` passages of the stored corpora for `question`, best first (`passages.py`); only of the
+        documents `among`, when given (the index is built over those alone, as routing's is)."""
+        if not isinstance(question, str) or not question.strip():
+            raise ConfigError("passages needs a non-empty question.")
+        check_retrieval(retrieval)
+        with self._lock:
+            key = ("passages", retrieval, None if among is None else frozenset(among))
+            if key not in self._index:
+                if len(self._index) >= 256:
+                    self._index.clear()
+                texts = {name: entry.corpus.read_text("utf-8", errors="replace")
+                         for name, entry in sorted(self._entries.items())
+                         if entry.corpus is not None and self._inside(entry.corpus) and (among is None or name in among)}
+                self._index[key] = PassageIndex.of(texts, retrieval)
+            index = self._index[key]
+        return index.ranked(question, k)
+
+    def plan(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
+             retrieval: str = "bm25", passages_from: str = "store", cartridges: Sequence[str] | None = None,
+             among: Sequence[str] | None = None) -> Plan:
+        """The cartridges and passages that answer `question`, without answering (`passages.plan`): the named
+        cartridges, or the best `k` routed, or as many as fit `budget` tokens; with `passages` tokens of passages
+        the budget is shared (the cartridges fit in `budget - passages`, the passages fill what they leave)."""
+        return plan(self, question, k=k, budget=budget, passages=passages, retrieval=retrieval,
+                    passages_from=passages_from, cartridges=cartridges, among=among)
+
+    def ask(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
+            retrieval: str = "bm25", passages_from: str = "store", cartridges: Sequence[str] | None = None,
             runtime: Any = "hf", runtime_options: dict[str, Any] | None = None, **gen: Any) -> StoreAnswer:
         """Answer `question` with the named cartridges (composed in order), or with those it is routed to: the
-        best `k`, or as many as fit in `budget` tokens (`within`)."""
-        if cartridges is not None:
-            names = list(cartridges)
-        elif budget is not None:
-            names = [r.name for r in self.within(question, budget)]
-        else:
-            names = [r.name for r in self.route(question, k)]
-        parts = [self.get(n) for n in names]
-        text = self.model.ask(question, cartridges=parts, runtime=runtime, runtime_options=runtime_options, **gen)
-        return StoreAnswer(text=text, cartridges=tuple(names), versions=versions(parts))
-
+        best `k`, or as many as fit in `budget` tokens (`within`); and, with `passages` tokens, passages of the
+        stored corpora after them, the budget shared (`plan`)."""
+        if not isinstance(question, str) or not question.strip():
+            raise ConfigError(f"ask() needs a non-empty question string, got {question!r:.60}.")
+        plan = self.plan(question, k=k, budget=budget, passages=passages, retrieval=retrieval,
+                         passages_from=passages_from, cartridges=cartridges)
+        parts = [self.get(n) for n in plan.cartridges]
+        request = GenerationRequest([{"role": "user", "content": question}], parts, GenerationParams.from_kwargs(gen),
+                                    prefix_ids=plan.prefix_ids)
+        text = self.model._runtime(runtime, runtime_options).generate([request])[0].text
+        return StoreAnswer(text=text, cartridges=plan.cartridges, versions=versions(parts), passages=plan.passages)

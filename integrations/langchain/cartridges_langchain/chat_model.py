@@ -13,7 +13,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, PrivateAttr, model_validator
 
-from cartridges_sdk.serve import Answerer, Chosen, Usage
+from cartridges_sdk.serve import Answerer, Selection, Usage
 
 from .errors import invalid_request, langchain_errors
 
@@ -22,15 +22,20 @@ ROLES = {"human": "user", "ai": "assistant", "system": "system"}
 
 class ChatCartridges(BaseChatModel):
     """Answers with `cartridge`, or with `store`'s cartridges: those named in `cartridges`, else the best `k` for the
-    last user message (or as many as fit `budget` cartridge tokens). A call may name its own with
+    last user message (or as many as fit `budget` tokens); with `passages` tokens, the store's best passages after
+    them (`budget` then counts both; `retrieval` bm25 or dense; `passages_from` "store" or "routed"). A call may
+    name its own with
     ``invoke(..., cartridges=[...])``: store names, or the documents `CartridgeRetriever` returned. Each answer's
-    ``response_metadata["cartridges"]`` says which cartridges gave it."""
+    ``response_metadata["cartridges"]`` says which cartridges gave it (and ``["passages"]`` which passages)."""
 
     cartridge: Any = None
     store: Any = None
     cartridges: list[str] | None = None
     k: int = 1
     budget: int | None = None
+    passages: int = 0
+    retrieval: str = "bm25"
+    passages_from: str = "store"
     runtime: Any = "hf"
     runtime_options: dict[str, Any] | None = None
     max_tokens: int = 256
@@ -45,7 +50,7 @@ class ChatCartridges(BaseChatModel):
     def _build(self) -> ChatCartridges:
         with langchain_errors():
             self._answerer = Answerer(self.cartridge, self.store, self.k, self.budget, self.cartridges, self.runtime,
-                                      self.runtime_options)
+                                      self.runtime_options, self.passages, self.retrieval, self.passages_from)
         return self
 
     @property
@@ -56,7 +61,8 @@ class ChatCartridges(BaseChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         # what LangChain's answer cache keys on: everything that changes an answer
         source = {"cartridge": self.cartridge.fingerprint} if self.cartridge is not None else {
-            "store": str(self.store.root), "cartridges": self.cartridges, "k": self.k, "budget": self.budget}
+            "store": str(self.store.root), "cartridges": self.cartridges, "k": self.k, "budget": self.budget,
+            "passages": self.passages, "retrieval": self.retrieval, "passages_from": self.passages_from}
         return {"model": self._answerer.model.name, **source,
                 "runtime": self.runtime if isinstance(self.runtime, str) else type(self.runtime).__name__,
                 "runtime_options": self.runtime_options, "max_tokens": self.max_tokens,
@@ -94,7 +100,7 @@ class ChatCartridges(BaseChatModel):
             generation_info={"finish_reason": usage.finish_reason})
 
     def _prepare(self, messages: Sequence[BaseMessage], stop: list[str] | None,
-                 kwargs: dict[str, Any]) -> tuple[list[dict[str, str]], list[Chosen], dict[str, Any]]:
+                 kwargs: dict[str, Any]) -> tuple[list[dict[str, str]], Selection, dict[str, Any]]:
         turns = [_turn(m) for m in messages]
         named = _names(kwargs.pop("cartridges", None))
         defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
@@ -130,9 +136,8 @@ def _names(given: Any) -> list[str] | None:
     return names
 
 
-def _metadata(chosen: Sequence[Chosen], usage: Usage) -> dict[str, Any]:
-    return {"cartridges": [c.name for c in chosen], "versions": [c.version for c in chosen],
-            "cartridge_tokens": usage.cartridge_tokens, "finish_reason": usage.finish_reason}
+def _metadata(chosen: Selection, usage: Usage) -> dict[str, Any]:
+    return {**chosen.sources(), "cartridge_tokens": usage.cartridge_tokens, "finish_reason": usage.finish_reason}
 
 
 def _usage_metadata(usage: Usage) -> dict[str, int]:

@@ -89,6 +89,23 @@ def test_the_retriever_names_the_cartridges_and_a_chain_answers_with_them(store)
     assert one.invoke(QUESTION).content == out["answer"].content
 
 
+def test_passages_after_the_cartridge_give_the_sdks_answer_and_are_named(store):
+    expected = store.ask(QUESTION, budget=128, passages=48, max_new_tokens=8)
+    assert expected.cartridges == ("harrow",) and expected.passages[0].name == "harrow"
+    llm = ChatCartridges(store=store, budget=128, passages=48, max_tokens=8)
+    answer = llm.invoke(QUESTION)
+    assert answer.content == expected.text
+    meta = answer.response_metadata
+    assert meta["cartridges"] == ["harrow"] and [p["source"] for p in meta["passages"]] == \
+        [p.name for p in expected.passages]
+    # the passages are prompt tokens: 128 - 64 of them, on top of the question's
+    plain = ChatCartridges(store=store, budget=128, max_tokens=8).invoke(QUESTION)
+    assert answer.usage_metadata["input_tokens"] == plain.usage_metadata["input_tokens"] + 128 - 64
+    assert "".join(c.content for c in llm.stream(QUESTION)) == expected.text
+    with pytest.raises(ValueError, match="leaves nothing of budget=48"):
+        ChatCartridges(store=store, budget=48, passages=48)
+
+
 def test_errors_are_langchains_and_the_sdks(store):
     llm = ChatCartridges(store=store, max_tokens=4)
     with pytest.raises(ModelInvalidRequestError, match="shares no word") as refused:

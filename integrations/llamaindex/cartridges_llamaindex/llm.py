@@ -15,7 +15,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from cartridges_sdk.errors import ConfigError
-from cartridges_sdk.serve import Answerer, Chosen, Usage
+from cartridges_sdk.serve import Answerer, Selection, Usage
 
 ROLES = {MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant", MessageRole.SYSTEM: "system"}
 
@@ -30,7 +30,12 @@ class CartridgeLLM(CustomLLM):
     store: Any = Field(default=None, description="a CartridgeStore whose cartridges are routed per question")
     cartridges: list[str] | None = Field(default=None, description="store names to always answer with")
     k: int = Field(default=1, description="routed cartridges per question")
-    budget: int | None = Field(default=None, description="route as many as fit this many cartridge tokens")
+    budget: int | None = Field(default=None, description="route as many as fit this many context tokens (cartridges, "
+                               "plus passages if any)")
+    passages: int = Field(default=0, description="prompt tokens of the store's best passages after the cartridges")
+    retrieval: str = Field(default="bm25", description="how passages are ranked: bm25 or dense")
+    passages_from: str = Field(default="store", description="passages of the whole store, or 'routed': only of the "
+                               "answering cartridges' documents")
     runtime: Any = Field(default="hf", description="a runtime name or object")
     runtime_options: dict[str, Any] | None = None
     max_tokens: int = Field(default=256, description="new tokens per answer")
@@ -44,7 +49,7 @@ class CartridgeLLM(CustomLLM):
     @model_validator(mode="after")
     def _build(self) -> CartridgeLLM:
         self._answerer = Answerer(self.cartridge, self.store, self.k, self.budget, self.cartridges, self.runtime,
-                                  self.runtime_options)
+                                  self.runtime_options, self.passages, self.retrieval, self.passages_from)
         return self
 
     @classmethod
@@ -116,7 +121,7 @@ class CartridgeLLM(CustomLLM):
                 yield make(text, piece, _raw(chosen, usage) if usage else None)
         return pieces()
 
-    def _prepare(self, turns: list[dict[str, str]], kwargs: dict[str, Any]) -> tuple[list, list[Chosen], dict]:
+    def _prepare(self, turns: list[dict[str, str]], kwargs: dict[str, Any]) -> tuple[list, Selection, dict]:
         named = kwargs.pop("cartridges", None)
         defaults = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
                     "seed": self.seed}
@@ -156,7 +161,6 @@ async def in_thread(gen):
         yield item
 
 
-def _raw(chosen: Sequence[Chosen], usage: Usage) -> dict[str, Any]:
-    return {"cartridges": [c.name for c in chosen], "versions": [c.version for c in chosen],
-            "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+def _raw(chosen: Selection, usage: Usage) -> dict[str, Any]:
+    return {**chosen.sources(), "prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "cartridge_tokens": usage.cartridge_tokens, "finish_reason": usage.finish_reason}

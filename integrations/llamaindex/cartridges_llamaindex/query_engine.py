@@ -11,21 +11,24 @@ from llama_index.core.base.response.schema import RESPONSE_TYPE, AsyncStreamingR
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from cartridges_sdk.serve import Answerer
+from cartridges_sdk.serve import Answerer, Selection
 
 from .llm import in_thread
 
 
 class CartridgeQueryEngine(BaseQueryEngine):
-    """Answers a query with the best `k` cartridges of `store` for it (or as many as fit `budget` tokens).
+    """Answers a query with the best `k` cartridges of `store` for it (or as many as fit `budget` tokens), and with
+    `passages` tokens of the store's best passages after them (the budget shared; both kinds are source nodes).
     `streaming=True` returns a `StreamingResponse`; `gen` are generation settings (max_tokens, temperature, ...)."""
 
-    def __init__(self, store: Any, *, k: int = 1, budget: int | None = None, runtime: Any = "hf",
-                 streaming: bool = False, callback_manager: CallbackManager | None = None, **gen: Any):
-        self._answerer = Answerer(store=store, k=k, budget=budget, runtime=runtime)
+    def __init__(self, store: Any, *, k: int = 1, budget: int | None = None, passages: int = 0,
+                 retrieval: str = "bm25", passages_from: str = "store", runtime: Any = "hf", streaming: bool = False,
+                 callback_manager: CallbackManager | None = None, **gen: Any):
+        self._answerer = Answerer(store=store, k=k, budget=budget, runtime=runtime, passages=passages,
+                                  retrieval=retrieval, passages_from=passages_from)
         self._streaming = streaming
         self._gen = {"max_new_tokens": gen.pop("max_tokens", 256), **gen}
-        self._answerer.request([{"role": "user", "content": "?"}], [], **self._gen)  # bad settings fail here
+        self._answerer.request([{"role": "user", "content": "?"}], Selection(()), **self._gen)  # bad settings fail here
         super().__init__(callback_manager)
 
     def _get_prompt_modules(self) -> dict[str, Any]:
@@ -35,8 +38,10 @@ class CartridgeQueryEngine(BaseQueryEngine):
         question = query_bundle.query_str
         chosen = self._answerer.choose(question)
         nodes = [NodeWithScore(node=TextNode(text=c.preview, metadata=c.metadata()), score=c.score) for c in chosen]
+        nodes += [NodeWithScore(node=TextNode(text=p.text, metadata={"source": p.name, "passage": True}),
+                                score=p.score) for p in chosen.passages]
         turns = [{"role": "user", "content": question}]
-        meta = {"cartridges": [c.name for c in chosen], "versions": [c.version for c in chosen]}
+        meta = chosen.sources()
         if self._streaming:
             return StreamingResponse(response_gen=self._answerer.stream(turns, chosen, **self._gen),
                                      source_nodes=nodes, metadata=meta)

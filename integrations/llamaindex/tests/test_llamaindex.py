@@ -69,6 +69,21 @@ def test_query_engine_answers_with_routed_cartridges_and_shows_them_as_sources(s
     assert "".join(asyncio.run(streamed())) == expected
 
 
+def test_passages_are_answered_with_and_shown_as_source_nodes(store):
+    expected = store.ask(QUESTION, budget=128, passages=48, max_new_tokens=8)
+    response = CartridgeQueryEngine(store, budget=128, passages=48, max_tokens=8).query(QUESTION)
+    assert response.response == expected.text and response.metadata["cartridges"] == ["harrow"]
+    cartridge, *passages = response.source_nodes
+    assert cartridge.node.metadata["cartridge"] == "harrow"
+    assert [n.node.metadata["source"] for n in passages] == [p.name for p in expected.passages]
+    assert passages[0].node.text == expected.passages[0].text and passages[0].score > 0
+    llm = CartridgeLLM(store=store, budget=128, passages=48, max_tokens=8)
+    completion = llm.complete(QUESTION)
+    assert completion.text == expected.text and completion.raw["passages"][0]["source"] == "harrow"
+    with pytest.raises(ValueError, match="passages=8 are retrieved from a store"):
+        CartridgeLLM(cartridge=store.get("harrow"), passages=8)
+
+
 def test_errors_name_the_problem(store):
     llm = CartridgeLLM(store=store, max_tokens=4)
     with pytest.raises(ConfigError, match="shares no word"):

