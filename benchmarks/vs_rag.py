@@ -42,31 +42,38 @@ from .measure import Context, decode_throughput, kv_bytes_per_token, mean, score
 from .rag import Retriever, passages
 
 DATASETS = {"qasper": "scientific_qa_dev.jsonl", "quality": "quality_dev.jsonl", "tpo": "tpo_dev.jsonl"}
-METHODS = ("none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "default")
+METHODS = ("none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi", "default")
 LABELS = {"none": "no context", "icl": "whole document in context", "bm25": "RAG, BM25", "dense": "RAG, dense (MiniLM)",
           "cartridge": "routed cartridge (compacted)", "selfstudy": "routed cartridge (self-studied)",
           "hybrid": "cartridge (compacted) + passages", "hybrid-selfstudy": "cartridge (self-studied) + passages",
+          "multi": "routed cartridges (compacted), as many as fit",
           "default": "SDK default: store.ask(q, budget=TOKENS)"}
-STORED = ("cartridge", "selfstudy", "hybrid", "hybrid-selfstudy")  # methods answering from a store of cartridges
+STORED = ("cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi")
+RERANK = 8  # BM25's candidates a '+rerank' method ranks again with the question's likelihood (serve/rerank.py)
 _OPTION = re.compile(r"^\s*\(?([A-Z])[).]\s+(.*\S)\s*$", re.MULTILINE)
 
 
 def method_spec(method: str, tokens: int) -> tuple[str, int]:
     """A method's kind and its cartridges' size: ``hybrid:128`` is 128-token cartridges with passages filling the
-    rest of the budget; a stored method without a size uses the whole budget (a hybrid one, half of it)."""
+    rest of the budget; a stored method without a size uses the whole budget (a hybrid one, half of it). A stored
+    method's kind may end in ``+rerank``: routing's candidates ranked again (`store.plan(..., rerank=RERANK)`)."""
     kind, _, size = method.partition(":")
-    if kind not in METHODS or (size and (kind not in STORED or not size.isdigit())):
-        raise ConfigError(f"method {method!r}: use one of {list(METHODS)}, with ':TOKENS' after one of {list(STORED)}.")
-    default = tokens // 2 if kind.startswith("hybrid") else tokens
+    base = kind.removesuffix("+rerank")
+    if base not in METHODS or (kind != base and base not in STORED) or (size and (base not in STORED
+                                                                                   or not size.isdigit())):
+        raise ConfigError(f"method {method!r}: use one of {list(METHODS)}, with '+rerank' or ':TOKENS' after one of "
+                          f"{list(STORED)}.")
+    default = tokens // 2 if base.startswith("hybrid") else tokens
     size_ = int(size) if size else default
-    if size_ > tokens or (kind.startswith("hybrid") and size_ >= tokens):
+    if size_ > tokens or (base.startswith("hybrid") and size_ >= tokens):
         raise ConfigError(f"method {method!r}: its cartridges must be smaller than the budget of {tokens} tokens.")
     return kind, size_
 
 
 def label(method: str) -> str:
     kind, _, size = method.partition(":")
-    return LABELS[kind] + (f", {size}-token cartridge" if size else "")
+    base = kind.removesuffix("+rerank")
+    return (LABELS[base] + (", reranked" if base != kind else "") + (f", {size}-token cartridge" if size else ""))
 
 
 def options(question: str) -> tuple[str, list[str]]:
@@ -109,7 +116,7 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
     stores, seconds, made = {}, {}, {}
     tag = "-".join(f"{k}={v}" for k, v in sorted(selfstudy.items()))
     for method in methods:
-        kind = method.partition(":")[0]
+        kind = method.partition(":")[0].removesuffix("+rerank")
         if kind not in STORED and kind != "default":
             continue
         if kind == "default":  # sync's default size: the same store as a compacted method of that size
@@ -130,14 +137,18 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
     """What a stored method answers `question` with, and the cartridge it was routed to (None when the question
     shares no word with any document: answered with nothing, as a router would)."""
     kind = method.partition(":")[0]
+    base = kind.removesuffix("+rerank")
+    rerank = RERANK if base != kind else 0
     try:
-        if kind == "default":
+        if base == "default":
             plan = store.plan(question, budget=tokens)
-        elif kind.startswith("hybrid"):
+        elif base.startswith("hybrid"):
             size = method_spec(method, tokens)[1]
-            plan = store.plan(question, budget=tokens, passages=tokens - size)
+            plan = store.plan(question, budget=tokens, passages=tokens - size, rerank=rerank)
+        elif base == "multi":
+            plan = store.plan(question, budget=tokens, rerank=rerank)
         else:
-            plan = store.plan(question, k=1)
+            plan = store.plan(question, k=1, rerank=rerank)
     except ConfigError:
         return Context(), None
     parts = [store.get(n) for n in plan.cartridges]

@@ -285,7 +285,8 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     half = len(TEXT) // 2
     data = _write(tmp_path / "set.jsonl", [(TEXT[:half], FREE), (TEXT[half:], MC)])
     assert vs_rag.options(MC[1][0]) == ("Which sea?", ["the north one", "the south one", "the east one"])
-    methods_ = ["none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default"]
+    methods_ = ["none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default",
+                "cartridge+rerank", "multi:8"]
     result = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", methods_,
                                 {"num_conversations": 2, "document_windows": 2})
     assert result["questions"] == 4 and result["methods"] == methods_
@@ -294,11 +295,13 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
         assert result["closure"]["none"] == 0 and result["closure"]["icl"] == 1
     else:
         assert set(result["closure"].values()) == {None}
-    stored = {"cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default"}
+    stored = {"cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default", "cartridge+rerank", "multi:8"}
     assert set(result["mc_accuracy"]) == set(methods_) and set(result["routed_right"]) == stored
     # every method is held to the budget: cartridge tokens plus passage tokens
     assert all(0 < r["context_tokens"][k] <= 16 for r in result["rows"] for k in ("bm25", "dense"))
-    assert all(r["context_tokens"][k] == 16 for r in result["rows"] for k in ("cartridge", "selfstudy", "hybrid:8"))
+    assert all(r["context_tokens"][k] == 16 for r in result["rows"]
+               for k in ("cartridge", "selfstudy", "hybrid:8", "cartridge+rerank"))
+    assert all(r["context_tokens"]["multi:8"] in (8, 16) for r in result["rows"])  # documents sharing a word
     with pytest.raises(vs_rag.ConfigError, match="smaller than the budget"):
         vs_rag.method_spec("hybrid:16", 16)
     # RAG's score is the reader's with those passages in context, recomputed here from the retriever alone

@@ -136,6 +136,40 @@ def test_passages_fill_what_the_cartridges_leave_of_the_budget(store, tiny_llama
             store.plan(q, **bad)
 
 
+def test_rerank_adds_the_questions_calibrated_likelihood_to_bm25(store, tiny_llama):
+    from cartridges_sdk.serve.rerank import NEUTRAL, lift, question_logprob, rerank
+
+    q = "railway and lighthouse and orchard"
+    routes = store.route(q, k=3)
+    # the likelihood is the mean over the turn's tokens, the same as scoring them one by one
+    ids = tiny_llama.prompt_ids([{"role": "user", "content": q}], after_cartridge=True)
+    logits = tiny_llama.logits(ids, [store.get("railway")]).log_softmax(-1)
+    direct = sum(float(logits[i, ids[i + 1]]) for i in range(len(ids) - 1)) / (len(ids) - 1)
+    assert question_logprob(tiny_llama, q, store.get("railway")) == pytest.approx(direct, abs=1e-5)
+    # each cartridge's lift is its mean over questions about nothing in particular
+    assert lift(tiny_llama, store.get("orchard")) == pytest.approx(
+        sum(question_logprob(tiny_llama, n, store.get("orchard")) for n in NEUTRAL) / len(NEUTRAL))
+
+    def z(xs):
+        m = sum(xs) / len(xs)
+        s = (sum((x - m) ** 2 for x in xs) / len(xs)) ** 0.5
+        return [(x - m) / s for x in xs]
+
+    calibrated = [question_logprob(tiny_llama, q, store.get(r.name)) - lift(tiny_llama, store.get(r.name))
+                  for r in routes]
+    want = sorted(zip([r.name for r in routes], [a + b for a, b in zip(z([r.score for r in routes]), z(calibrated))]),
+                  key=lambda t: -t[1])
+    ranked = rerank(store, q, routes)
+    assert [n for n, _ in ranked] == [n for n, _ in want]
+    assert [s for _, s in ranked] == pytest.approx([s for _, s in want])
+    plan = store.plan(q, k=1, rerank=3)
+    assert plan.cartridges == (ranked[0][0],) and plan.scores == (pytest.approx(ranked[0][1]),)
+    assert store.plan(q, budget=24, rerank=3).cartridges == tuple(n for n, _ in ranked[:2])  # 12 tokens each
+    assert rerank(store, q, routes[:1]) == [(routes[0].name, routes[0].score)]  # one candidate: nothing to rank
+    with pytest.raises(ConfigError, match="rerank=-1 must be a number of candidates"):
+        store.plan(q, rerank=-1)
+
+
 @pytest.mark.skipif(not EVALDATA.is_dir(), reason="../shared/evaldata is not on this machine")
 def test_qasper_questions_are_routed_to_their_own_paper(tmp_path, tiny_llama):
     """Each question naming a word that only its paper uses goes to that paper's cartridge; the many generic ones

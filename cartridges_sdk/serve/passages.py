@@ -170,13 +170,14 @@ class Plan:
 
 def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
          retrieval: str = "bm25", passages_from: str = "store", cartridges: Sequence[str] | None = None,
-         among: Sequence[str] | None = None) -> Plan:
+         among: Sequence[str] | None = None, rerank: int = 0) -> Plan:
     """What answers `question` from `store` (a CartridgeStore).
 
     Cartridges: the named ones (`cartridges`), else the best `k` routed, else (with `budget`) as many as fit in
     `budget` tokens. With `passages` tokens of passages they share one budget: the cartridges fit in `budget -
     passages` and the passages fill what they leave, at least `passages`. Passages come from the whole store
-    (`passages_from="store"`, within `among`) or only the cartridges' own documents (``"routed"``)."""
+    (`passages_from="store"`, within `among`) or only the cartridges' own documents (``"routed"``). With `rerank` N,
+    the best N by BM25 are ranked again with the question's likelihood after each (`rerank.py`)."""
     if passages is not None and (isinstance(passages, bool) or not isinstance(passages, int) or passages < 0):
         raise ConfigError(f"passages={passages!r} must be a number of prompt tokens (0 or more).")
     if passages_from not in PASSAGES_FROM:
@@ -186,8 +187,16 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     if budget is not None and passages >= budget:
         raise ConfigError(f"passages={passages} leaves nothing of budget={budget} for cartridges; give fewer "
                           "passage tokens, a larger budget, or no budget (k cartridges, then the passages).")
+    if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
+        raise ConfigError(f"rerank={rerank!r} must be a number of candidates (0: BM25 alone).")
     if cartridges is not None:
         routes = [(n, None) for n in cartridges]
+    elif rerank:
+        from .rerank import rerank as by_likelihood
+
+        found = store.route(question, max(rerank, k), among=among)
+        ranked = by_likelihood(store, question, found)
+        routes = _fit(store, ranked, budget - passages) if budget is not None else ranked[:k]
     elif budget is not None:
         routes = [(r.name, r.score) for r in store.within(question, budget - passages, among=among)]
     else:
@@ -202,3 +211,15 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     found = store.passages(question, k=max(8, room // 32), retrieval=retrieval, among=pool)
     ids, kept = passage_ids(store.model, found, room, after_cartridge=bool(names))
     return Plan(names, tuple(kept), tuple(ids), scores)
+
+
+def _fit(store: Any, ranked: Sequence[tuple[str, float]], budget: int) -> list[tuple[str, float]]:
+    """As many of `ranked`, best first, as fit in `budget` tokens together (at least the first), as `within` does."""
+    picked, used = [], 0
+    for name, score in ranked:
+        size = store.get(name).num_tokens
+        if picked and used + size > budget:
+            continue
+        picked.append((name, score))
+        used += size
+    return picked

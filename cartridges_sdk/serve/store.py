@@ -413,12 +413,13 @@ class CartridgeStore:
 
     def plan(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
              retrieval: str = "bm25", passages_from: str = "store", cartridges: Sequence[str] | None = None,
-             among: Sequence[str] | None = None) -> Plan:
+             among: Sequence[str] | None = None, rerank: int = 0) -> Plan:
         """The cartridges and passages that answer `question`, without answering (`passages.plan`): the named
         cartridges, or the best `k` routed, or as many as fit `budget` tokens; with `passages` tokens of passages
-        the budget is shared (the cartridges fit in `budget - passages`, the passages fill what they leave)."""
+        the budget is shared (the cartridges fit in `budget - passages`, the passages fill what they leave). With
+        `rerank` N, routing's best N are ranked again by the question's likelihood after each (`rerank.py`)."""
         return plan(self, question, k=k, budget=budget, passages=passages, retrieval=retrieval,
-                    passages_from=passages_from, cartridges=cartridges, among=among)
+                    passages_from=passages_from, cartridges=cartridges, among=among, rerank=rerank)
 
     def ask(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
             retrieval: str = "bm25", passages_from: str = "store", cartridges: Sequence[str] | None = None,
