@@ -143,11 +143,14 @@ def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[s
     request may see (`scope`), or only the answering cartridges' own. In a store whose cartridges say whom they are
     about (records), always only their own: a passage of someone else's record never reaches the answer."""
     source = body.get("passages_from", "store")
-    if state.store.subjects():
+    records = bool(state.store.subjects())
+    if records:
         source = "routed"
     if source == "routed" and not names:
+        fix = ("in a store of records they come only from the answering cartridges' documents, so name a cartridge "
+               "or route (model='auto')") if records else "send 'passages_from': 'store', or a cartridge"
         raise BadRequest(400, "Passages from the answering cartridges' documents need cartridges to answer with; "
-                         "this request has none (send 'passages_from': 'store', or a cartridge).", "passages_from")
+                         f"this request has none ({fix}).", "passages_from")
     try:
         plan = state.store.plan(last_user_text(messages), cartridges=names, budget=body.get("budget"),
                                 passages=body["passages"], retrieval=body.get("retrieval", "bm25"),
