@@ -128,6 +128,10 @@ def test_passages_fill_what_the_cartridges_leave_of_the_budget(store, tiny_llama
                                                GenerationParams(max_new_tokens=5), prefix_ids=plan.prefix_ids)])[0]
     assert answer.text == same.text
     assert store.plan(q, k=1).passages == () and store.plan(q, k=1, passages=0).prefix_ids == ()
+    # dense retrieval (all-MiniLM-L6-v2) ranks every passage, by meaning: the railway's first
+    dense = store.plan("When did the trains to Colby stop running?", k=1, passages=1000, retrieval="dense")
+    assert dense.passages[0].name == "railway" and len(dense.passages) == 3
+    assert [p.score for p in dense.passages] == sorted((p.score for p in dense.passages), reverse=True)
     for bad, match in [({"passages": 40, "budget": 40}, "leaves nothing of budget=40 for cartridges"),
                        ({"passages": -1}, "passages=-1 must be a number of prompt tokens"),
                        ({"passages": 8, "retrieval": "tfidf"}, "retrieval='tfidf' must be one of"),
