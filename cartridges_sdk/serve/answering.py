@@ -75,7 +75,8 @@ class Chosen:
 @attrs.frozen
 class Selection:
     """What answers a conversation: the cartridges picked (composed in order), then the passages of the store's
-    corpora put after them as prompt tokens (`prefix_ids`, each after a line naming its document)."""
+    corpora put after them as prompt tokens (`prefix_ids`, each after a line naming its document). Iterating it
+    (and `len`) gives the cartridges, as the list of `Chosen` it replaced did."""
 
     cartridges: tuple[Chosen, ...]
     passages: tuple[Passage, ...] = ()
