@@ -317,21 +317,26 @@ class LM:
         *,
         runtime: str | Runtime = "hf",
         runtime_options: dict[str, Any] | None = None,
-        document: str | None = None,
+        document: str | Sequence[int] | None = None,
         **gen: Any,
     ) -> str | list[str]:
         """Answer one question (returns a str) or several at once, batched (returns a list).
 
-        `document` puts a text in context (after any cartridges, before the question): the in-context answer a
-        cartridge of that text stands in for."""
+        `document` puts a text (or its token ids) in context, after any cartridges and before the question: the
+        in-context answer a cartridge of that text stands in for, or a store's passages (`CartridgeStore.ask`)."""
         params = GenerationParams.from_kwargs(gen)
         questions = [question] if isinstance(question, str) else list(question) if isinstance(question, (list, tuple)) else []
         if not questions or not all(isinstance(q, str) and q.strip() for q in questions):
             raise ConfigError(f"ask() needs a non-empty question string or list of them, got {question!r}.")
         cartridges = list(cartridges or [])
-        if document is not None and (not isinstance(document, str) or not document.strip()):
-            raise ConfigError(f"document= must be a non-empty text, got {document!r:.60}.")
-        prefix = self.encode(document) if document is not None else ()
+        if isinstance(document, (list, tuple)) and document:
+            prefix = self.check_ids(document, "document")
+        elif document is None:
+            prefix = ()
+        elif isinstance(document, str) and document.strip():
+            prefix = self.encode(document)
+        else:
+            raise ConfigError(f"document= must be a non-empty text or list of token ids, got {document!r:.60}.")
         requests = [GenerationRequest([{"role": "user", "content": q}], cartridges, params, prefix_ids=prefix)
                     for q in questions]
         texts = [c.text for c in self._runtime(runtime, runtime_options).generate(requests)]

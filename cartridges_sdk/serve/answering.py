@@ -17,7 +17,7 @@ from ..cartridge import Cartridge
 from ..checks import at_least_one
 from ..errors import ConfigError
 from ..generation import Completion, GenerationParams, GenerationRequest, Message
-from .passages import PASSAGES_FROM, Passage, check_retrieval
+from .passages import Passage, check_settings
 from .store import CartridgeStore
 from .records import document_record
 
@@ -135,16 +135,9 @@ class Answerer:
             raise ConfigError("The cartridge has no model to answer with; load it with Cartridge.load(path, model=lm).")
         if self.store is not None and not isinstance(self.store, CartridgeStore):
             raise ConfigError(f"store={self.store!r:.60} must be a CartridgeStore (CartridgeStore(folder, lm)).")
-        if isinstance(self.passages, bool) or not isinstance(self.passages, int) or self.passages < 0:
-            raise ConfigError(f"passages={self.passages!r} must be a number of prompt tokens (0 or more).")
-        check_retrieval(self.retrieval)
-        if self.passages_from not in PASSAGES_FROM:
-            raise ConfigError(f"passages_from={self.passages_from!r} must be one of {list(PASSAGES_FROM)}.")
+        check_settings(self.passages, self.retrieval, self.passages_from, self.budget)
         if self.passages and self.store is None:
             raise ConfigError(f"passages={self.passages} are retrieved from a store's documents; build it with store=.")
-        if self.passages and self.budget is not None and self.passages >= self.budget:
-            raise ConfigError(f"passages={self.passages} leaves nothing of budget={self.budget} for cartridges; give "
-                              "fewer passage tokens or a larger budget (it counts cartridges and passages).")
 
     @property
     def model(self) -> Any:

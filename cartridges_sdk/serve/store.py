@@ -33,7 +33,6 @@ import attrs
 from ..cartridge import Cartridge
 from ..errors import CartridgeError, ConfigError, NotInStoreError
 from ..files import atomic_write
-from ..generation import GenerationParams, GenerationRequest
 from ..kv import Recent
 from ..lm import LM
 from .documents import CORPUS_SUFFIX, NAME, SUFFIX, name_problem
@@ -380,7 +379,11 @@ class CartridgeStore:
         holds. `among` as for `route`."""
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ConfigError(f"budget={budget!r} must be a positive number of cartridge tokens.")
-        ranked = self.route(question, k=max(len(self), 1), among=among)
+        return self.fitting(self.route(question, k=max(len(self), 1), among=among), budget)
+
+    def fitting(self, ranked: Sequence[Route], budget: int) -> list[Route]:
+        """As many of `ranked`, best first, as fit in `budget` tokens together (at least the first), sized from the
+        folder's records without loading them."""
         picked, used = [], 0
         with self._lock:
             for route in ranked:
@@ -427,12 +430,9 @@ class CartridgeStore:
         """Answer `question` with the named cartridges (composed in order), or with those it is routed to: the
         best `k`, or as many as fit in `budget` tokens (`within`); and, with `passages` tokens, passages of the
         stored corpora after them, the budget shared (`plan`)."""
-        if not isinstance(question, str) or not question.strip():
-            raise ConfigError(f"ask() needs a non-empty question string, got {question!r:.60}.")
         plan = self.plan(question, k=k, budget=budget, passages=passages, retrieval=retrieval,
                          passages_from=passages_from, cartridges=cartridges)
         parts = [self.get(n) for n in plan.cartridges]
-        request = GenerationRequest([{"role": "user", "content": question}], parts, GenerationParams.from_kwargs(gen),
-                                    prefix_ids=plan.prefix_ids)
-        text = self.model._runtime(runtime, runtime_options).generate([request])[0].text
+        text = self.model.ask(question, cartridges=parts, document=list(plan.prefix_ids) or None, runtime=runtime,
+                              runtime_options=runtime_options, **gen)
         return StoreAnswer(text=text, cartridges=plan.cartridges, versions=versions(parts), passages=plan.passages)
