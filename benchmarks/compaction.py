@@ -4,7 +4,7 @@ For each document: gold-answer gap closure and KL(ICL || cartridge) of the first
 compacted one, and the seconds compaction took. The in-context and no-context references are computed once per
 document and shared by every variant, so several settings can be compared in one run:
 
-    python -m benchmarks.compaction --docs 0,1,2,3 [--tokens 256] [--variant '{"select": "mean"}' ...]
+    python -m benchmarks.compaction --docs 0,1,2,3 [--tokens 256] [--model NAME] [--variant '{"select": "mean"}' ...]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="L-Eval-format JSONL (input, instructions, outputs)")
     parser.add_argument("--docs", default="0,1,2,3", help="comma-separated document indices")
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--model", default=None, help="a named model (default: the embedded 135M)")
     parser.add_argument("--variant", action="append", default=None, metavar="JSON",
                         help="CompactionConfig settings as JSON (repeatable; default: the defaults)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/compaction.json"))
@@ -34,7 +35,7 @@ def main() -> None:
     variants = [json.loads(v) for v in args.variant or ["{}"]]
     configs = [CompactionConfig(**v) for v in variants]  # refuse a bad setting before any work
 
-    lm = load_model()
+    lm = load_model(args.model)
     lines = args.data.read_text(encoding="utf-8").splitlines()
     rows = []
     for d in (int(x) for x in args.docs.split(",")):

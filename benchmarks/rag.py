@@ -28,14 +28,16 @@ class Retriever:
         self._index = PassageIndex([str(i) for i in range(len(self.chunks))], self.chunks, kind, cache=cache)
         self.seconds = time.perf_counter() - start
 
-    def ranked(self, question: str, k: int = 32) -> list[int]:
-        return [int(p.name) for p in self._index.ranked(question, k)]
+    def ranked(self, question: str, k: int = 32, among: Sequence[int] | None = None) -> list[int]:
+        """The best `k` passages' indices, best first; `among` ranks those passages only."""
+        pool = None if among is None else [str(i) for i in among]
+        return [int(p.name) for p in self._index.ranked(question, k, among=pool)]
 
-    def context(self, lm, question: str, budget: int) -> list[int]:
-        """The best passages for `question` as token ids, best first, until `budget` tokens (no source lines: the
-        pipeline a team has today)."""
+    def context(self, lm, question: str, budget: int, among: Sequence[int] | None = None) -> list[int]:
+        """The best passages for `question` (of `among`, when given) as token ids, best first, until `budget`
+        tokens (no source lines: the pipeline a team has today)."""
         ids: list[int] = []
-        for i in self.ranked(question):
+        for i in self.ranked(question, among=among):
             ids += lm.encode(self.chunks[i] + "\n\n")[: budget - len(ids)]
             if len(ids) >= budget:
                 break

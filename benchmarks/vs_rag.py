@@ -48,6 +48,7 @@ LABELS = {"none": "no context", "icl": "whole document in context", "bm25": "RAG
           "hybrid": "cartridge (compacted) + passages", "hybrid-selfstudy": "cartridge (self-studied) + passages",
           "multi": "routed cartridges (compacted), as many as fit",
           "default": "SDK default: store.ask(q, budget=TOKENS)"}
+SCOPES = ("store", "document")  # what a question is asked of: the whole corpus, or its own document
 STORED = ("cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi")
 RERANK = 8  # BM25's candidates a '+rerank' method ranks again with the question's likelihood (serve/rerank.py)
 _OPTION = re.compile(r"^\s*\(?([A-Z])[).]\s+(.*\S)\s*$", re.MULTILINE)
@@ -133,22 +134,26 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
     return stores, seconds
 
 
-def stored_context(store: CartridgeStore, method: str, question: str, tokens: int) -> tuple[Context, str | None]:
+def stored_context(store: CartridgeStore, method: str, question: str, tokens: int,
+                   document: str | None = None) -> tuple[Context, str | None]:
     """What a stored method answers `question` with, and the cartridge it was routed to (None when the question
-    shares no word with any document: answered with nothing, as a router would)."""
+    shares no word with any document: answered with nothing, as a router would). Given the question's `document`
+    (`--scope document`), its cartridge answers, as ``store.ask(question, cartridges=[document])`` would, and a
+    hybrid's passages come from that document alone (``passages_from="routed"``)."""
     kind = method.partition(":")[0]
     base = kind.removesuffix("+rerank")
-    rerank = RERANK if base != kind else 0
+    rerank = RERANK if base != kind and document is None else 0
+    named = {} if document is None else {"cartridges": [document], "passages_from": "routed"}
     try:
         if base == "default":
-            plan = store.plan(question, budget=tokens)
+            plan = store.plan(question, budget=tokens, **named)
         elif base.startswith("hybrid"):
             size = method_spec(method, tokens)[1]
-            plan = store.plan(question, budget=tokens, passages=tokens - size, rerank=rerank)
+            plan = store.plan(question, budget=tokens, passages=tokens - size, rerank=rerank, **named)
         elif base == "multi":
-            plan = store.plan(question, budget=tokens, rerank=rerank)
+            plan = store.plan(question, budget=tokens, rerank=rerank, **named)
         else:
-            plan = store.plan(question, k=1, rerank=rerank)
+            plan = store.plan(question, k=1, rerank=rerank, **named)
     except ConfigError:
         return Context(), None
     parts = [store.get(n) for n in plan.cartridges]
@@ -157,15 +162,22 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
 
 
 def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Path, methods: Sequence[str],
-                selfstudy: dict | None = None) -> dict:
+                selfstudy: dict | None = None, scope: str = "store") -> dict:
+    """Every method on the set's first `docs` documents. `scope` "store": each question is asked of the whole
+    corpus (cartridges routed, RAG over every document's passages); "document": of its own document, as the data
+    set poses it and as ICL answers it (its document's cartridge, RAG over its passages only)."""
+    if scope not in SCOPES:
+        raise ConfigError(f"scope={scope!r}: use one of {list(SCOPES)}.")
     corpora = load_corpora(path, list(range(docs)))
     stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {})
     chunks = passages([c.text for c in corpora])
     retrievers = {kind: Retriever(kind, [p for _, p in chunks], work) for kind in ("bm25", "dense") if kind in methods}
     build.update({kind: r.seconds for kind, r in retrievers.items()})
     rows = []
-    for c in corpora:
+    for d, c in enumerate(corpora):
         ids = lm.encode(c.text)
+        own = [i for i, (doc, _) in enumerate(chunks) if doc == d] if scope == "document" else None
+        document = c.name if scope == "document" else None
         if lm.max_context and len(ids) + 512 > lm.max_context:
             raise ConfigError(f"{c.name} has {len(ids)} tokens; with a question it does not fit {lm.name}'s "
                               f"{lm.max_context}-token context, so ICL cannot be the reference. Pick a longer-context "
@@ -175,10 +187,10 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
         for q in c.questions[:questions]:
             contexts = {"none": Context(), "icl": whole}
             for kind, r in retrievers.items():
-                contexts[kind] = Context(document=tuple(r.context(lm, q.question, tokens)))
+                contexts[kind] = Context(document=tuple(r.context(lm, q.question, tokens, among=own)))
             routed = {}
             for method, store in stores.items():
-                contexts[method], routed[method] = stored_context(store, method, q.question, tokens)
+                contexts[method], routed[method] = stored_context(store, method, q.question, tokens, document)
             scores = score_questions(lm, [q], contexts, icl="icl", desc=c.name)
             row = {"doc": c.name, "question": q.question[:120], "routed": routed,
                    "routed_right": {k: v == c.name for k, v in routed.items()},
@@ -195,7 +207,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     gap = mean([r["nll"]["none"] - r["nll"]["icl"] for r in rows])
     mc = [r for r in rows if "likeliest_right" in r]
     return {
-        "data": path.name, "docs": docs, "questions": len(rows), "methods": used,
+        "data": path.name, "scope": scope, "docs": docs, "questions": len(rows), "methods": used,
         "doc_tokens": round(mean([len(lm.encode(c.text)) for c in corpora])),
         "nll": {m: round(mean([r["nll"][m] for r in rows]), 4) for m in used},
         "closure": {m: round(mean([r["nll"]["none"] - r["nll"][m] for r in rows]) / gap, 3) if gap > 0 else None
@@ -271,6 +283,8 @@ def main() -> None:
                         help="self-study conversations, for the self-studied methods (the SDK's default recipe)")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="any other from_corpus setting for the self-studied methods (repeatable)")
+    parser.add_argument("--scope", default="store", choices=SCOPES,
+                        help="ask each question of the whole corpus (routed) or of its own document, as ICL does")
     parser.add_argument("--users", default="1,32", help="concurrent users for the speed figures ('' skips them)")
     parser.add_argument("--icl-users", default="1", help="the --users ICL is timed at (its prefill is the slow part)")
     parser.add_argument("--decode", type=int, default=16, help="new tokens per user in the decode-rate figure")
@@ -297,12 +311,12 @@ def main() -> None:
     selfstudy = {"num_conversations": args.selfstudy, **parse_settings(args.set)}
     lm = load_model(None if args.model == "default" else args.model)
     start = time.perf_counter()
-    result = {"model": lm.name, "tokens": args.tokens, "kv_bytes_per_token": kv_bytes_per_token(lm),
+    result = {"model": lm.name, "tokens": args.tokens, "scope": args.scope, "kv_bytes_per_token": kv_bytes_per_token(lm),
               "selfstudy": selfstudy, "sets": {}}
     for name in args.sets.split(","):
         work = args.work / f"{args.model}-{name}-{args.docs}"
         result["sets"][name] = run_dataset(lm, args.data_dir / DATASETS[name], args.docs, args.questions,
-                                           args.tokens, work, methods, selfstudy)
+                                           args.tokens, work, methods, selfstudy, args.scope)
     if args.users:
         first = args.sets.split(",")[0]
         corpus = load_corpora(args.data_dir / DATASETS[first], [0])[0]

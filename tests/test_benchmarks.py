@@ -309,6 +309,16 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     retriever = Retriever("bm25", [p for _, p in passages([TEXT[:half], TEXT[half:]])], tmp_path / "work")
     direct = nll(answer_logprobs(lm, q[0], q[1], document=retriever.context(lm, q[0], 16)), lm, q[1])
     assert result["rows"][0]["nll"]["bm25"] == pytest.approx(direct, abs=1e-3)
+    # asked of its own document: every stored method answers with that document's cartridge, RAG with its passages
+    own = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "bm25", "cartridge", "hybrid:8"],
+                             scope="document")
+    assert own["scope"] == "document" and all(own["routed_right"][k] == 1 for k in ("cartridge", "hybrid:8"))
+    first = retriever.context(lm, q[0], 16, among=[i for i, (d, _) in enumerate(passages([TEXT[:half], TEXT[half:]]))
+                                                   if d == 0])
+    assert own["rows"][0]["nll"]["bm25"] == pytest.approx(nll(answer_logprobs(lm, q[0], q[1], document=first), lm,
+                                                              q[1]), abs=1e-3)
+    with pytest.raises(vs_rag.ConfigError, match="scope='paper'"):
+        vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl"], scope="paper")
     assert all(result["build_seconds"][k] > 0 for k in ("cartridge", "selfstudy", "dense", "hybrid:8"))
     assert result["build_seconds"]["bm25"] >= 0  # milliseconds on a corpus this small
     studied = vs_rag.CartridgeStore(tmp_path / "work" / "selfstudy-16-document_windows=2-num_conversations=2", lm)

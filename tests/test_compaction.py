@@ -214,3 +214,34 @@ def test_another_thread_answers_as_usual_while_compaction_records(tiny_llama):
         thread.start()
         thread.join()
     assert torch.equal(got["logits"], want) and not recorder.queries  # nothing of the other thread's was recorded
+
+
+def test_the_chunks_own_questions_are_references_and_asking_them_is_not(tiny_llama, monkeypatch):
+    """chunk_questions: the model asks its own questions about the chunk (sampled with a fixed seed, so the cartridge
+    is the same every time), and only those questions and their answers become reference queries."""
+    from cartridges_sdk.making import compaction
+
+    lm, ids = tiny_llama, _ids(tiny_llama, 200)
+    asked: list[list[int]] = []
+    own_questions = compaction._own_questions
+
+    def spy(lm_, cache, start, count, rec):
+        before = {i: len(q) for i, q in rec.queries.items()}
+        questions = own_questions(lm_, cache, start, count, rec)
+        assert {i: len(q) for i, q in rec.queries.items()} == before  # asking recorded nothing
+        assert cache.get_seq_length() == start  # and left the chunk's cache as it was
+        asked.extend(questions)
+        return questions
+
+    monkeypatch.setattr(compaction, "_own_questions", spy)
+    config = CompactionConfig(corpus_queries=0, chunk_questions=3, answer_tokens=4)
+    first = Cartridge.compact(lm, ids, 32, config=config, progress=False)
+    again = Cartridge.compact(lm, ids, 32, config=config, progress=False)
+    assert len(asked) == 6 and asked[:3] == asked[3:] and len({tuple(q) for q in asked[:3]}) == 3
+    for a, b in zip(first.keys + first.values, again.keys + again.values):
+        assert torch.equal(a, b)
+    plain = Cartridge.compact(lm, ids, 32, config=CompactionConfig(chunk_questions=0), progress=False)
+    assert not all(torch.equal(a, b) for a, b in zip(first.values, plain.values))
+    assert first.meta.extra["compaction"]["chunk_questions"] == 3
+    with pytest.raises(ConfigError, match="chunk_questions=-1"):
+        CompactionConfig(chunk_questions=-1)

@@ -4,7 +4,9 @@ The whole corpus is read once. For every layer and KV head, the compact cache ke
 ``p - 1`` keys that reference queries attend to most, then refits the kept tokens' values by ridge least squares so
 that the attention outputs over the kept keys match those over all ``T`` keys on the same queries. Reference
 queries are the corpus's own (rotated to sit just after the corpus, where a user's tokens will be) and those of a
-few probe questions about it and of the model's greedy answers to them.
+few probe questions about it and of the model's greedy answers to them: generic ones (`probe_questions`), or the
+chunk's own (`chunk_questions`: the model, with the chunk before it, asks questions about it as self-study's question
+seeds prompt it to, and answers them).
 
 The kept keys are then rotated back by ``T - p`` positions: a user token at position ``p + i`` after the cartridge
 sees every kept key at the distance it would see it at position ``T + i`` after the whole corpus. The result is an
@@ -32,6 +34,7 @@ from ..identity import token_fingerprint
 from ..kv import sdpa_gqa_attention
 from ..lm import rope_inv_freq
 from ..rope import shift_keys
+from . import seeds
 from .corpus import Corpus
 from .settings import CompactionConfig
 
@@ -49,6 +52,12 @@ PROBE_QUESTIONS = (
     "What are the limitations or open questions the document points out?",
 )
 
+
+_SEEDS = seeds.QUESTION_PROMPTS  # what the model is asked, to ask its own question about a chunk
+# a chunk's own question: at most this many tokens, sampled at this temperature (greedy would ask one question per
+# seed prompt, and there are three)
+QUESTION_TOKENS = 48
+QUESTION_TEMPERATURE = 0.8
 
 # the longest chunk read in one pass by default: one forward pass holds the chunk's KV and recorded queries
 MAX_CHUNK = 16384
@@ -97,6 +106,9 @@ def _chunk_limit(lm: LM, config: CompactionConfig, total: int) -> int:
     room = max((len(lm.prompt_ids([{"role": "user", "content": q}], after_cartridge=True))
                 for q in config.probe_questions), default=0)
     room += config.answer_tokens if config.probe_questions else 0
+    if config.chunk_questions:  # a seed prompt and the question it draws, then the question and its answer
+        seed = max(len(lm.prompt_ids([{"role": "user", "content": q}], after_cartridge=True)) for q in _SEEDS)
+        room = max(room, seed + QUESTION_TOKENS, QUESTION_TOKENS + 16 + config.answer_tokens)
     limit = min(lm.max_context or total + room, MAX_CHUNK) - room
     if config.max_chunk_tokens is not None:
         limit = min(limit, config.max_chunk_tokens)
@@ -147,12 +159,14 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.select: torch.Tensor | None = None  # positions of the current forward to keep (None: all)
+        self.paused = False  # forwards that are not references (the model asking its own questions)
         self.queries: dict[int, list[torch.Tensor]] = {}
         self.scaling: dict[int, float] = {}
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
-        q = query[0] if self.select is None else query[0].index_select(1, self.select.to(query.device))
-        self.queries.setdefault(module.layer_idx, []).append(q.detach().float().cpu())
+        if not self.paused:
+            q = query[0] if self.select is None else query[0].index_select(1, self.select.to(query.device))
+            self.queries.setdefault(module.layer_idx, []).append(q.detach().float().cpu())
         self.scaling[module.layer_idx] = float(scaling if scaling is not None else module.scaling)
         return sdpa_gqa_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
@@ -233,6 +247,9 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
             _probe(lm, cache, n, lm.prompt_ids([{"role": "user", "content": question}], after_cartridge=True),
                    config.answer_tokens)
             cache.crop(n - cache.get_seq_length())
+        for question in _own_questions(lm, cache, n, config.chunk_questions, rec):
+            _probe(lm, cache, n, question, config.answer_tokens)
+            cache.crop(n - cache.get_seq_length())
         probe_q = {i: torch.cat(qs, dim=1) for i, qs in rec.queries.items()}
     layers = range(len(kv))
     if sorted(corpus_q) != list(layers) and sorted(probe_q) != list(layers):
@@ -244,19 +261,45 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
     return kv, queries, rec.scaling
 
 
-def _probe(lm: LM, cache, start: int, prompt: list[int], answer_tokens: int) -> None:
-    """Run a probe question after the corpus, then greedily answer it for `answer_tokens` tokens."""
+def _probe(lm: LM, cache, start: int, prompt: list[int], answer_tokens: int,
+           generator: torch.Generator | None = None) -> list[int]:
+    """Run a probe question after the corpus, then answer it for up to `answer_tokens` tokens: greedily, or sampled
+    at `QUESTION_TEMPERATURE` with `generator`. Returns the answer's tokens."""
     model, device = lm.model, lm.device
-    ids, pos = torch.tensor([prompt], device=device), start
+    ids, pos, answer = torch.tensor([prompt], device=device), start, []
     eos = lm.eos_token_ids
     for step in range(answer_tokens + 1):
         out = model(input_ids=ids, position_ids=torch.arange(pos, pos + ids.shape[1], device=device)[None],
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
         pos += ids.shape[1]
-        nxt = int(out.logits[0, -1].argmax())
+        logits = out.logits[0, -1].float()
+        if generator is None:
+            nxt = int(logits.argmax())
+        else:
+            nxt = int(torch.multinomial((logits / QUESTION_TEMPERATURE).softmax(-1).cpu(), 1, generator=generator))
         if step == answer_tokens or nxt in eos:
-            return
+            return answer
+        answer.append(nxt)
         ids = torch.tensor([[nxt]], device=device)
+    return answer
+
+
+def _own_questions(lm: LM, cache, start: int, count: int, rec: _Recorder) -> list[list[int]]:
+    """`count` questions the model asks about the chunk in `cache` (self-study's question seed prompts, in turn,
+    sampled with a fixed seed), as prompt ids; asking them records no reference queries."""
+    generator, questions = torch.Generator().manual_seed(0), []
+    rec.paused = True
+    try:
+        for i in range(count):
+            seed = lm.prompt_ids([{"role": "user", "content": _SEEDS[i % len(_SEEDS)]}], after_cartridge=True)
+            text = lm.tokenizer.decode(_probe(lm, cache, start, seed, QUESTION_TOKENS, generator),
+                                       skip_special_tokens=True).strip()
+            cache.crop(start - cache.get_seq_length())
+            if text:
+                questions.append(lm.prompt_ids([{"role": "user", "content": text}], after_cartridge=True))
+    finally:
+        rec.paused = False
+    return questions
 
 
 # -- fitting ---------------------------------------------------------------------------------------------------------

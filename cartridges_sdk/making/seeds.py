@@ -42,7 +42,7 @@ summarization = _one_of(
     "Write a short request for a summary of one section of the text above, identifying the section so that "
     "nobody could mistake it for another. Reply with the request only.",
 )
-question = _one_of(
+QUESTION_PROMPTS = (  # also what compaction asks the model, for a chunk's own probe questions
     "Ask one question that checks whether someone really knows the text above. Mention the specific names, "
     "numbers or terms the question is about. Reply with the question only.",
     "Write a single question about a concrete fact stated in the text above, phrased so that it makes sense "
@@ -50,6 +50,7 @@ question = _one_of(
     "You are quizzing a student on the passage above. Ask them one precise question about it, including "
     "enough detail that the question is unambiguous. Reply with the question only.",
 )
+question = _one_of(*QUESTION_PROMPTS)
 use_case = _one_of(
     "Think about what a person who has this text at hand might actually be trying to get done with it: a "
     "decision, a task, a piece of work. Write the request or question that person would type to an assistant "

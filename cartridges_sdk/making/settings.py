@@ -92,6 +92,9 @@ class CompactionConfig:
     corpus_queries: int = attrs.field(default=2048, validator=count)  # corpus positions used as references
     probe_questions: tuple[str, ...] = attrs.field(default=())  # e.g. making.compaction.PROBE_QUESTIONS
     answer_tokens: int = attrs.field(default=32, validator=count)  # greedy answer tokens per probe question
+    # questions the model asks itself about each chunk (self-study's question seeds, sampled), then answers greedily:
+    # probes that are the chunk's own, where generic ones miss its details (docs/compaction.md)
+    chunk_questions: int = attrs.field(default=0, validator=count)
     ridge: float = attrs.field(default=1e-2, validator=positive)  # relative to the mean diagonal of the system
     # corpus queries are moved to positions T + [0, spread): where a user's question and answer sit after the corpus
     spread: int = attrs.field(default=64, validator=count)
@@ -114,8 +117,9 @@ class CompactionConfig:
             raise ConfigError(f"max_chunk_tokens={value!r} must be None or an int >= 2.")
 
     def __attrs_post_init__(self) -> None:
-        if self.corpus_queries == 0 and not self.probe_questions:
-            raise ConfigError("corpus_queries=0 with no probe_questions leaves no reference queries to fit to.")
+        if self.corpus_queries == 0 and not self.probe_questions and not self.chunk_questions:
+            raise ConfigError("corpus_queries=0 with no probe_questions or chunk_questions leaves no reference "
+                              "queries to fit to.")
 
 
 # -- self-study: where training starts, and the flat settings of both stages ---------------------------------------
