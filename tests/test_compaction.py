@@ -234,8 +234,14 @@ def test_the_chunks_own_questions_are_references_and_asking_them_is_not(tiny_lla
         return questions
 
     monkeypatch.setattr(compaction, "_own_questions", spy)
+    references = []
+    fit = compaction.fit_layer
+    monkeypatch.setattr(compaction, "fit_layer",
+                        lambda k, v, q, *a, **kw: references.append(q.shape[1]) or fit(k, v, q, *a, **kw))
     config = CompactionConfig(corpus_queries=0, chunk_questions=3, answer_tokens=4)
     first = Cartridge.compact(lm, ids, 32, config=config, progress=False)
+    # the answers' tokens only (at most 4 a question, one query each): not the prompts' chat-template tokens
+    assert 0 < references[0] <= 3 * 4 and len(set(references)) == 1
     again = Cartridge.compact(lm, ids, 32, config=config, progress=False)
     assert len(asked) == 6 and asked[:3] == asked[3:] and len({tuple(q) for q in asked[:3]}) == 3
     for a, b in zip(first.keys + first.values, again.keys + again.values):

@@ -248,7 +248,8 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
                    config.answer_tokens)
             cache.crop(n - cache.get_seq_length())
         for question in _own_questions(lm, cache, n, config.chunk_questions, rec):
-            _probe(lm, cache, n, question, config.answer_tokens)
+            # the answer reads the chunk for the detail asked; the prompt's queries are mostly the chat template's
+            _probe(lm, cache, n, question, config.answer_tokens, quiet_prompt=rec)
             cache.crop(n - cache.get_seq_length())
         probe_q = {i: torch.cat(qs, dim=1) for i, qs in rec.queries.items()}
     layers = range(len(kv))
@@ -262,15 +263,20 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
 
 
 def _probe(lm: LM, cache, start: int, prompt: list[int], answer_tokens: int,
-           generator: torch.Generator | None = None) -> list[int]:
+           generator: torch.Generator | None = None, quiet_prompt: _Recorder | None = None) -> list[int]:
     """Run a probe question after the corpus, then answer it for up to `answer_tokens` tokens: greedily, or sampled
-    at `QUESTION_TEMPERATURE` with `generator`. Returns the answer's tokens."""
+    at `QUESTION_TEMPERATURE` with `generator`. With `quiet_prompt` (the recorder) the prompt's forward pass records
+    no queries: only the answer's do. Returns the answer's tokens."""
     model, device = lm.model, lm.device
     ids, pos, answer = torch.tensor([prompt], device=device), start, []
     eos = lm.eos_token_ids
     for step in range(answer_tokens + 1):
+        if quiet_prompt is not None:
+            quiet_prompt.paused = step == 0
         out = model(input_ids=ids, position_ids=torch.arange(pos, pos + ids.shape[1], device=device)[None],
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if quiet_prompt is not None:
+            quiet_prompt.paused = False
         pos += ids.shape[1]
         logits = out.logits[0, -1].float()
         if generator is None:
