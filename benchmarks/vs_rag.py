@@ -71,10 +71,15 @@ def method_spec(method: str, tokens: int) -> tuple[str, int]:
     return kind, size_
 
 
-def label(method: str) -> str:
+def label(method: str, scope: str = "store") -> str:
     kind, _, size = method.partition(":")
     base = kind.removesuffix("+rerank")
-    return (LABELS[base] + (", reranked" if base != kind else "") + (f", {size}-token cartridge" if size else ""))
+    text = LABELS[base] + (", reranked" if base != kind else "") + (f", {size}-token cartridge" if size else "")
+    if scope == "document":  # nothing is routed: the question's own document answers, and RAG reads only it
+        text = text.replace("routed cartridges", "its cartridge").replace("routed cartridge", "its own cartridge")
+        text = text.replace("budget=TOKENS", "cartridges=[its own], budget=TOKENS")
+        text += ", in the document" if base in ("bm25", "dense") else ""
+    return text
 
 
 def options(question: str) -> tuple[str, list[str]]:
@@ -341,26 +346,29 @@ def plots(result: dict, folder: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
-    sets = result["sets"]
+    sets, scope = result["sets"], result.get("scope", "store")
     methods = [m for m in dict.fromkeys(m for s in sets.values() for m in s["methods"]) if m != "icl"]
     panels = [("closure", "gold-answer closure (ICL = 1)")] + [("mc_accuracy", "multiple-choice accuracy")] * any(
         s["mc_accuracy"] for s in sets.values())
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.6), squeeze=False)
+    rows = -(-len(methods) // 2)  # of the legend, two methods a row under the panels
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(5.5 * len(panels), 9), 3.6 + 0.2 * rows), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         names = [n for n in sets if sets[n][key]]
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
             ax.bar([j + i * width for j in range(len(names))], [sets[n][key].get(m) or 0 for n in names], width,
-                   label=label(m))
+                   label=label(m, scope) if key == "closure" else None, color=f"C{i}")
         if key == "mc_accuracy":
             ax.axhline(0.25, color="gray", lw=0.8, ls="--")
             ax.axhline(mean([sets[n][key]["icl"] for n in names]), color="black", lw=0.8, label="ICL (mean)")
+            ax.legend(fontsize=7)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
         ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"{result['model']}, {result['tokens']} tokens of cartridge or RAG context", fontsize=10)
-    fig.tight_layout()
-    paths = [folder / "vs-rag-quality.png"]
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7, frameon=False)
+    asked = "each question asked of its own document" if scope == "document" else "each question routed in the store"
+    fig.suptitle(f"{result['model']}, {result['tokens']} tokens of cartridge or RAG context;\n{asked}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05 * rows + 0.02, 1, 1))
+    paths = [folder / ("vs-rag-quality.png" if scope == "store" else f"vs-rag-quality-{scope}.png")]
     fig.savefig(paths[0], dpi=120)
     plt.close(fig)
     if result.get("speed"):
@@ -394,7 +402,7 @@ def table(result: dict) -> str:
             cells.append(_f(s["closure"].get(m)))
             if s["mc_accuracy"]:
                 cells.append(_f(s["mc_accuracy"].get(m)))
-        lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(m, result.get('scope', 'store'))} | " + " | ".join(cells) + " |")
     if result.get("speed"):
         lines += ["", "| method | users | prompt tokens | KV MiB/user | first token s | decode tokens/s |",
                   "|---|---|---|---|---|---|"]

@@ -335,3 +335,6 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     table = vs_rag.table(whole)
     assert "| RAG, dense (MiniLM) |" in table and "| cartridge | 2 |" in table
     assert [p.name for p in vs_rag.plots(whole, tmp_path / "img")] == ["vs-rag-quality.png", "vs-rag-speed.png"]
+    asked_of_own = {"model": lm.name, "tokens": 16, "scope": "document", "sets": {"set": own}}
+    assert "| its own cartridge (compacted) |" in vs_rag.table(asked_of_own)
+    assert [p.name for p in vs_rag.plots(asked_of_own, tmp_path / "img")] == ["vs-rag-quality-document.png"]
