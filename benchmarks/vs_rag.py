@@ -356,7 +356,7 @@ def plots(result: dict, folder: Path) -> list[Path]:
         names = [n for n in sets if sets[n][key]]
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
-            ax.bar([j + i * width for j in range(len(names))], [sets[n][key].get(m) or 0 for n in names], width,
+            ax.bar([j + i * width for j in range(len(names))], [_bar(sets[n][key].get(m)) for n in names], width,
                    label=label(m, scope) if key == "closure" else None, color=f"C{i}")
         if key == "mc_accuracy":
             ax.axhline(0.25, color="gray", lw=0.8, ls="--")
@@ -409,6 +409,11 @@ def table(result: dict) -> str:
         lines += [f"| {r['method']} | {r['users']} | {r['prompt_tokens']:,} | {r['kv_mib_per_user']} | "
                   f"{r['first_token_s']} | {r['decode_tokens_per_s']} |" for r in result["speed"]]
     return "\n".join(lines)
+
+
+def _bar(x: float | None) -> float:
+    """A bar's height: a method not run on a set draws no bar (not a zero)."""
+    return float("nan") if x is None else x
 
 
 def _f(x: float | None) -> str:
