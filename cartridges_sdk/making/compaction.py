@@ -54,10 +54,8 @@ PROBE_QUESTIONS = (
 
 
 _SEEDS = seeds.QUESTION_PROMPTS  # what the model is asked, to ask its own question about a chunk
-# a chunk's own question: at most this many tokens, sampled at this temperature (greedy would ask one question per
-# seed prompt, and there are three)
-QUESTION_TOKENS = 48
-QUESTION_TEMPERATURE = 0.8
+# its question: at most this many tokens, sampled (greedy would ask one question per seed prompt, and there are three)
+QUESTION_TOKENS, QUESTION_TEMPERATURE = 48, 0.8
 
 # the longest chunk read in one pass by default: one forward pass holds the chunk's KV and recorded queries
 MAX_CHUNK = 16384
