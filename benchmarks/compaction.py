@@ -58,7 +58,7 @@ def main() -> None:
               f"{row['prefix']['closure']:.3f}, KL {row['prefix']['kl']:.3f}", flush=True)
         for settings, config in zip(variants, configs):
             start = time.perf_counter()
-            c = Cartridge.compact(lm, ids, args.tokens, config=config, progress=False)
+            c = Cartridge.compact(lm, ids, args.tokens, config=config, progress=False, report=False)
             got = {"settings": settings, "seconds": round(time.perf_counter() - start, 1), **quality(c)}
             row["compact"].append(got)
             print(f"doc {d} compacted {settings or '(defaults)'} in {got['seconds']:.0f} s: closure "

@@ -165,7 +165,7 @@ def compact_method(lm: LM, p: int, ids: Sequence[int], work: Path, costs: CostBo
     if path.is_file():
         return Cartridge.load(path, lm)
     start = time.perf_counter()
-    cartridge = Cartridge.compact(lm, list(ids), p)
+    cartridge = Cartridge.compact(lm, list(ids), p, report=False)
     costs.add_seconds(f"compaction:p{p}", time.perf_counter() - start)
     cartridge.save(path)
     return cartridge

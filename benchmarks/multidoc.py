@@ -36,7 +36,7 @@ def pair(lm, corpora, p: int) -> dict:
     ids_a, ids_b = lm.encode(a.text), lm.encode(b.text)
     qa = [(q.question, q.answer) for c in corpora for q in c.questions]
     start = time.perf_counter()
-    ca, cb = Cartridge.compact(lm, ids_a, p, progress=False), Cartridge.compact(lm, ids_b, p, progress=False)
+    ca, cb = (Cartridge.compact(lm, ids, p, progress=False, report=False) for ids in (ids_a, ids_b))
     seconds = time.perf_counter() - start
     both = a.text + "\n\n" + b.text
     both_ids = lm.encode(both)
@@ -59,7 +59,7 @@ def long(lm, corpora, p: int, per_doc: int) -> dict:
     qa = [(q.question, q.answer) for c in corpora for q in c.questions[:per_doc]]
     fits = (lm.max_context or len(ids)) - ROOM
     start = time.perf_counter()
-    cart = Cartridge.compact(lm, ids, p)
+    cart = Cartridge.compact(lm, ids, p, report=False)
     seconds = time.perf_counter() - start
     out = {
         "none": mean_nll(lm, qa),

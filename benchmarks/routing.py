@@ -63,7 +63,7 @@ def main() -> None:
                    **{f"distinctive_{key}": value for key, value in _rates(distinctive).items()}}
     else:
         work = out.with_suffix(".work") / args.data.stem
-        store = _store(lm, corpora, work, lambda c: Cartridge.compact(lm, c.text, args.tokens, progress=False))
+        store = _store(lm, corpora, work, lambda c: Cartridge.compact(lm, c.text, args.tokens, progress=False, report=False))
         rows = closure_rows(lm, store, corpora, args.tokens)
         summary = {"data": args.data.name, "documents": len(corpora), "questions": len(rows), "tokens": args.tokens,
                    **_closures(rows)}

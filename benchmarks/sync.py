@@ -278,10 +278,10 @@ def pairs(lm, store_dir: Path, count: int, per_doc: int, tokens: int) -> dict:
     rows = []
     for a, b in chosen:
         pair_ids = lm.encode(docs[a].text + "\n\n" + docs[b].text)
-        whole = Cartridge.compact(lm, pair_ids, tokens, progress=False)
-        halves = [Cartridge.compact(lm, ids[n], tokens // 2, progress=False) for n in (a, b)]
+        whole = Cartridge.compact(lm, pair_ids, tokens, progress=False, report=False)
+        halves = [Cartridge.compact(lm, ids[n], tokens // 2, progress=False, report=False) for n in (a, b)]
         composed = Cartridge.compose(halves, reposition=True, model=lm)
-        full = {n: synced.get(n) if n in synced else Cartridge.compact(lm, ids[n], tokens, progress=False)
+        full = {n: synced.get(n) if n in synced else Cartridge.compact(lm, ids[n], tokens, progress=False, report=False)
                 for n in (a, b)}  # the store's, when `incremental` made them at this size
         router = CartridgeStore(store_dir / f"pair-{a}-{b}", lm)
         for n in (a, b):
@@ -316,7 +316,7 @@ def whole_corpus(lm, docs, store_dir: Path, per_doc: int, budget: int) -> dict:
     if cached.exists():
         whole = Cartridge.load(cached, model=lm)
     else:
-        whole = Cartridge.compact(lm, ids, budget)
+        whole = Cartridge.compact(lm, ids, budget, report=False)
         whole.save(cached)
     seconds = round(time.perf_counter() - start, 1)
     fits = (lm.max_context or len(ids)) - ROOM

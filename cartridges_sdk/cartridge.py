@@ -82,6 +82,13 @@ class Cartridge:
         """Which key dimensions rotate together: ``"rotate_half"`` (Hugging Face) or ``"interleaved"``."""
         return self.meta.key_layout["pairing"]
 
+    @property
+    def quality(self) -> dict[str, Any] | None:
+        """The quality report made when it was built or by `cartridges eval` (``recovered``, ``kl``, ``agreement``,
+        ...; docs/quality-report.md), or None."""
+        report = self.meta.extra.get("quality")
+        return report if isinstance(report, dict) else None
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """A stable hash of the tensors and of what decides how they are served (model, layout, dtype): equal
@@ -202,7 +209,7 @@ class Cartridge:
 
     @classmethod
     def compact(cls, lm: LM, corpus: Any, num_tokens: int, *, num_frozen: int = 1, config: Any = None,
-                progress: bool = True) -> Cartridge:
+                progress: bool = True, report: Any = True) -> Cartridge:
         """A `num_tokens` cartridge that stands in for the whole corpus, in seconds and with no training.
 
         Per layer and KV head it keeps the attention sink and the keys the corpus's own queries (and those of a few
@@ -210,10 +217,13 @@ class Cartridge:
         corpus's (`cartridges_sdk.making.compaction`). At ``num_tokens`` = the corpus length it equals `from_prefix`.
         A corpus longer than the model's context is compacted per chunk and composed. `corpus` is a text, a path,
         a `Corpus` or token ids; `config` a `CompactionConfig`.
+        Then the cartridge is checked against its corpus on questions the model asks itself (`quality`,
+        docs/quality-report.md): `report` True, a `ReportConfig`, or False to skip it.
         """
         from .making.compaction import compact_corpus  # the facade: the making layer, imported here (docs/architecture.md)
 
-        return compact_corpus(lm, corpus, num_tokens, num_frozen=num_frozen, config=config, progress=progress)
+        return compact_corpus(lm, corpus, num_tokens, num_frozen=num_frozen, config=config, progress=progress,
+                              report=report)
 
     @classmethod
     def from_random_text(cls, lm: LM, num_tokens: int, seed: int = 0, *, num_frozen: int = 1) -> Cartridge:

@@ -24,7 +24,7 @@ def _ids(lm, n):
 
 def test_compacting_to_full_length_is_the_prefix_cartridge(tiny_lm):
     ids = _ids(tiny_lm, 300)
-    compact = Cartridge.compact(tiny_lm, ids, len(ids), progress=False)
+    compact = Cartridge.compact(tiny_lm, ids, len(ids), progress=False, report=False)
     prefix = Cartridge.from_prefix(tiny_lm, ids, len(ids))
     assert compact.meta.init == "compact"
     for ck, pk, cv, pv in zip(compact.keys, prefix.keys, compact.values, prefix.values):
@@ -37,7 +37,7 @@ def test_compacting_to_full_length_is_the_prefix_cartridge(tiny_lm):
 
 def test_attention_error_falls_as_num_tokens_grows(tiny_lm):
     ids = _ids(tiny_lm, 600)
-    errors = [attention_error(tiny_lm, ids, Cartridge.compact(tiny_lm, ids, p, progress=False)) for p in (16, 64, 256, 600)]
+    errors = [attention_error(tiny_lm, ids, Cartridge.compact(tiny_lm, ids, p, progress=False, report=False)) for p in (16, 64, 256, 600)]
     assert errors[0] > errors[1] > errors[2] > errors[3]
     assert errors[3] < 1e-5  # nothing dropped: the outputs are the text's own
 
@@ -45,7 +45,7 @@ def test_attention_error_falls_as_num_tokens_grows(tiny_lm):
 def test_compaction_beats_keeping_the_first_tokens(tiny_lm):
     """Fitted values and chosen keys reproduce the whole text's attention better than its first p tokens do."""
     ids = _ids(tiny_lm, 600)
-    compact = Cartridge.compact(tiny_lm, ids, 64, progress=False)
+    compact = Cartridge.compact(tiny_lm, ids, 64, progress=False, report=False)
     # the first 64 tokens, seen from where the text ends (the frame compaction fits in)
     from cartridges_sdk.lm import rope_inv_freq
     from cartridges_sdk.rope import shift_keys
@@ -70,7 +70,7 @@ def test_a_corpus_longer_than_the_context_is_compacted_per_chunk_within_it():
 
     hook = short.model.base_model.register_forward_pre_hook(watch, with_kwargs=True)
     try:
-        c = Cartridge.compact(short, ids, 64, progress=False)
+        c = Cartridge.compact(short, ids, 64, progress=False, report=False)
     finally:
         hook.remove()
     assert seen and max(seen) <= 200
@@ -83,7 +83,7 @@ def test_a_corpus_longer_than_the_context_is_compacted_per_chunk_within_it():
 
 def test_compaction_round_trips_through_the_file(tmp_path, tiny_llama):
     ids = _ids(tiny_llama, 300)
-    c = Cartridge.compact(tiny_llama, ids, 32, progress=False)
+    c = Cartridge.compact(tiny_llama, ids, 32, progress=False, report=False)
     back = Cartridge.load(c.save(tmp_path / "c.safetensors"), tiny_llama)
     assert back.meta.init == "compact" and back.meta.extra["compaction"]["corpus_tokens"] == 300
     torch.testing.assert_close(back.logits(ids[:5]), c.logits(ids[:5]))
@@ -111,11 +111,11 @@ def test_bad_settings_are_refused_by_name(settings, message):
 def test_bad_sizes_are_refused_before_any_work(tiny_llama):
     ids = _ids(tiny_llama, 100)
     with pytest.raises(ConfigError, match="more than the 100 tokens"):
-        Cartridge.compact(tiny_llama, ids, 101, progress=False)
+        Cartridge.compact(tiny_llama, ids, 101, progress=False, report=False)
     with pytest.raises(ConfigError, match="num_tokens=1"):
-        Cartridge.compact(tiny_llama, ids, 1, progress=False)
+        Cartridge.compact(tiny_llama, ids, 1, progress=False, report=False)
     with pytest.raises(ConfigError, match="too few for a corpus read in 5 chunks.*max_chunk_tokens"):
-        Cartridge.compact(tiny_llama, ids, 3, config=CompactionConfig(max_chunk_tokens=20), progress=False)
+        Cartridge.compact(tiny_llama, ids, 3, config=CompactionConfig(max_chunk_tokens=20), progress=False, report=False)
 
 
 @pytest.mark.default_model
@@ -130,7 +130,7 @@ def test_compacted_beats_the_first_tokens_on_held_out_questions(default_lm):
     spec = json.loads((Path(__file__).parent / "data" / "harrow_point_qa.json").read_text())
     qa = [tuple(pair) for pair in spec["qa"]]
     first, compact = score(default_lm, TEXT, [Cartridge.from_prefix(default_lm, TEXT, 64),
-                                             Cartridge.compact(default_lm, TEXT, 64, progress=False)], qa)
+                                             Cartridge.compact(default_lm, TEXT, 64, progress=False, report=False)], qa)
     print(f"first 64: nll {first.nll_cartridge:.3f} kl {first.kl_icl_cartridge:.3f} | "
           f"compact 64: nll {compact.nll_cartridge:.3f} kl {compact.kl_icl_cartridge:.3f}")
     # measured: NLL 4.106 -> 3.037, KL 0.976 -> 0.362 (self-study's quality test reaches 3.96 and 0.945)
@@ -140,11 +140,11 @@ def test_compacted_beats_the_first_tokens_on_held_out_questions(default_lm):
 
 def test_token_ids_may_come_as_a_tensor(tiny_llama):
     ids = _ids(tiny_llama, 120)
-    a = Cartridge.compact(tiny_llama, ids, 16, progress=False)
-    b = Cartridge.compact(tiny_llama, torch.tensor(ids), 16, progress=False)
+    a = Cartridge.compact(tiny_llama, ids, 16, progress=False, report=False)
+    b = Cartridge.compact(tiny_llama, torch.tensor(ids), 16, progress=False, report=False)
     assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
     with pytest.raises(ConfigError, match="outside the model's vocabulary"):
-        Cartridge.compact(tiny_llama, [10**7] * 20, 16, progress=False)
+        Cartridge.compact(tiny_llama, [10**7] * 20, 16, progress=False, report=False)
 
 
 def test_chunk_shares_add_up_and_follow_the_lengths():
@@ -239,14 +239,14 @@ def test_the_chunks_own_questions_are_references_and_asking_them_is_not(tiny_lla
     monkeypatch.setattr(compaction, "fit_layer",
                         lambda k, v, q, *a, **kw: references.append(q.shape[1]) or fit(k, v, q, *a, **kw))
     config = CompactionConfig(corpus_queries=0, chunk_questions=3, answer_tokens=4)
-    first = Cartridge.compact(lm, ids, 32, config=config, progress=False)
+    first = Cartridge.compact(lm, ids, 32, config=config, progress=False, report=False)
     # the answers' tokens only (at most 4 a question, one query each): not the prompts' chat-template tokens
     assert 0 < references[0] <= 3 * 4 and len(set(references)) == 1
-    again = Cartridge.compact(lm, ids, 32, config=config, progress=False)
+    again = Cartridge.compact(lm, ids, 32, config=config, progress=False, report=False)
     assert len(asked) == 6 and asked[:3] == asked[3:] and len({tuple(q) for q in asked[:3]}) == 3
     for a, b in zip(first.keys + first.values, again.keys + again.values):
         assert torch.equal(a, b)
-    plain = Cartridge.compact(lm, ids, 32, config=CompactionConfig(chunk_questions=0), progress=False)
+    plain = Cartridge.compact(lm, ids, 32, config=CompactionConfig(chunk_questions=0), progress=False, report=False)
     assert not all(torch.equal(a, b) for a, b in zip(first.values, plain.values))
     assert first.meta.extra["compaction"]["chunk_questions"] == 3
     with pytest.raises(ConfigError, match="chunk_questions=-1"):

@@ -1,4 +1,5 @@
-"""The commands on cartridge files that need no self-study: ``init``, ``compact``, ``inspect`` and ``compose``."""
+"""The commands on cartridge files that need no self-study: ``init``, ``compact``, ``inspect``, ``eval`` and
+``compose``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import time
 
 import attrs
 
-from ..making.settings import CompactionConfig
+from ..making.report import check_quality, report_of, reported, with_report
+from ..making.settings import CompactionConfig, ReportConfig
 from ..cartridge import SHAPE_FIELDS, Cartridge
 from ..errors import CartridgeError
 from . import common  # common.model_for is looked up at each call, so tests can replace it
@@ -43,8 +45,10 @@ def cmd_compact(args: argparse.Namespace) -> int:
     output_file(args.output)
     lm = common.model_for(args.model, device=args.device)
     start = time.perf_counter()
-    c = Cartridge.compact(lm, corpus, args.tokens, num_frozen=args.num_frozen, config=config)
+    c = Cartridge.compact(lm, corpus, args.tokens, num_frozen=args.num_frozen, config=config, report=False)
     seconds = time.perf_counter() - start
+    if not args.no_report:  # after the line on compaction's time, so each figure is its own
+        c = reported(lm, corpus, c, True, progress=True)
     c.save(args.output)
     info = c.meta.extra["compaction"]
     print(f"wrote {args.output}: {c.num_tokens} tokens standing in for {info['corpus_tokens']} "
@@ -80,10 +84,30 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows.append(("parts", f"{len(c.meta.parts)}: " + " ".join(spans)))
     if c.meta.training:
         rows.append(("training", json.dumps(c.meta.training)))
+    report = report_of(c)
+    rows.append(("quality", report.summary().removeprefix("quality report: ") if report else
+                 "not checked (cartridges eval FILE --corpus PATH checks it against its corpus)"))
     rows += [("created", c.meta.created), ("sdk version", c.meta.sdk_version), ("format version", str(c.meta.format_version))]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    c = Cartridge.load(args.path)
+    config = ReportConfig(questions=args.questions, **({} if args.seed is None else {"seed": args.seed}))
+    corpus = read_corpus(args)
+    lm = common.model_for(args.model, device=args.device)
+    report = check_quality(lm, corpus, c.bind(lm), config, progress=not args.json)
+    if not args.no_save:
+        with_report(c, report).save(args.path)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.summary())
+        print("asked, for example: " + " | ".join(report.asked))
+        print(f"{'kept the report in ' + args.path if not args.no_save else 'not saved (--no-save)'}")
     return 0
 
 

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from ..making.settings import DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS
-from .files import cmd_compact, cmd_compose, cmd_init, cmd_inspect
+from .files import cmd_compact, cmd_compose, cmd_eval, cmd_init, cmd_inspect
 from .selfstudy import cmd_build, cmd_merge, cmd_synthesize, cmd_train
 from .access import cmd_forget, cmd_keys
 from .use import cmd_ask, cmd_backends, cmd_mcp, cmd_models, cmd_serve, cmd_sync
@@ -64,6 +64,11 @@ def _cartridge_output(p: argparse.ArgumentParser, output_help: str = "cartridge 
     p.add_argument("-o", "--output", required=True, help=output_help)
     p.add_argument("--tokens", type=int, required=True, help="cartridge size p in tokens")
 
+def _report_arg(p: argparse.ArgumentParser, what: str = "the cartridge") -> None:
+    p.add_argument("--no-report", action="store_true",
+                   help=f"skip the quality report: {what} checked against its corpus on questions the model asks "
+                        "itself (docs/quality-report.md; about as long as one more read of the corpus)")
+
 # ---- the commands
 
 def _init(p: argparse.ArgumentParser) -> None:
@@ -80,6 +85,7 @@ def _compact(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-frozen", type=int, default=1, help="leading tokens that never train later (default 1)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="a CompactionConfig setting, e.g. --set corpus_queries=2048 (repeatable)")
+    _report_arg(p)
     _model_args(p)
 
 def _build(p: argparse.ArgumentParser) -> None:
@@ -94,6 +100,7 @@ def _build(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distractors", nargs="+", metavar="FILE", default=[],
                    help="cartridge files of other documents to train among, up to --set max_distractors=N (default 7) "
                         "a step, so the cartridge holds up when composed with others (docs/sync.md)")
+    _report_arg(p)
     _study_args(p)
     _backend_args(p, "synthesizer", "trainer")
 
@@ -135,6 +142,19 @@ def _train(p: argparse.ArgumentParser) -> None:
 def _inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the metadata as JSON")
+
+def _eval(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="the cartridge file")
+    p.add_argument("--corpus", nargs="+", required=True, metavar="PATH",
+                   help="what it was made from: a directory, or files / glob patterns")
+    p.add_argument("--include", action="append", help="glob for files in a directory (repeatable; default all)")
+    p.add_argument("--exclude", action="append", help="glob for files to leave out (repeatable)")
+    p.add_argument("--description", help=argparse.SUPPRESS)
+    p.add_argument("--questions", type=int, default=8, help="held-out questions the model asks itself (default 8)")
+    p.add_argument("--seed", type=int, help="another set of questions (default: the report's own seed)")
+    p.add_argument("--no-save", action="store_true", help="print the report without writing it into the file")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _model_args(p)
 
 def _compose(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", help="cartridge files, in order")
@@ -209,6 +229,7 @@ def _sync_settings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distractors", type=int, default=0, metavar="N",
                    help="with --self-study: train each cartridge among up to N of the store's other cartridges, so "
                         "it holds up when routing composes several (docs/sync.md; default 0: alone)")
+    _report_arg(p, "each compacted or self-studied cartridge")
 
 def _sync(p: argparse.ArgumentParser) -> None:
     p.add_argument("folder", help="the documents: one cartridge per file (hidden files and folders are passed over)")
@@ -273,6 +294,8 @@ COMMANDS: list[Command] = [
     ("merge", "gather the shards of one synthesis (`synthesize --shard I/N`) into one dataset", cmd_merge, _merge),
     ("train", "train a cartridge on a dataset made by `cartridges synthesize`", cmd_train, _train),
     ("inspect", "show what a cartridge file holds", cmd_inspect, _inspect),
+    ("eval", "check a cartridge against its corpus on questions the model asks itself; the report goes into the file",
+     cmd_eval, _eval),
     ("compose", "concatenate cartridges into one", cmd_compose, _compose),
     ("ask", "answer a question with one or more cartridges as context", cmd_ask, _ask),
     ("sync", "keep a store in step with a folder of documents: one cartridge per document, only changes rebuilt",

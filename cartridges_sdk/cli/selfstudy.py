@@ -57,7 +57,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         init=args.init, seed=args.seed, output_dir=work, synthesizer=args.synthesizer,
         synthesizer_options=options["synthesizer"], trainer=args.trainer, trainer_options=options["trainer"],
         allow_unverified_model=args.allow_unverified_model, restart=args.restart,
-        distractors=bind_all(distractors, lm), **settings,
+        distractors=bind_all(distractors, lm), report=not args.no_report, **settings,
     )
     if is_lead():  # every rank holds the same cartridge; one writes it
         c.save(args.output)

@@ -120,7 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _sync_config(args: argparse.Namespace):
     from ..serve.settings import SyncConfig
 
-    return SyncConfig(tokens=args.tokens, unit=args.unit, max_bytes=args.max_bytes, include=args.include)
+    return SyncConfig(tokens=args.tokens, unit=args.unit, max_bytes=args.max_bytes, include=args.include,
+                      report=not args.no_report)
 
 
 def _study_settings(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -35,8 +35,8 @@ from ..kv import sdpa_gqa_attention
 from ..lm import rope_inv_freq
 from ..rope import shift_keys
 from . import seeds
-from .corpus import Corpus
-from .settings import CompactionConfig
+from .report import check_report, corpus_ids, reported
+from .settings import CompactionConfig, ReportConfig
 
 if TYPE_CHECKING:
     from ..lm import LM
@@ -63,14 +63,13 @@ MAX_CHUNK = 16384
 QUERY_BLOCK = 1024
 
 
-def compact_corpus(lm: LM, corpus: Any, num_tokens: int, *, num_frozen: int = 1,
-                   config: CompactionConfig | None = None, progress: bool = False) -> Cartridge:
-    """`Cartridge.compact`: `corpus` is a text, a path, a `Corpus` or token ids."""
-    if torch.is_tensor(corpus) or (isinstance(corpus, (list, tuple)) and corpus and not isinstance(corpus[0], str)):
-        ids = lm.check_ids(corpus, "compact")
-    else:
-        ids = lm.encode(Corpus.coerce(corpus).text)
-    return compact(lm, ids, num_tokens, num_frozen=num_frozen, config=config, progress=progress)
+def compact_corpus(lm: LM, corpus: Any, num_tokens: int, *, num_frozen: int = 1, config: CompactionConfig | None = None,
+                   progress: bool = False, report: bool | ReportConfig = False) -> Cartridge:
+    """`Cartridge.compact`: `corpus` is a text, a path, a `Corpus` or token ids; `report` adds the quality report."""
+    check_report(report)
+    ids, _ = corpus_ids(lm, corpus)
+    cart = compact(lm, ids, num_tokens, num_frozen=num_frozen, config=config, progress=progress)
+    return reported(lm, ids, cart, report, progress=progress)
 
 
 def compact(lm: LM, ids: Sequence[int], num_tokens: int, *, num_frozen: int = 1,

@@ -33,7 +33,8 @@ from .distractors import check_among, check_distractors
 from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_torchrun
 from .loss import check_shardable
 from .precision import FASTEST, resolve_work_dtype, WorkDtypes
-from .settings import (DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS, StartConfig, check_settings,
+from .report import check_report, reported
+from .settings import (DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS, ReportConfig, StartConfig, check_settings,
                        check_training_settings)
 from .synthesis import check_built_synthesizer, check_context, check_synthesizer, synthesize_checked
 
@@ -318,7 +319,7 @@ def build_cartridge(
     trainer_options: dict[str, Any] | None = None, allow_unverified_model: bool = False,
     output_dir: str | os.PathLike | None = None, restart: bool = False, num_frozen: int = 1,
     work_dtype: str | torch.dtype | None = FASTEST, progress: bool = True, distractors: Sequence[Cartridge] = (),
-    **settings: Any,
+    report: bool | ReportConfig = True, **settings: Any,
 ) -> Cartridge:
     """Synthesize `num_conversations` self-study conversations about `corpus`, then train a `num_tokens` cartridge.
 
@@ -333,11 +334,13 @@ def build_cartridge(
     that stage clearly faster in it, measured at the start; None: the model's own); the returned cartridge is bound to the
     original model, and its ``meta.training`` names both stages' dtypes.
     `distractors` (other documents' cartridges) are composed around it in training, so it holds up when composed
-    with others (making/distractors.py).
+    with others (making/distractors.py). Then the cartridge is checked against its corpus on questions the model
+    asks itself (`Cartridge.quality`, docs/quality-report.md): `report` True, a `ReportConfig`, or False to skip it.
 
     Under torchrun, the ranks share both stages (docs/distributed.md): each makes its share of the conversations
     into `output_dir` (required: a folder every rank reaches), then they train data-parallel.
     """
+    check_report(report)
     start, synth_cfg, train_cfg = check_settings(settings, num_tokens=num_tokens, num_conversations=num_conversations,
                                                  epochs=epochs, init=init, seed=seed, num_frozen=num_frozen)
     check_work_dir(output_dir)
@@ -371,4 +374,5 @@ def build_cartridge(
                                 restart=restart, progress=progress, distractors=distractors)
     trained.meta = attrs.evolve(trained.meta, training={**trained.meta.training,
                                                         "synthesis_dtype": str(work.dtype).removeprefix("torch.")})
-    return trained
+    # every rank holds the same cartridge and one writes it: one checks it
+    return reported(lm, corpus, trained, report, progress=progress) if is_lead() else trained

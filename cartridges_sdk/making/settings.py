@@ -131,6 +131,21 @@ STARTS = ("compact", "prefix", "random_text", "random")
 DEFAULT_START = "compact"
 
 
+# -- the quality report -------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ReportConfig:
+    """How a cartridge is checked against its own corpus after it is made (`making.report`). The defaults keep it
+    to about one more read of a corpus of a few thousand tokens."""
+
+    questions: int = attrs.field(default=8, validator=at_least_one)  # held-out questions the model asks itself
+    answer_tokens: int = attrs.field(default=32, validator=at_least_one)  # longest in-context answer scored
+    window_tokens: int = attrs.field(default=4096, validator=at_least_one)  # a longer corpus is read in stretches
+    windows: int = attrs.field(default=2, validator=at_least_one)  # how many stretches, spread over it
+    seed: int = attrs.field(default=90_001, validator=count)  # not a seed synthesis or compaction draws from
+
+
 @attrs.frozen
 class StartConfig:
     """The cartridge training starts from: `num_tokens` tokens made by `init` (one of `STARTS`; `seed` picks the

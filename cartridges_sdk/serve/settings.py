@@ -16,7 +16,7 @@ import attrs
 
 from ..checks import at_least_one, one_of, positive
 from ..errors import ConfigError
-from ..making.settings import CompactionConfig
+from ..making.settings import CompactionConfig, ReportConfig
 from .documents import MAX_BYTES, UNITS
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -162,6 +162,9 @@ class SyncConfig:
     # glob patterns (fnmatch, '*' crosses folders) of the relative paths that are documents, e.g. ("*.py",);
     # empty: every file. A document that stops matching is deleted from the store like one removed.
     include: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_patterns)
+    # each compacted or self-studied cartridge is checked against its document (docs/quality-report.md) and the
+    # report kept in its record: True, a ReportConfig, or False to skip it (a document kept whole needs none)
+    report: bool | ReportConfig = attrs.field(default=True, validator=attrs.validators.instance_of((bool, ReportConfig)))
 
 
 # ---- the MCP bridge

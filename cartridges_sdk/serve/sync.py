@@ -182,7 +182,8 @@ def build(lm: Any, doc: SourceDocument, config: SyncConfig) -> Cartridge:
         cartridge = Cartridge.from_prefix(lm, ids, len(ids), num_frozen=1 if len(ids) > 1 else 0)
         method = "whole"
     else:
-        cartridge = Cartridge.compact(lm, ids, config.tokens, config=config.compaction, progress=False)
+        cartridge = Cartridge.compact(lm, ids, config.tokens, config=config.compaction, progress=False,
+                                      report=config.report)
         method = "compact"
     return with_record(lm, cartridge, doc, method, len(ids), config.tokens)
 
@@ -196,10 +197,10 @@ def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str]
     of the store's other cartridges at a time (`among_others`). Returns the names replaced."""
     config = config or SyncConfig()
     settings = dict(settings or {})
-    taken = {"num_tokens", "output_dir", "progress", "distractors", "max_distractors"} & set(settings)
+    taken = {"num_tokens", "output_dir", "progress", "distractors", "max_distractors", "report"} & set(settings)
     if taken:
         raise ConfigError(f"self-study settings {sorted(taken)} are set by sync (the size is SyncConfig.tokens, the "
-                          "distractors its distractors= argument).")
+                          "distractors its distractors= argument, the report SyncConfig.report).")
     if isinstance(distractors, bool) or not isinstance(distractors, int) or distractors < 0:
         raise ConfigError(f"distractors={distractors!r} must be a whole number >= 0 (0 trains each cartridge alone).")
     documents, _ = read_documents(source, unit=config.unit, max_bytes=config.max_bytes, include=config.include)
@@ -216,7 +217,7 @@ def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str]
                  if distractors else {})
         try:
             trained = Cartridge.from_corpus(doc.text, store.model, num_tokens=config.tokens, output_dir=work,
-                                            progress=progress, **among, **settings)
+                                            progress=progress, report=config.report, **among, **settings)
         except ConfigError:
             raise  # a bad setting fails every document alike: say it once
         except Exception as err:  # noqa: BLE001 - one document that fails to train must not stop the others
