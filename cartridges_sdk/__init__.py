@@ -35,7 +35,8 @@ from .plugins import Backend, ContinuousRuntime, Runtime, Synthesizer, Synthesiz
 
 if TYPE_CHECKING:
     from .making.corpus import Corpus, Document
-    from .making.settings import CompactionConfig
+    from .making.report import CorpusReport, check_quality
+    from .making.settings import CompactionConfig, ReportConfig
     from .serve.settings import SyncConfig
     from .serve.store import CartridgeStore
     from .serve.sync import SyncReport
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 # public names of the layers above the core, by the module that defines them (the same as the imports above)
 _LAZY = {
     "CompactionConfig": "making.settings",
+    "ReportConfig": "making.settings",
+    "CorpusReport": "making.report",
+    "check_quality": "making.report",
     "Corpus": "making.corpus",
     "Document": "making.corpus",
     "CartridgeStore": "serve.store",
@@ -79,6 +83,7 @@ __all__ = [
     "ConfigError",
     "ContinuousRuntime",
     "Corpus",
+    "CorpusReport",
     "Document",
     "GenerationParams",
     "GenerationRequest",
@@ -88,6 +93,7 @@ __all__ = [
     "NotInStoreError",
     "PluginError",
     "RateLimitedError",
+    "ReportConfig",
     "Runtime",
     "SyncConfig",
     "SyncReport",
@@ -98,6 +104,7 @@ __all__ = [
     "TrainerCapabilities",
     "TransientBackendError",
     "UnsupportedModelError",
+    "check_quality",
     "default_cache_dir",
     "load_model",
 ]

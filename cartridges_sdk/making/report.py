@@ -35,6 +35,7 @@ from ..lm import LM
 from . import seeds
 from .corpus import Corpus
 from .evaluation import answer_logprobs, kl, nll
+from .precision import FASTEST, resolve_work_dtype
 from .settings import ReportConfig
 
 KEY = "quality"  # where the report sits in a cartridge's metadata (``meta.extra``)
@@ -59,6 +60,7 @@ class CorpusReport:
     window_tokens: int  # the longest of them
     seconds: float
     seed: int
+    dtype: str = "float32"  # what it was computed in
     asked: tuple[str, ...] = attrs.field(converter=tuple, default=())
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,7 +149,11 @@ def check_quality(lm: LM, corpus: Any, cartridge: Cartridge, config: ReportConfi
         raise ConfigError(f"config={config!r:.60} must be a ReportConfig.")
     started = time.perf_counter()
     ids = _same_corpus(lm, corpus, cartridge)
-    cartridge = cartridge.bind(lm) if cartridge.lm is not lm else cartridge
+    # an estimate, not a contract: computed in the dtype self-study's synthesis stage measures fastest here (bfloat16
+    # halves the 0.5B's report), both references alike
+    dtype = resolve_work_dtype(lm, FASTEST)["synthesis"]
+    lm = lm.in_dtype(dtype)
+    cartridge = cartridge.bind(lm)
     windows = _windows(lm, ids, config)
     per_window = math.ceil(config.questions / len(windows))
     none, context, cart, kls, agree, asked = [], [], [], [], [], []
@@ -175,6 +181,7 @@ def check_quality(lm: LM, corpus: Any, cartridge: Cartridge, config: ReportConfi
                         nll={"none": mean(none), "context": mean(context), "cartridge": mean(cart)},
                         windows=len(windows), window_tokens=max(len(w) for w in windows),
                         seconds=round(time.perf_counter() - started, 1), seed=config.seed,
+                        dtype=str(lm.dtype).removeprefix("torch."),
                         asked=[" ".join(q.split()) for q in asked[:SHOWN_QUESTIONS]])
 
 
