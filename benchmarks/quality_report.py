@@ -5,7 +5,7 @@ the quality report (`making/report.py`: no gold answers, the questions the model
 closure on the document's own questions (what docs/vs-rag.md reports). The figure users need is the rank
 correlation between the two (Spearman), over every (document, size) and within each size across documents:
 
-    python -m benchmarks.quality_report --model qwen2.5-coder-0.5b --sets qasper:0-5,quality:0-3,tpo:0-3 \
+    python -m benchmarks.quality_report --model qwen2.5-coder-0.5b --sets qasper:0-4,quality:0-2,tpo:0-2 \
       --sizes 64,256 --questions 5
 
 The text in context is an exact prefix cartridge of the document, read once and shared by the gold scoring.
@@ -82,7 +82,7 @@ def gold_closure(lm, cart: Cartridge, questions, none: list[float], icl: list) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="a named model, or 'default' (the 135M)")
-    parser.add_argument("--sets", default="qasper:0-5,quality:0-3,tpo:0-3", help="SET:FIRST-LAST, comma-separated")
+    parser.add_argument("--sets", default="qasper:0-4,quality:0-2,tpo:0-2", help="SET:FIRST-LAST, comma-separated")
     parser.add_argument("--data-dir", type=Path, default=EVALDATA)
     parser.add_argument("--sizes", default="64,256", help="cartridge sizes in tokens, comma-separated")
     parser.add_argument("--questions", type=int, default=5, help="gold questions per document, at most")

@@ -11,6 +11,7 @@ from cartridges_sdk import Cartridge, CartridgeStore, ConfigError, SyncConfig
 from cartridges_sdk.cli import main
 from cartridges_sdk.making.report import CorpusReport, check_quality, report_of, _windows
 from cartridges_sdk.making.settings import ReportConfig
+from cartridges_sdk.serve.documents import SUFFIX
 
 from conftest import DATA, TEXT
 
@@ -109,6 +110,11 @@ def test_sync_keeps_each_compacted_documents_report_in_its_record(default_lm, tm
     assert records["harrow.txt"]["method"] == "compact" and records["harrow.txt"]["quality"]["questions"] == 2
     assert "quality" not in records["short.txt"]  # kept whole: exact, nothing to check
     assert store.get("harrow.txt").quality == records["harrow.txt"]["quality"]
+    # checked again from the shell: the record says what the file now holds
+    path, corpus = store.root / f"harrow.txt{SUFFIX}", store.corpus_path("harrow.txt")
+    assert main(["eval", str(path), "--corpus", str(corpus), "--questions", "2", "--seed", "11"]) == 0
+    store.refresh()
+    assert store.records()["harrow.txt"]["quality"]["seed"] == 11
     bare = CartridgeStore(tmp_path / "bare", default_lm)
     bare.sync(docs, SyncConfig(tokens=48, report=False), progress=False)
     assert "quality" not in bare.records()["harrow.txt"]

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from ..cartridge import Cartridge
 from ..errors import ConfigError
 from ..identity import text_fingerprint, token_fingerprint
+from ..hf import HFRuntime
 from ..lm import LM
 from . import seeds
 from .corpus import Corpus
@@ -158,11 +159,13 @@ def check_quality(lm: LM, corpus: Any, cartridge: Cartridge, config: ReportConfi
     per_window = math.ceil(config.questions / len(windows))
     none, context, cart, kls, agree, asked = [], [], [], [], [], []
     bar = tqdm(total=config.questions, desc="quality report", unit="q", disable=not progress, leave=False)
+    # a runtime of its own, closed at the end: the model's shared one would keep every window it was given installed
+    runtime = HFRuntime(lm, max_installed=1)
     try:
         for w, window in enumerate(windows):
             text = Cartridge.from_prefix(lm, window, len(window), num_frozen=1)  # the window in context, exactly
             count = min(per_window, config.questions - w * per_window)
-            for question, answer in _questions_and_answers(lm, text, count, config, config.seed + w):
+            for question, answer in _questions_and_answers(runtime, text, count, config, config.seed + w):
                 lp_text = answer_logprobs(lm, question, answer, cartridges=[text])
                 lp_cart = answer_logprobs(lm, question, answer, cartridges=[cartridge])
                 context.append(nll(lp_text, lm, answer))
@@ -174,6 +177,7 @@ def check_quality(lm: LM, corpus: Any, cartridge: Cartridge, config: ReportConfi
                 bar.update()
     finally:
         bar.close()
+        runtime.close()
     mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
     gain = mean(none) - mean(context)
     recovered = (mean(none) - mean(cart)) / gain if gain > 0 else math.nan
@@ -186,14 +190,19 @@ def check_quality(lm: LM, corpus: Any, cartridge: Cartridge, config: ReportConfi
 
 
 def _same_corpus(lm: LM, corpus: Any, cartridge: Cartridge) -> list[int]:
-    """The corpus's token ids, refusing a corpus other than the cartridge's. Compaction records its tokens'
-    fingerprint, self-study its text's, `from_prefix` the tokens of the text as given (not normalised as a `Corpus`)."""
+    """The corpus's token ids as the cartridge was made from them, refusing another corpus. Compaction records its
+    tokens' fingerprint, self-study its text's; a `Corpus` of files heads each with its name where `from_prefix` and
+    sync read a text as it is, so a single text or file is also tried as it is."""
     ids, text = corpus_ids(lm, corpus)
     made = (cartridge.meta.corpus or {}).get("fingerprint")
     if made is None or made in (token_fingerprint(ids), text is not None and text_fingerprint(text)):
         return ids
-    if isinstance(corpus, str) and text != corpus and made == token_fingerprint(raw := lm.encode(corpus)):
-        return raw
+    as_is = [corpus] if isinstance(corpus, str) and text != corpus else []
+    if text is not None and len(documents := Corpus.coerce(corpus).documents) == 1:
+        as_is += [documents[0].text, documents[0].text.strip()]
+    for raw in as_is:
+        if made in (token_fingerprint(raw_ids := lm.encode(raw)), text_fingerprint(raw)):
+            return raw_ids
     raise ConfigError(
         f"The cartridge was made from another corpus (fingerprint {made}, {cartridge.meta.corpus.get('num_tokens')} "
         f"tokens) than the one given ({len(ids)} tokens); give the corpus it was made from, as it was then."
@@ -220,16 +229,18 @@ def _windows(lm: LM, ids: list[int], config: ReportConfig) -> list[list[int]]:
     return [ids[:1] + ids[s : s + limit - 1] for s in starts]
 
 
-def _questions_and_answers(lm: LM, text: Cartridge, count: int, config: ReportConfig,
+def _questions_and_answers(runtime: HFRuntime, text: Cartridge, count: int, config: ReportConfig,
                            seed: int) -> list[tuple[str, str]]:
     """`count` questions the model asks with `text` in context, each with its greedy in-context answer; empty and
     repeated questions, and questions left unanswered, are dropped."""
     if count <= 0:
         return []
     prompts = [seeds.QUESTION_PROMPTS[i % len(seeds.QUESTION_PROMPTS)] for i in range(count)]
-    drawn = lm.ask(prompts, [text], max_new_tokens=QUESTION_TOKENS, temperature=QUESTION_TEMPERATURE, seed=seed)
+    lm = runtime.lm
+    drawn = lm.ask(prompts, [text], runtime=runtime, max_new_tokens=QUESTION_TOKENS, temperature=QUESTION_TEMPERATURE,
+                   seed=seed)
     questions = list(dict.fromkeys(q.strip() for q in drawn if q.strip()))
     if not questions:
         return []
-    answers = lm.ask(questions, [text], max_new_tokens=config.answer_tokens)
+    answers = lm.ask(questions, [text], runtime=runtime, max_new_tokens=config.answer_tokens)
     return [(q, a.strip()) for q, a in zip(questions, answers) if a.strip()]

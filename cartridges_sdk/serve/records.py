@@ -2,8 +2,10 @@
 and the integrations.
 
 The record travels inside the cartridge file (``meta.extra["document"]``): ``name``, ``origin``, ``sha256`` (of the
-document's text), ``tokens`` (its length), ``method`` (``whole``, ``compact`` or ``self-study``), ``size`` (the
-cartridge's tokens) and, when it was checked, ``quality`` (its quality report, docs/quality-report.md). Stores written by earlier versions hold the same keys, so they load as they are. Beside it,
+document's text), ``tokens`` (its length), ``method`` (``whole``, ``compact`` or ``self-study``) and ``size`` (the
+cartridge's tokens). Stores written by earlier versions hold the same keys, so they load as they are. Read back, a
+record also holds the cartridge's quality report when it has one (``quality``, read from ``meta.extra["quality"]``,
+docs/quality-report.md), so a later `cartridges eval` of the file shows there too. Beside it,
 ``meta.extra["subject"]`` says who or what the cartridge is about (`subjects`), for any cartridge, synced or not.
 """
 
@@ -23,7 +25,10 @@ if TYPE_CHECKING:
 def document_record(cartridge: Cartridge) -> dict[str, Any] | None:
     """The document a synced cartridge stands for (name, origin, sha256, how it was built), or None."""
     record = cartridge.meta.extra.get("document")
-    return record if isinstance(record, dict) and isinstance(record.get("sha256"), str) else None
+    if not (isinstance(record, dict) and isinstance(record.get("sha256"), str)):
+        return None
+    quality = cartridge.meta.extra.get("quality")  # how good it is for its document, as last checked (report.py)
+    return {**record, "quality": quality} if isinstance(quality, dict) else record
 
 
 def subject_of(cartridge: Cartridge) -> str | None:
@@ -51,8 +56,6 @@ def with_record(lm: Any, cartridge: Cartridge, doc: SourceDocument, method: str,
     from a document of `tokens` tokens."""
     record = {"name": doc.name, "origin": doc.origin, "sha256": doc.sha256, "tokens": tokens, "method": method,
               "size": size}
-    if isinstance(cartridge.meta.extra.get("quality"), dict):  # how good it is for its document (making/report.py)
-        record["quality"] = cartridge.meta.extra["quality"]
     meta = attrs.evolve(cartridge.meta, extra={**cartridge.meta.extra, "document": record})
     # the subject from the document's front matter: the document says who it is about (None: no one)
     return with_subject(Cartridge(cartridge.keys, cartridge.values, meta, lm=lm), doc.subject)
