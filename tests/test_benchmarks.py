@@ -338,3 +338,34 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     asked_of_own = {"model": lm.name, "tokens": 16, "scope": "document", "sets": {"set": own}}
     assert "| its own cartridge (compacted) |" in vs_rag.table(asked_of_own)
     assert [p.name for p in vs_rag.plots(asked_of_own, tmp_path / "img")] == ["vs-rag-quality-document.png"]
+
+
+def test_spearman_and_the_sets_the_quality_report_benchmark_reads():
+    from benchmarks.quality_report import correlations, parse_sets, spearman
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0 and spearman([1, 2, 3], [3, 2, 1]) == -1.0
+    assert spearman([1, 2, 2, 3], [1, 3, 2, 4]) == 0.949  # ties take their mean rank: 4.5 / sqrt(4.5 * 5)
+    assert spearman([1, 2], [1, 2]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
+    assert parse_sets("qasper:0-2,tpo:3") == [("qasper", [0, 1, 2]), ("tpo", [3])]
+    with pytest.raises(ConfigError, match="SET:FIRST-LAST"):
+        parse_sets("papers:0-2")
+    rows = [{"size": s, "closure": c, "report": {"recovered": r, "agreement": r, "kl": 1 - r}}
+            for s, c, r in [(8, 0.1, 0.2), (8, 0.3, 0.4), (8, 0.5, 0.3), (16, 0.6, 0.7), (16, None, 0.1)]]
+    got = correlations(rows, [8, 16])
+    assert got["points"] == 5 and got["all"]["recovered"] == got["all"]["-kl"] == 0.8 and got["p=16"]["recovered"] is None
+
+
+@pytest.mark.default_model
+def test_quality_report_benchmark_end_to_end(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from benchmarks import quality_report
+
+    out = tmp_path / "q.json"
+    monkeypatch.setattr(sys, "argv", ["quality_report", "--model", "default", "--sets", "tpo:0", "--sizes", "32",
+                                      "--questions", "1", "--report-questions", "1", "--out", str(out)])
+    quality_report.main()
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["set"] == "tpo" and row["size"] == 32 and row["questions"] == 1 and row["report"]["questions"] <= 1
+    assert result["correlation"]["points"] == 1 and "| tpo | 0 | 32 |" in capsys.readouterr().out
