@@ -95,11 +95,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    c = Cartridge.load(args.path)
+    Cartridge.load(args.path)  # a damaged or foreign file is said before the model loads
     config = ReportConfig(questions=args.questions, **({} if args.seed is None else {"seed": args.seed}))
     corpus = read_corpus(args)
     lm = common.model_for(args.model, device=args.device)
-    report = check_quality(lm, corpus, c.bind(lm), config, progress=not args.json)
+    c = Cartridge.load(args.path, model=lm)  # refuses a cartridge made for another model, naming both
+    report = check_quality(lm, corpus, c, config, progress=not args.json)
     if not args.no_save:
         with_report(c, report).save(args.path)
     if args.json:
