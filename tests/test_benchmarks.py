@@ -355,6 +355,7 @@ def test_spearman_and_the_sets_the_quality_report_benchmark_reads():
     assert got["points"] == 5 and got["all"]["recovered"] == got["all"]["-kl"] == 0.8 and got["p=16"]["recovered"] is None
 
 
+@pytest.mark.slow  # a minute; its parts (spearman, sets, correlations) are checked above in the default tier
 @pytest.mark.default_model
 def test_quality_report_benchmark_end_to_end(tmp_path, monkeypatch, capsys):
     import sys

@@ -180,9 +180,11 @@ SERVERS: dict[tuple[str, str], str] = {
 
 # the slow tier: pages whose blocks start vLLM engines (about a minute each on 2 CPU cores), the torchrun page (five
 # launches of two ranks; tests/test_distributed.py runs the same paths in the default tier), and the long pages that
-# make cartridges by self-study or sync several documents (a minute or more each: their APIs have tests of their own)
+# make cartridges by self-study or sync several documents, or check several with the quality report (a minute or more
+# each: their APIs have tests of their own, tests/test_quality_report.py runs the report's commands)
 SLOW_PAGES = {"docs/vllm.md", "docs/openai.md", "docs/distributed.md", "docs/sync.md", "docs/getting-started.md",
-              "docs/compaction.md", "docs/self-study.md", "docs/plugins.md", "examples/medical_records/README.md"}
+              "docs/compaction.md", "docs/self-study.md", "docs/plugins.md", "examples/medical_records/README.md",
+              "docs/quality-report.md"}
 PAGE_ENV = {"docs/openai.md": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "docs/vllm.md": {"VLLM_CPU_KVCACHE_SPACE": "1"}}
 
 # Run first in every page's interpreter: the small settings, and the checks AROUND uses.

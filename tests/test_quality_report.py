@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import attrs
 import pytest
 
 from cartridges_sdk import Cartridge, CartridgeStore, ConfigError, SyncConfig
@@ -23,7 +24,7 @@ QUICK = ReportConfig(questions=2, answer_tokens=16)
 def test_the_text_itself_recovers_everything_and_a_random_cartridge_does_not(default_lm):
     # a cartridge of the whole text is the text in context, exactly (the project's ground truth): nothing is lost
     exact = Cartridge.from_prefix(default_lm, TEXT, len(default_lm.encode(TEXT)))
-    report = check_quality(default_lm, TEXT, exact, QUICK)
+    report = check_quality(default_lm, TEXT, exact, attrs.evolve(QUICK, dtype=None))  # in the model's own dtype
     assert report.questions == 2 and report.windows == 1 and report.window_tokens == len(default_lm.encode(TEXT))
     assert report.nll["context"] < report.nll["none"]  # the text helps, so there is something to recover
     assert report.recovered == pytest.approx(1.0, abs=1e-4) and report.kl == pytest.approx(0.0, abs=1e-5)
@@ -36,8 +37,6 @@ def test_the_text_itself_recovers_everything_and_a_random_cartridge_does_not(def
 
 
 def attrs_without_seconds(report: CorpusReport, seconds: float) -> CorpusReport:
-    import attrs
-
     return attrs.evolve(report, seconds=seconds)
 
 
@@ -54,6 +53,8 @@ def test_the_report_travels_in_the_file_and_refuses_another_corpus(default_lm, t
         Cartridge.compact(default_lm, TEXT, 48, progress=False, report="yes")
     with pytest.raises(ConfigError, match="questions=0"):
         ReportConfig(questions=0)
+    with pytest.raises(ConfigError, match="dtype='fp8'"):
+        ReportConfig(dtype="fp8")
 
 
 def test_a_long_corpus_is_read_in_stretches_that_keep_its_first_token(default_lm):

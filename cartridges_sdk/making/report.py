@@ -36,7 +36,7 @@ from ..lm import LM
 from . import seeds
 from .corpus import Corpus
 from .evaluation import answer_logprobs, kl, nll
-from .precision import FASTEST, resolve_work_dtype
+from .precision import resolve_work_dtype
 from .settings import ReportConfig
 
 KEY = "quality"  # where the report sits in a cartridge's metadata (``meta.extra``)
@@ -150,10 +150,9 @@ def check_quality(lm: LM, corpus: Any, cartridge: Cartridge, config: ReportConfi
         raise ConfigError(f"config={config!r:.60} must be a ReportConfig.")
     started = time.perf_counter()
     ids = _same_corpus(lm, corpus, cartridge)
-    # an estimate, not a contract: computed in the dtype self-study's synthesis stage measures fastest here (bfloat16
-    # halves the 0.5B's report), both references alike
-    dtype = resolve_work_dtype(lm, FASTEST)["synthesis"]
-    lm = lm.in_dtype(dtype)
+    # an estimate, not a contract: by default computed in the dtype self-study's synthesis stage measures fastest
+    # here (bfloat16 halves the 0.5B's report), both references alike
+    lm = lm.in_dtype(resolve_work_dtype(lm, config.dtype)["synthesis"])
     cartridge = cartridge.bind(lm)
     windows = _windows(lm, ids, config)
     per_window = math.ceil(config.questions / len(windows))

@@ -144,6 +144,10 @@ class ReportConfig:
     window_tokens: int = attrs.field(default=4096, validator=at_least_one)  # a longer corpus is read in stretches
     windows: int = attrs.field(default=2, validator=at_least_one)  # how many stretches, spread over it
     seed: int = attrs.field(default=90_001, validator=count)  # not a seed synthesis or compaction draws from
+    # what it computes in: "fastest" (self-study's synthesis-stage measurement: bfloat16 for the 0.5B here), a dtype
+    # name, or None for the model's own (every figure exact to the model, e.g. 1.0 for the text's own prefix)
+    dtype: str | None = attrs.field(default="fastest", validator=attrs.validators.optional(
+        one_of("fastest", "float32", "bfloat16", "float16")))
 
 
 @attrs.frozen
