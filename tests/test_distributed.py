@@ -35,6 +35,11 @@ def torchrun(tmp_path: Path, out: Path, grad_accum: int, workdir: Path, die_at: 
                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path, check=False)
 
 
+def failure(done: subprocess.CompletedProcess) -> str:
+    """The exit status tells the launcher's own crash (negative: its signal) from a rank's failure (1)."""
+    return f"torchrun exited {done.returncode}: {done.stderr[-3000:]}"
+
+
 @contextlib.contextmanager
 def one_thread():
     """As each rank runs (OMP_NUM_THREADS=1): matmul sums split over threads round differently."""
@@ -56,7 +61,7 @@ def test_two_ranks_train_the_cartridge_one_process_trains_with_the_same_global_b
     with one_thread():
         one = trainer.fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False)
     done = torchrun(tmp_path, tmp_path / "two.safetensors", 2, tmp_path / "two")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     two = Cartridge.load(tmp_path / "two.safetensors", lm)
     assert max_diff(one, two) <= 1e-5
     assert max_diff(one, init) > 1e-2  # it did train
@@ -79,7 +84,7 @@ def test_two_ranks_training_among_distractors_draw_as_one_process_does(tmp_path)
     alone = TorchTrainer().fit(init, convs, lm, config(2), progress=False)
     assert max_diff(one, alone) > 1e-3  # the distractors changed what it learned
     done = torchrun(tmp_path, tmp_path / "two.safetensors", 2, tmp_path / "two", mode="among")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     two = Cartridge.load(tmp_path / "two.safetensors", lm)
     assert max_diff(one, two) <= 1e-5
     assert two.meta.training["distractors"] == one.meta.training["distractors"]  # recorded: the same three others
@@ -97,7 +102,7 @@ def test_a_model_sharded_across_two_ranks_trains_the_same_cartridge(tmp_path):
     with one_thread():
         one = trainer.fit(init, convs, lm, config(2), output_dir=tmp_path / "one", progress=False)
     done = torchrun(tmp_path, tmp_path / "two.safetensors", 2, tmp_path / "two", mode="shard")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     held, whole = map(int, re.search(r"rank 0 holds (\d+) of (\d+) model weights", done.stdout).groups())
     # the first half of each weight's rows (rounded up), not the whole model
     assert held == sum(math.ceil(p.shape[0] / 2) * p[0].numel() for p in lm.model.parameters()) < 0.6 * whole
@@ -125,7 +130,7 @@ def test_the_number_of_ranks_never_changes_the_optimizer_steps(tmp_path, grad_ac
     with one_thread():
         one = trainer.fit(init, convs, lm, config(grad_accum, **UNEVEN), progress=False)
     done = torchrun(tmp_path, tmp_path / "two.safetensors", grad_accum, tmp_path / "two", mode=mode, **UNEVEN)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     two = Cartridge.load(tmp_path / "two.safetensors", lm)
     assert one.meta.training["steps"] == two.meta.training["steps"] == steps
     assert max_diff(one, two) <= 1e-5
@@ -213,7 +218,7 @@ def test_two_ranks_synthesize_the_one_process_dataset_into_one_folder(tiny_llama
     from cartridges_sdk.making.synthesis import synthesize
 
     done = share_synthesis(tmp_path, "same")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done)
     assert "rank 0: 16 sequences" in done.stdout and "rank 1: 16 sequences" in done.stdout  # each has the whole
     with one_thread():
         one = synthesize(TEXT, tiny_llama, tmp_path / "one", _config(**SHARDED), synthesizer=HFSynthesizer(tiny_llama),
