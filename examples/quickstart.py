@@ -46,6 +46,12 @@ def kib(n: float) -> str:
     return f"{n / 1024:,.0f} KiB"
 
 
+def spellings(answer: str) -> list[tuple[str, ...]] | None:
+    """An --answer as facts (one fact: its |-separated spellings), or None when it is empty."""
+    found = tuple(s.strip() for s in answer.split("|") if s.strip())
+    return [found] if found else None
+
+
 def names_facts(answer: str, facts: list[tuple[str, ...]]) -> bool:
     return all(any(spelling.lower() in answer.lower() for spelling in fact) for fact in facts)
 
@@ -85,7 +91,9 @@ def main() -> None:
                         help="stop after compaction (seconds) instead of training it by self-study (minutes)")
     parser.add_argument("--conversations", type=int, default=CONVERSATIONS,
                         help="self-study conversations to synthesize")
-    parser.add_argument("--work-dir", type=Path, default=HERE / "quickstart.work", help="resumable work files")
+    parser.add_argument("--work-dir", type=Path,
+                        help="resumable work files (default: one folder per text, model and settings under "
+                             "examples/quickstart.work/, so a re-run resumes and another text starts afresh)")
     args = parser.parse_args()
     if args.answer and len(args.answer) != len(args.question or []):
         parser.error(f"{len(args.answer or [])} --answer for {len(args.question or [])} --question: give one "
@@ -98,23 +106,23 @@ def main() -> None:
     print(f"loaded {lm.name} in {time.perf_counter() - start:.1f}s")
     text = args.corpus.read_text(encoding="utf-8")
     corpus_tokens = len(lm.encode(text))
-    tokens = args.tokens or max(32, -(-corpus_tokens // 4))
+    tokens = args.tokens if args.tokens is not None else min(corpus_tokens, max(32, -(-corpus_tokens // 4)))
     if not 1 <= tokens <= corpus_tokens:
         parser.error(f"--tokens {tokens}: give between 1 and the corpus's {corpus_tokens} tokens")
     print(f"corpus: {args.corpus.name}, {corpus_tokens} tokens")
+    work = args.work_dir or HERE / "quickstart.work" / (
+        f"{args.corpus.stem}-{lm.name.rsplit('/', 1)[-1]}-{tokens}t-{args.conversations}c")
 
     questions = args.question or list(QUESTIONS)
-    if args.question:  # a right answer names each --answer (any one of its |-separated spellings)
-        facts = {q: [tuple(a.split("|"))] for q, a in zip(args.question, args.answer or []) if a.strip()}
-    else:
-        facts = QUESTIONS
+    # per question, the facts a right answer names (any one spelling of each), or None: unmarked
+    facts = [spellings(a) for a in args.answer or [""] * len(questions)] if args.question else list(QUESTIONS.values())
     gen = dict(max_new_tokens=60)
     print("\nWith no context, and with the whole text in context:")
     answers = {"no context": lm.ask(questions, **gen), "whole text": lm.ask(questions, document=text, **gen)}
     for i, q in enumerate(questions):
         print(f"\nQ: {q}")
         for how in answers:
-            print(f"  {how + ':':<12} {mark(answers[how][i], facts.get(q))}{answers[how][i].strip()}")
+            print(f"  {how + ':':<12} {mark(answers[how][i], facts[i])}{answers[how][i].strip()}")
 
     print(f"\nCompacting the text into {tokens} tokens (seconds)...")
     start = time.perf_counter()
@@ -127,10 +135,11 @@ def main() -> None:
         start = time.perf_counter()
         settings = corpus_settings(corpus_tokens, args.conversations)
         cartridge = Cartridge.from_corpus(text, lm, num_tokens=tokens, num_conversations=args.conversations,
-                                          init="compact", output_dir=args.work_dir, **settings)
+                                          init="compact", output_dir=work, **settings)
         print(f"trained in {time.perf_counter() - start:.1f}s")
-        answers[last := "self-study"] = cartridge.ask(questions, **gen)
-    path = cartridge.save(args.work_dir.with_suffix(".safetensors"))
+        last = "self-study"
+        answers[last] = cartridge.ask(questions, **gen)
+    path = cartridge.save(work.with_suffix(".safetensors"))
     Cartridge.load(path, model=lm)  # the file checks it is used with the right model
     print(f"saved {path}")
 
@@ -138,18 +147,22 @@ def main() -> None:
     for i, q in enumerate(questions):
         print(f"\nQ: {q}")
         for how in [h for h in answers if h != "no context"]:
-            print(f"  {how + ':':<12} {mark(answers[how][i], facts.get(q))}{answers[how][i].strip()}")
+            print(f"  {how + ':':<12} {mark(answers[how][i], facts[i])}{answers[how][i].strip()}")
 
     print()
     smaller = f"{corpus_tokens / cartridge.num_tokens:.1f}x less KV memory"
-    marked = [q for q in questions if q in facts]
+    marked = [i for i, f in enumerate(facts) if f is not None]
     if marked:
-        right = {how: sum(names_facts(answers[how][questions.index(q)], facts[q]) for q in marked) for how in answers}
+        right = {how: sum(names_facts(answers[how][i], facts[i]) for i in marked) for how in answers}
         print("right answers: " + ", ".join(f"{how} {n}/{len(marked)}" for how, n in right.items()))
-        both = sum(names_facts(answers[last][i], facts[q]) and names_facts(answers["whole text"][i], facts[q])
-                   for i, q in enumerate(questions) if q in facts)
-        print(f"The {last} cartridge answers {both} of the {right['whole text']} questions the whole text answers "
-              f"right, at {smaller}.")
+        both = sum(names_facts(answers[last][i], facts[i]) and names_facts(answers["whole text"][i], facts[i])
+                   for i in marked)
+        if right["whole text"]:
+            print(f"The {last} cartridge answers {both} of the {right['whole text']} questions the whole text "
+                  f"answers right, at {smaller}.")
+        else:
+            print(f"The whole text answered none of the marked questions right, so there is nothing for a cartridge "
+                  f"to match ({smaller}).")
     if len(marked) < len(questions):
         print(f"Compare the cartridges' answers with the whole text's above ({len(questions) - len(marked)} without "
               f"an --answer to mark them by); a cartridge takes {smaller}.")
