@@ -139,7 +139,7 @@ def main() -> None:
         print(f"trained in {time.perf_counter() - start:.1f}s")
         last = "self-study"
         answers[last] = cartridge.ask(questions, **gen)
-    path = cartridge.save(work.with_suffix(".safetensors"))
+    path = cartridge.save(work.parent / f"{work.name}.safetensors")  # beside its folder (names hold dots)
     Cartridge.load(path, model=lm)  # the file checks it is used with the right model
     print(f"saved {path}")
 
