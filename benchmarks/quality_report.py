@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+from scipy.stats import spearmanr
 
 from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.errors import ConfigError
@@ -34,28 +35,10 @@ DATASETS = {"qasper": "scientific_qa_dev.jsonl", "quality": "quality_dev.jsonl",
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    """Rank correlation (ties get their mean rank); None with fewer than three points."""
-    if len(xs) < 3:
+    """Rank correlation (ties get their mean rank); None with fewer than three points or a constant side."""
+    if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
         return None
-
-    def ranks(v: Sequence[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = mean(rx), mean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sx, sy = sum((a - mx) ** 2 for a in rx) ** 0.5, sum((b - my) ** 2 for b in ry) ** 0.5
-    return round(cov / (sx * sy), 3) if sx and sy else None
+    return round(float(spearmanr(xs, ys).statistic), 3)
 
 
 def parse_sets(spec: str) -> list[tuple[str, list[int]]]:
