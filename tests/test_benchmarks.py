@@ -370,3 +370,37 @@ def test_quality_report_benchmark_end_to_end(tmp_path, monkeypatch, capsys):
     (row,) = result["rows"]
     assert row["set"] == "tpo" and row["size"] == 32 and row["questions"] == 1 and row["report"]["questions"] <= 1
     assert result["correlation"]["points"] == 1 and "| tpo | 0 | 32 |" in capsys.readouterr().out
+
+
+def test_the_quickstart_texts_benchmark_cuts_its_texts_and_reads_the_verdict():
+    from benchmarks.quickstart_texts import TEXTS, summary
+
+    for name, spec in TEXTS.items():
+        if spec is None:
+            continue
+        text = spec.read()
+        assert 1500 < len(text) <= spec.chars and text == text.strip() and (spec.stop != "." or text.endswith("."))
+        assert all(a.split("|")[0].lower() in text.lower() for a in spec.questions.values()), name  # answerable
+    out = ("...\nright answers: no context 0/3, whole text 2/3, compacted 1/3, self-study 2/3\n"
+           "The self-study cartridge answers 1 of the 2 questions the whole text answers right, at 4.0x less KV\n")
+    assert summary(out) == {"right": {"no context": 0, "whole text": 2, "compacted": 1, "self-study": 2},
+                            "questions": 3, "cartridge": "self-study", "kept": 1, "whole_text_right": 2}
+    with pytest.raises(RuntimeError, match="no 'right answers:' line"):
+        summary("Traceback ...")
+
+
+@pytest.mark.slow  # a minute; tests/test_quickstart.py checks the quick start's verdict lines against `summary`
+@pytest.mark.default_model
+def test_the_quickstart_texts_benchmark_runs_the_quick_start_as_a_user_does(tmp_path, capsys):
+    from benchmarks import quickstart_texts
+
+    out = tmp_path / "qt.json"
+    result = quickstart_texts.main(["--texts", "tpo-2", "--model", "default", "--out", str(out),
+                                    "--", "--compaction-only", "--tokens", "32"])
+    (row,) = result["rows"]
+    assert row["text"] == "tpo-2" and row["questions"] == 3 and row["cartridge"] == "compacted"
+    assert set(row["right"]) == {"no context", "whole text", "compacted"}
+    assert json.loads(out.read_text())["quickstart_args"] == ["--compaction-only", "--tokens", "32"]
+    assert "in all: the cartridge answers" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        quickstart_texts.main(["--texts", "nope"])

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.quickstart_texts import summary
+
 ROOT = Path(__file__).resolve().parent.parent
 
 TEXT = ("The Orrin Valley railway opened in 1903 and ran for forty-two kilometres between the mill town of Caddon and "
@@ -42,7 +44,13 @@ def test_your_own_text_and_questions_go_through_the_same_steps(tmp_path):
     # the first question's answers marked in all five places: no context, whole text (twice), compacted, self-study
     assert out.count("[right]") + out.count("[wrong]") == 5
     assert re.search(r"right answers: no context \d/1, whole text \d/1, compacted \d/1, self-study \d/1\n", out), out
-    assert re.search(r"The self-study cartridge answers \d of the \d questions the whole text answers right", out)
+    kept = re.search(r"The self-study cartridge answers (\d) of the (\d) questions the whole text answers right", out)
+    assert kept
+    # the benchmark that runs the quick start over several texts reads these two lines the same way
+    verdict = summary(out)
+    assert (verdict["questions"], verdict["cartridge"]) == (1, "self-study") and set(verdict["right"]) == {
+        "no context", "whole text", "compacted", "self-study"}
+    assert (verdict["kept"], verdict["whole_text_right"]) == (int(kept.group(1)), int(kept.group(2)))
     assert "Compare the cartridges' answers with the whole text's above (1 without an --answer" in out
     assert f"at {corpus_tokens / tokens:.1f}x less KV memory" in out
     # one quality report, the trained cartridge's (the compacted start's is skipped)
