@@ -127,9 +127,11 @@ def main(argv: list[str] | None = None) -> dict:
                 text_file = Path(tmp) / f"{name}.txt"
                 text_file.write_text(spec.read(), encoding="utf-8")
             start = time.perf_counter()
-            run = subprocess.run(command(name, text_file, work, args.model, extra), capture_output=True, text=True)
+            print(f"{name}: running the quick start (its progress below)", flush=True)
+            # stdout is read for the verdict; stderr (progress bars, the quality report) goes to the terminal
+            run = subprocess.run(command(name, text_file, work, args.model, extra), stdout=subprocess.PIPE, text=True)
             if run.returncode:
-                raise RuntimeError(f"the quick start failed on {name} (exit {run.returncode}):\n{run.stderr[-3000:]}")
+                raise RuntimeError(f"the quick start failed on {name} (exit {run.returncode}; its error is above)")
             row = {"text": name, "seconds": round(time.perf_counter() - start, 1), **summary(run.stdout)}
             rows.append(row)
             print(f"{name}: " + ", ".join(f"{how} {n}/{row['questions']}" for how, n in row["right"].items())
