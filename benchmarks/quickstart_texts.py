@@ -74,7 +74,8 @@ TEXTS: dict[str, Text | None] = {
 }
 
 _RIGHT = re.compile(r"^right answers: (.+)$", re.MULTILINE)
-_KEPT = re.compile(r"^The (\S+) cartridge answers (\d+) of the \d+ questions the whole text answers right", re.MULTILINE)
+_COUNT = re.compile(r"([a-z -]+?) (\d+)/(\d+)(?:, |$)")  # "whole text 2/3": a way of reading, right of asked
+_KEPT = re.compile(r"^The \S+ cartridge answers (\d+) of the \d+ questions the whole text answers right", re.MULTILINE)
 
 
 def summary(stdout: str) -> dict:
@@ -82,13 +83,13 @@ def summary(stdout: str) -> dict:
     right = _RIGHT.search(stdout)
     if right is None:
         raise RuntimeError("the quick start printed no 'right answers:' line; its output ends:\n" + stdout[-2000:])
-    counts = {how: int(n) for how, n in re.findall(r"([a-z -]+?) (\d+)/\d+(?:, |$)", right.group(1))}
+    found = _COUNT.findall(right.group(1))
+    counts = {how: int(n) for how, n, _ in found}
     kept = _KEPT.search(stdout)
     # the last way of reading is the cartridge the quick start ends with; with no right answer from the whole text
     # it prints no "keeps" line, and keeps none of none
-    return {"right": counts, "questions": int(right.group(1).split("/")[1].split(",")[0]),
-            "cartridge": list(counts)[-1], "kept": int(kept.group(2)) if kept else 0,
-            "whole_text_right": counts.get("whole text", 0)}
+    return {"right": counts, "questions": int(found[0][2]), "cartridge": list(counts)[-1],
+            "kept": int(kept.group(1)) if kept else 0, "whole_text_right": counts.get("whole text", 0)}
 
 
 def command(name: str, text_file: Path | None, work: Path, model: str | None, extra: list[str]) -> list[str]:
