@@ -75,6 +75,7 @@ TEXTS: dict[str, Text | None] = {
 
 _RIGHT = re.compile(r"^right answers: (.+)$", re.MULTILINE)
 _COUNT = re.compile(r"([a-z -]+?) (\d+)/(\d+)(?:, |$)")  # "whole text 2/3": a way of reading, right of asked
+_RUNTIME = re.compile(r"^answering with the (\S+) runtime", re.MULTILINE)
 _KEPT = re.compile(r"^The \S+ cartridge answers (\d+) of the \d+ questions the whole text answers right", re.MULTILINE)
 
 
@@ -86,10 +87,12 @@ def summary(stdout: str) -> dict:
     found = _COUNT.findall(right.group(1))
     counts = {how: int(n) for how, n, _ in found}
     kept = _KEPT.search(stdout)
+    runtime = _RUNTIME.search(stdout)
     # the last way of reading is the cartridge the quick start ends with; with no right answer from the whole text
     # it prints no "keeps" line, and keeps none of none
     return {"right": counts, "questions": int(found[0][2]), "cartridge": list(counts)[-1],
-            "kept": int(kept.group(1)) if kept else 0, "whole_text_right": counts.get("whole text", 0)}
+            "kept": int(kept.group(1)) if kept else 0, "whole_text_right": counts.get("whole text", 0),
+            "runtime": runtime.group(1) if runtime else None}
 
 
 def command(name: str, text_file: Path | None, work: Path, model: str | None, extra: list[str]) -> list[str]:
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append(row)
             print(f"{name}: " + ", ".join(f"{how} {n}/{row['questions']}" for how, n in row["right"].items())
                   + f"; the {row['cartridge']} cartridge keeps {row['kept']} of the whole text's "
-                  f"{row['whole_text_right']} ({row['seconds']:.0f} s)", flush=True)
+                  f"{row['whole_text_right']} ({row['runtime']} runtime, {row['seconds']:.0f} s)", flush=True)
     kept, whole = sum(r["kept"] for r in rows), sum(r["whole_text_right"] for r in rows)
     print(f"in all: the cartridge answers {kept} of the {whole} questions the whole text answers right")
     result = {"model": args.model, "quickstart_args": extra, "commit": provenance.commit(),

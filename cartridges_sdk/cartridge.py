@@ -368,17 +368,18 @@ class Cartridge:
 
     # -- answering -------------------------------------------------------------------------------------
     def ask(
-        self, question: str | Sequence[str], *, runtime: str | Runtime = "hf",
+        self, question: str | Sequence[str], *, runtime: str | Runtime = "auto",
         runtime_options: dict[str, Any] | None = None, **gen: Any,
     ) -> str | list[str]:
         """Answer a question (or a batch of them) with this cartridge as the model's context.
 
-        `runtime` is a registered runtime name (``"hf"``, or an installed plugin's) or a `Runtime` object.
+        `runtime` is a registered runtime name (``"hf"``, or an installed plugin's), ``"auto"`` (the fastest
+        installed one for the model: `runtime_choice`) or a `Runtime` object.
         """
         return self._bound().ask(question, cartridges=[self], runtime=runtime, runtime_options=runtime_options, **gen)
 
     def chat(
-        self, messages: Sequence[Message], stream: bool = False, *, runtime: str | Runtime = "hf",
+        self, messages: Sequence[Message], stream: bool = False, *, runtime: str | Runtime = "auto",
         runtime_options: dict[str, Any] | None = None, **gen: Any,
     ) -> str | Iterator[str]:
         """Continue a conversation with this cartridge as context; `stream=True` yields text as it is generated."""

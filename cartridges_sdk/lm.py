@@ -26,6 +26,7 @@ from .identity import ModelIdentity, architecture_of, tokenizer_fingerprint
 from .kv import prefix_cache, use_grouped_sdpa
 from .plugins import Runtime, runtimes
 from .rope import POSITION_ADDITIVE_ROPE
+from .runtime_choice import runtime_name
 
 if TYPE_CHECKING:
     from .protocols import KVPrefix
@@ -67,7 +68,7 @@ class LM:
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str, source: str | None = None, revision: str | None = None,
-                 files: str | os.PathLike | None = None):
+                 files: str | os.PathLike | None = None, gguf: str | os.PathLike | None = None):
         if tokenizer is None:
             raise ConfigError("A tokenizer is required next to an already loaded model: load_model(model, tokenizer).")
         model.eval()
@@ -87,6 +88,8 @@ class LM:
         # a local folder with the model's config, weights and tokenizer in Hugging Face layout, when there is one:
         # engines that load weights themselves (vLLM) start from it
         self.files = Path(files) if files is not None else None
+        # the GGUF file the weights were read from, when they were: engines that run GGUFs (llama.cpp) run this one
+        self.gguf = Path(gguf) if gguf is not None else None
 
     def in_dtype(self, dtype: torch.dtype | None) -> LM:
         """This model, or its copy in `dtype` (made once per model and dtype, then shared: self-study's stage probe,
@@ -98,7 +101,8 @@ class LM:
             import copy
 
             held[dtype] = LM(copy.deepcopy(self.model).to(dtype), self.tokenizer, name=self.name,
-                             source=self.identity.source, revision=self.identity.revision, files=self.files)
+                             source=self.identity.source, revision=self.identity.revision, files=self.files,
+                             gguf=self.gguf)
         return held[dtype]
 
     # -- facts -----------------------------------------------------------------------------------------
@@ -269,9 +273,11 @@ class LM:
         return [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
 
     # -- answering -------------------------------------------------------------------------------------
-    def get_runtime(self, name: str = "hf", **options: Any) -> Runtime:
+    def get_runtime(self, name: str = "auto", **options: Any) -> Runtime:
         """The runtime registered as `name`, serving this model; built once per name and options, then reused,
-        since an engine can take seconds to start. `close()` releases every runtime made here."""
+        since an engine can take seconds to start. `close()` releases every runtime made here. ``"auto"`` is the
+        fastest installed one for this model here (`runtime_choice`), the same object as when it is named."""
+        name = runtime_name(name, self, options)
         key = (name, json.dumps(options, sort_keys=True, default=repr))
         if key not in self._runtimes:
             self._runtimes[key] = runtimes.create(name, self, **options)
@@ -296,13 +302,14 @@ class LM:
         cartridges: Sequence[KVPrefix] | None = None,
         *,
         stream: bool = False,
-        runtime: str | Runtime = "hf",
+        runtime: str | Runtime = "auto",
         runtime_options: dict[str, Any] | None = None,
         **gen: Any,
     ) -> str | Iterator[str]:
         """Answer a conversation with zero, one or several cartridges as the prefix; `stream=True` yields text pieces.
 
-        `runtime` is a registered runtime name (``cartridges backends`` lists them) or a `Runtime` object.
+        `runtime` is a registered runtime name (``cartridges backends`` lists them), ``"auto"`` (the fastest installed
+        one for this model: `runtime_choice`) or a `Runtime` object.
         """
         request = GenerationRequest(messages, list(cartridges or []), GenerationParams.from_kwargs(gen))
         rt = self._runtime(runtime, runtime_options)
@@ -315,7 +322,7 @@ class LM:
         question: str | Sequence[str],
         cartridges: Sequence[KVPrefix] | None = None,
         *,
-        runtime: str | Runtime = "hf",
+        runtime: str | Runtime = "auto",
         runtime_options: dict[str, Any] | None = None,
         document: str | Sequence[int] | None = None,
         **gen: Any,

@@ -60,17 +60,18 @@ def load_model(
     """
     torch_dtype = resolve_dtype(dtype)
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    hf_model, tok, name, source, files = _load(model, tokenizer, torch_dtype, cache)
+    hf_model, tok, name, source, files, gguf = _load(model, tokenizer, torch_dtype, cache)
     if tokenizer is not None:
         tok = _tokenizer(tokenizer)
     hf_model = hf_model.to(device)
     revision = getattr(hf_model.config, "_commit_hash", None)
-    return LM(hf_model, tok, name=name, source=source, revision=revision, files=files)
+    return LM(hf_model, tok, name=name, source=source, revision=revision, files=files, gguf=gguf)
 
 
 # what a model spec loads to: the transformers model, its tokenizer (None: given separately), the model's name, its
-# source (as `ModelIdentity.source`) and its local folder in Hugging Face layout (None: there is none)
-Loaded = tuple[Any, Any, str, str | None, Path | None]
+# source (as `ModelIdentity.source`), its local folder in Hugging Face layout and the GGUF file it was read from (each
+# None: there is none)
+Loaded = tuple[Any, Any, str, str | None, Path | None, Path | None]
 
 
 def _load(model: Any, tokenizer: Any, dtype: torch.dtype | None, cache: Path) -> Loaded:
@@ -78,11 +79,11 @@ def _load(model: Any, tokenizer: Any, dtype: torch.dtype | None, cache: Path) ->
     if model is None:
         gguf = default_model_gguf()
         hf_model, tok = _load_gguf_cached(gguf, cache, dtype)
-        return hf_model, tok, DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE, _converted(gguf, cache)
+        return hf_model, tok, DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE, _converted(gguf, cache), gguf
     if isinstance(model, str) and model in NAMED:
         gguf = pull(model, cache)
         hf_model, tok = _load_gguf_cached(gguf, cache, dtype)
-        return hf_model, tok, NAMED[model].title, f"named:{model}", _converted(gguf, cache)
+        return hf_model, tok, NAMED[model].title, f"named:{model}", _converted(gguf, cache), gguf
     if isinstance(model, (str, os.PathLike)):
         return _load_path(str(model), dtype, cache)
     if hasattr(model, "config") and hasattr(model, "forward"):
@@ -100,13 +101,13 @@ def _load_path(spec: str, dtype: torch.dtype | None, cache: Path) -> Loaded:
         if not path.is_file():
             raise ModelNotAvailableError(f"GGUF file {spec!r} does not exist; check the path.")
         hf_model, tok = _load_gguf_cached(path, cache, dtype)
-        return hf_model, tok, path.name, str(path.resolve()), _converted(path, cache)
+        return hf_model, tok, path.name, str(path.resolve()), _converted(path, cache), path.resolve()
     if path.is_dir():
         hf_model, tok = _load_pretrained(str(path), dtype, local=True)
         name = getattr(hf_model.config, "_name_or_path", None) or path.name
-        return hf_model, tok, name, str(path.resolve()), path.resolve()
+        return hf_model, tok, name, str(path.resolve()), path.resolve(), None
     hf_model, tok = _load_pretrained(spec, dtype, local=False)
-    return hf_model, tok, spec, spec, None
+    return hf_model, tok, spec, spec, None, None
 
 
 def _loaded_already(model: Any, tokenizer: Any, dtype: torch.dtype | None) -> Loaded:
@@ -117,7 +118,7 @@ def _loaded_already(model: Any, tokenizer: Any, dtype: torch.dtype | None) -> Lo
         )
     hf_model = model.to(dtype) if dtype is not None else model
     name = getattr(model.config, "_name_or_path", None) or type(model).__name__
-    return hf_model, None, name, None, None
+    return hf_model, None, name, None, None, None
 
 
 def _tokenizer(tokenizer: Any) -> Any:

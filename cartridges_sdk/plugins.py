@@ -133,6 +133,12 @@ class Runtime(Backend):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         """One completion per request, in order; each as if it had been asked alone."""
 
+    @classmethod
+    def serves_fast(cls, lm: RunningModel) -> bool:
+        """Whether ``runtime="auto"`` should pick this runtime for `lm` over the HF runtime, on this machine (only the
+        runtimes in `runtime_choice.PREFERRED` are asked); it must not start an engine to tell."""
+        return False
+
     def stream(self, request: GenerationRequest) -> Generator[str, None, Completion]:
         """Yield the answer's text as it is produced, and return its `Completion` (what `generate` would give: token
         ids and finish reason, for usage counts) when read to the end; by default all at once, for engines that cannot

@@ -15,7 +15,7 @@ Your own text and questions go through the same steps: `--corpus FILE --question
 an `--answer A` for each question (a word or phrase a right answer names) each answer is marked right or wrong.
 
 Run: python examples/quickstart.py [--model NAME] [--corpus FILE] [--question Q --answer A ...] [--tokens N]
-                                    [--compaction-only]
+                                    [--compaction-only] [--conversations N] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from cartridges_sdk import Cartridge, ModelNotAvailableError, load_model
+from cartridges_sdk import Cartridge, CartridgeError, ModelNotAvailableError, load_model
+from cartridges_sdk.cli.common import parse_settings
+from cartridges_sdk.runtime_choice import choose_runtime
 
 HERE = Path(__file__).parent
 READER = "qwen2.5-coder-0.5b"
@@ -91,6 +93,9 @@ def main() -> None:
                         help="stop after compaction (seconds) instead of training it by self-study (minutes)")
     parser.add_argument("--conversations", type=int, default=CONVERSATIONS,
                         help="self-study conversations to synthesize")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a self-study setting over the quick start's, e.g. --set epochs=2 (repeatable; "
+                             "docs/self-study.md lists them)")
     parser.add_argument("--work-dir", type=Path,
                         help="resumable work files (default: one folder per text, model and settings under "
                              "examples/quickstart.work/, so a re-run resumes and another text starts afresh)")
@@ -100,10 +105,18 @@ def main() -> None:
                      "--answer per --question, in the same order")
     if not args.corpus.is_file():
         parser.error(f"--corpus {args.corpus}: no such file; give a UTF-8 text file")
+    try:
+        extra = parse_settings(args.set)  # checked with the rest when self-study starts, before minutes of work
+    except CartridgeError as err:
+        parser.error(str(err))
 
     start = time.perf_counter()
     lm = load_reader(args.model)
     print(f"loaded {lm.name} in {time.perf_counter() - start:.1f}s")
+    runtime = choose_runtime(lm)  # what every ask below uses (runtime="auto", the default)
+    faster = "" if runtime != "hf" or lm.gguf is None else (
+        "; llama.cpp answers this reader 2-4x faster: `pip install -e backends/llamacpp` (compiles once, ~12 min)")
+    print(f"answering with the {runtime} runtime (the fastest installed here{faster})")
     text = args.corpus.read_text(encoding="utf-8")
     corpus_tokens = len(lm.encode(text))
     tokens = args.tokens if args.tokens is not None else min(corpus_tokens, max(32, -(-corpus_tokens // 4)))
@@ -111,7 +124,8 @@ def main() -> None:
         parser.error(f"--tokens {tokens}: give between 1 and the corpus's {corpus_tokens} tokens")
     print(f"corpus: {args.corpus.name}, {corpus_tokens} tokens")
     work = args.work_dir or HERE / "quickstart.work" / (
-        f"{args.corpus.stem}-{lm.name.rsplit('/', 1)[-1]}-{tokens}t-{args.conversations}c")
+        f"{args.corpus.stem}-{lm.name.rsplit('/', 1)[-1]}-{tokens}t-{args.conversations}c"
+        + "".join(f"-{k}{v}" for k, v in sorted(extra.items())))
 
     questions = args.question or list(QUESTIONS)
     # per question, the facts a right answer names (any one spelling of each), or None: unmarked
@@ -133,7 +147,7 @@ def main() -> None:
     if not args.compaction_only:
         print(f"\nSelf-study from the compacted start ({args.conversations} conversations; minutes, resumable):")
         start = time.perf_counter()
-        settings = corpus_settings(corpus_tokens, args.conversations)
+        settings = {**corpus_settings(corpus_tokens, args.conversations), **extra}
         cartridge = Cartridge.from_corpus(text, lm, num_tokens=tokens, num_conversations=args.conversations,
                                           init="compact", output_dir=work, **settings)
         print(f"trained in {time.perf_counter() - start:.1f}s")

@@ -381,10 +381,12 @@ def test_the_quickstart_texts_benchmark_cuts_its_texts_and_reads_the_verdict():
         text = spec.read()
         assert 1500 < len(text) <= spec.chars and text == text.strip() and (spec.stop != "." or text.endswith("."))
         assert all(a.split("|")[0].lower() in text.lower() for a in spec.questions.values()), name  # answerable
-    out = ("...\nright answers: no context 0/3, whole text 2/3, compacted 1/3, self-study 2/3\n"
+    out = ("answering with the llamacpp runtime (the fastest installed here)\n"
+           "...\nright answers: no context 0/3, whole text 2/3, compacted 1/3, self-study 2/3\n"
            "The self-study cartridge answers 1 of the 2 questions the whole text answers right, at 4.0x less KV\n")
     assert summary(out) == {"right": {"no context": 0, "whole text": 2, "compacted": 1, "self-study": 2},
-                            "questions": 3, "cartridge": "self-study", "kept": 1, "whole_text_right": 2}
+                            "questions": 3, "cartridge": "self-study", "kept": 1, "whole_text_right": 2,
+                            "runtime": "llamacpp"}
     with pytest.raises(RuntimeError, match="no 'right answers:' line"):
         summary("Traceback ...")
 
@@ -404,3 +406,16 @@ def test_the_quickstart_texts_benchmark_runs_the_quick_start_as_a_user_does(tmp_
     assert "in all: the cartridge answers" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         quickstart_texts.main(["--texts", "nope"])
+
+
+@pytest.mark.slow  # half a minute: both runtimes answer the sample's questions on the embedded model
+def test_the_runtimes_benchmark_times_each_runtime_and_says_what_auto_picks(tmp_path):
+    from benchmarks.runtimes import main
+
+    result = main(["--models", "default", "--out", str(tmp_path / "runtimes.json")])
+    rows = {r["runtime"]: r for r in result["rows"]}
+    assert set(rows) == {"hf", "llamacpp"} and {r["auto"] for r in rows.values()} == {"llamacpp"}
+    assert rows["hf"]["same_as_hf"] == rows["hf"]["answers_compared"] == 7  # the reference agrees with itself
+    assert 0 <= rows["llamacpp"]["same_as_hf"] <= 7
+    assert all(r["tokens_per_s"] > 0 and r["users_at_once_s"] > 0 for r in rows.values())
+    assert json.loads((tmp_path / "runtimes.json").read_text())["rows"][0]["answers"]

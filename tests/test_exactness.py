@@ -102,6 +102,6 @@ def test_greedy_ask_matches_generate_in_context_default_model(default_lm):
     c = Cartridge.from_prefix(default_lm, TEXT, p)
     prompt = default_lm.chat_ids([{"role": "user", "content": QUESTION}])
     want = _reference_generate(default_lm, ids[:p], prompt, 32)
-    got = c.ask(QUESTION, max_new_tokens=32)
+    got = c.ask(QUESTION, max_new_tokens=32, runtime="hf")  # the student's own numbers: HF, not llama.cpp
     assert got == want
     assert "1871" in got or "Ellison" in got  # the answer is in the paragraph the cartridge holds

@@ -22,7 +22,7 @@ LAYERS = {
     # the nouns and the contract: the file, what lower modules read of a model and a cartridge (protocols), requests,
     # backend ABCs, KV helpers, the model, where models come from, the cartridge, the kit
     "core": ["errors", "checks", "files", "net", "identity", "rope", "fileformat", "protocols", "generation",
-             "trainer_inputs", "plugins", "kv", "sampling", "lm", "named_models", "models", "interop", "cartridge",
+             "trainer_inputs", "plugins", "runtime_choice", "kv", "sampling", "lm", "named_models", "models", "interop", "cartridge",
              "probe", "kit"],
     # the built-in backend, a plugin like any other (it imports the kit alone)
     "hf": ["hf.decode", "hf.runtime", "hf.synthesizer", "hf"],

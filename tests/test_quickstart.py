@@ -51,6 +51,8 @@ def test_your_own_text_and_questions_go_through_the_same_steps(tmp_path):
     assert (verdict["questions"], verdict["cartridge"]) == (1, "self-study") and set(verdict["right"]) == {
         "no context", "whole text", "compacted", "self-study"}
     assert (verdict["kept"], verdict["whole_text_right"]) == (int(kept.group(1)), int(kept.group(2)))
+    # every answer came from the runtime "auto" picks for the embedded GGUF: llama.cpp, installed with the tests
+    assert verdict["runtime"] == "llamacpp"
     assert "Compare the cartridges' answers with the whole text's above (1 without an --answer" in out
     assert f"at {corpus_tokens / tokens:.1f}x less KV memory" in out
     # one quality report, the trained cartridge's (the compacted start's is skipped)
@@ -65,4 +67,7 @@ def test_bad_arguments_are_named_before_any_work(tmp_path):
     unpaired = run("--model", "default", "--question", "Who?", "--question", "When?", "--answer", "1903")
     assert unpaired.returncode == 2
     assert "1 --answer for 2 --question" in unpaired.stderr
+    bad_setting = run("--model", "default", "--set", "lr")
+    assert bad_setting.returncode == 2
+    assert "--set 'lr' must look like key=value" in bad_setting.stderr
 

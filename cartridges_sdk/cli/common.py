@@ -12,6 +12,7 @@ from .. import models
 from ..making.corpus import Corpus, read_text
 from ..errors import CartridgeError, IncompatibleCartridgeError
 from ..plugins import REGISTRIES
+from ..runtime_choice import AUTO
 
 
 def model_for(spec: str | None, device: str = "cpu"):
@@ -83,7 +84,9 @@ def backend_options(args: argparse.Namespace, roles: dict[str, str]) -> dict[str
     """
     pairs = parse_settings(args.backend_option, "--backend-option", "autocast_dtype=bfloat16")
     out: dict[str, dict[str, Any]] = {role: {} for role in roles}
-    declared = {role: REGISTRIES[role + "s"].get(name).option_names() for role, name in roles.items()}
+    # "auto" (the runtime's default) is known only once the model loads, so it declares no options here
+    declared = {role: [] if name == AUTO else REGISTRIES[role + "s"].get(name).option_names()
+                for role, name in roles.items()}
     for key, value in pairs.items():
         role, dot, bare = key.partition(".")
         if dot and role in roles:
@@ -98,6 +101,12 @@ def backend_options(args: argparse.Namespace, roles: dict[str, str]) -> dict[str
             )
         out[takers[0]][key] = value
     for role, name in roles.items():  # unknown or bad options are refused here, before any model loads
+        if name == AUTO:
+            if out[role]:
+                raise CartridgeError(f"--backend-option {', '.join(sorted(out[role]))} needs a {role} by name: "
+                                     f"--{role} auto (the default) picks one once the model loads; give --{role} NAME "
+                                     f"(`cartridges backends` lists them).")
+            continue
         REGISTRIES[role + "s"].get(name).parse_options(out[role], f"{role} {name!r}")
     return out
 

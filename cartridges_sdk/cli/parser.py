@@ -50,10 +50,12 @@ def _nproc_arg(p: argparse.ArgumentParser, what: str) -> None:
                    help=f"{what} this many processes on this machine (torchrun; default 1)")
 
 def _backend_args(p: argparse.ArgumentParser, *roles: str) -> None:
-    defaults = {"synthesizer": "hf", "trainer": "torch", "runtime": "hf"}
+    defaults = {"synthesizer": "hf", "trainer": "torch", "runtime": "auto"}
     for role in roles:
         p.add_argument(f"--{role}", default=defaults[role],
-                       help=f"{role} backend by name (default {defaults[role]}; `cartridges backends` lists them)")
+                       help=f"{role} backend by name (default {defaults[role]}"
+                            + (": the fastest installed for the model" if role == "runtime" else "")
+                            + "; `cartridges backends` lists them)")
     p.add_argument("--backend-option", action="append", metavar="[ROLE.]KEY=VALUE",
                    help="an option of the chosen backend, e.g. --backend-option autocast_dtype=bfloat16 (repeatable)")
     if "synthesizer" in roles:

@@ -14,6 +14,7 @@ from ..cartridge import Cartridge
 from ..checks import is_loopback
 from ..errors import ConfigError
 from ..plugins import REGISTRIES
+from ..runtime_choice import runtime_name
 from ..serve.store import CartridgeStore
 from . import common  # common.model_for is looked up at each call, so tests can replace it
 from .common import backend_options, bind_all
@@ -95,11 +96,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if key is None and not args.keys and not is_loopback(args.host):
         print(f"warning: serving on {args.host} with no API key; anyone who can reach it can use it "
               "(--api-key or CARTRIDGES_API_KEY)", file=sys.stderr)
-    runtime = lm.get_runtime(args.runtime, **options)
+    runtime_used = runtime_name(args.runtime, lm, options)
+    runtime = lm.get_runtime(runtime_used, **options)
     refused = store.refused()
     hosts = "any Host" if config.allowed_hosts is None else "Host " + ", ".join(config.allowed_hosts)
     print(f"serving {len(store)} cartridge(s) from {args.store} on http://{args.host}:{args.port}/v1 "
-          f"(runtime {args.runtime}; answering {hosts}{'; left out: ' + ', '.join(refused) if refused else ''})",
+          f"(runtime {runtime_used}; answering {hosts}{'; left out: ' + ', '.join(refused) if refused else ''})",
           file=sys.stderr)
     watcher = None
     if args.watch:

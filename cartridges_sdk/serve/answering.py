@@ -17,6 +17,7 @@ from ..cartridge import Cartridge
 from ..checks import at_least_one
 from ..errors import ConfigError
 from ..generation import Completion, GenerationParams, GenerationRequest, Message
+from ..plugins import ContinuousRuntime
 from .passages import Passage, check_settings
 from .store import CartridgeStore
 from .records import document_record
@@ -24,8 +25,9 @@ from .records import document_record
 CALL_SETTINGS = ("max_tokens", "temperature", "top_p", "seed")  # what a framework call may set, by OpenAI's names
 PREVIEW_CHARS = 400  # how much of a routed cartridge's corpus a retriever shows as the document's text
 # one lock per engine: frameworks call from thread pools (LangChain's batch, async forms in worker threads), and an
-# engine need not be thread-safe (docs/writing-a-backend.md). A stream takes it for each step only, so streams and
-# calls interleave (a ContinuousRuntime holds each one's reports for it), and a step may run on any thread.
+# engine need not be thread-safe (docs/writing-a-backend.md). On a ContinuousRuntime a stream takes it for each step
+# only, so streams and calls interleave (the runtime holds each one's reports for it), and a step may run on any
+# thread; a plain Runtime keeps one answer going at a time (llama.cpp's one sequence), so a stream holds it throughout.
 _LOCKS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 
@@ -48,6 +50,18 @@ def _stepped(steps: Generator[str, None, Any], lock: threading.Lock) -> Generato
     finally:
         with lock:
             steps.close()
+
+
+def _held(steps: Generator[str, None, Any], lock: threading.Lock) -> Generator[str, None, Any]:
+    """`steps` under `lock` from the first step to the closing: for a runtime that cannot interleave streams, the
+    other callers wait for this one's end (a `threading.Lock`, so the thread that reads it to its end may differ from
+    the one that started it)."""
+    lock.acquire()
+    try:
+        return (yield from steps)
+    finally:
+        steps.close()
+        lock.release()
 
 
 @attrs.frozen
@@ -119,7 +133,7 @@ class Answerer:
     k: int = attrs.field(default=1, validator=at_least_one)
     budget: int | None = attrs.field(default=None, validator=attrs.validators.optional(at_least_one))
     names: tuple[str, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
-    runtime: Any = "hf"
+    runtime: Any = "auto"
     runtime_options: dict[str, Any] | None = None
     passages: int = 0
     retrieval: str = "bm25"
@@ -195,7 +209,10 @@ class Answerer:
         """Yield the answer's text as it comes; return its token counts when read to the end."""
         request = self.request(messages, chosen, **gen)
         runtime = self._runtime()
-        completion = yield from _stepped(runtime.stream(request), engine_lock(runtime))
+        if isinstance(runtime, ContinuousRuntime):
+            completion = yield from _stepped(runtime.stream(request), engine_lock(runtime))
+        else:  # one sequence (llama.cpp): a stream holds the engine from its first step to its last
+            completion = yield from _held(runtime.stream(request), engine_lock(runtime))
         return self._usage(request, completion)
 
     def _runtime(self) -> Any:

@@ -426,7 +426,7 @@ class CartridgeStore:
 
     def ask(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
             retrieval: str = "bm25", passages_from: str = "store", cartridges: Sequence[str] | None = None,
-            runtime: Any = "hf", runtime_options: dict[str, Any] | None = None, **gen: Any) -> StoreAnswer:
+            runtime: Any = "auto", runtime_options: dict[str, Any] | None = None, **gen: Any) -> StoreAnswer:
         """Answer `question` with the named cartridges (composed in order), or with those it is routed to: the
         best `k`, or as many as fit in `budget` tokens (`within`); and, with `passages` tokens, passages of the
         stored corpora after them, the budget shared (`plan`)."""

@@ -22,7 +22,8 @@ def _threads(_inst, attribute, value) -> None:
 
 @attrs.frozen
 class LlamaCppOptions:
-    # the GGUF llama.cpp runs; default: the embedded default model's (a GGUF already). It must be the student's model:
+    # the GGUF llama.cpp runs; default: the one the student was loaded from (the embedded model, a named model or a
+    # .gguf path). It must be the student's model:
     # its architecture is checked against the student's when the runtime starts
     gguf: str | None = attrs.field(default=None, validator=_gguf)
     # positions one sequence may hold: cartridge + conversation + answer

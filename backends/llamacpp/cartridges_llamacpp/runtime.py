@@ -46,7 +46,7 @@ class LlamaCppRuntime(Runtime):
 
     def __init__(self, model, **options: Any):
         super().__init__(model, **options)
-        self.gguf = Path(self.options.gguf) if self.options.gguf else _default_gguf()
+        self.gguf = Path(self.options.gguf) if self.options.gguf else _student_gguf(model)
         try:
             from llama_cpp import Llama
         except Exception as err:
@@ -72,6 +72,13 @@ class LlamaCppRuntime(Runtime):
             raise
 
     # ---- the Runtime API
+
+    @classmethod
+    def serves_fast(cls, lm: Any) -> bool:
+        """A GGUF reader of a family this runtime runs, on the CPU: llama.cpp's quantized kernels answer it faster than
+        the HF runtime's float32 copy (docs/runtimes.md); on a GPU, HF's are faster."""
+        return (getattr(lm, "gguf", None) is not None and lm.device.type == "cpu"
+                and getattr(lm.model.config, "model_type", None) in PAIRING)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         requests = list(requests)
@@ -300,7 +307,10 @@ def _blob(layout: Layout, cartridge: Cartridge, pairing: str) -> bytes:
                        [v.detach().float().cpu().numpy() for v in c.values])
 
 
-def _default_gguf() -> Path:
-    from cartridges_sdk.kit import default_model_gguf
-
-    return default_model_gguf()
+def _student_gguf(lm: Any) -> Path:
+    """The GGUF the student's weights were read from (`load_model` keeps it), so the runtime runs the same model."""
+    gguf = getattr(lm, "gguf", None)
+    if gguf is None:
+        raise ConfigError(f"{lm.name!r} was not loaded from a GGUF file, so llama.cpp has no model to run: pass the "
+                          "option gguf= with its GGUF, or load the model from one (load_model('model.gguf')).")
+    return Path(gguf)

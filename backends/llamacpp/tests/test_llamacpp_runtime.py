@@ -120,7 +120,7 @@ def test_a_gguf_of_another_model_is_refused_before_any_cartridge(lm):
     tiny = testing.tiny_lm("llama")
     with pytest.raises(IncompatibleCartridgeError, match=r"\.gguf is not the student's model 'tiny-llama-seed0' "
                        r"\(num_layers 30 vs 3; num_kv_heads 3 vs 2"):
-        LlamaCppRuntime(tiny)
+        LlamaCppRuntime(tiny, gguf=str(lm.gguf))  # the embedded model's GGUF for a model that is not it
 
 
 def test_the_cli_answers_through_llamacpp(lm, tmp_path, capsys):

@@ -36,7 +36,7 @@ class ChatCartridges(BaseChatModel):
     passages: int = 0
     retrieval: str = "bm25"
     passages_from: str = "store"
-    runtime: Any = "hf"
+    runtime: Any = "auto"
     runtime_options: dict[str, Any] | None = None
     max_tokens: int = 256
     temperature: float = 0.0

@@ -36,7 +36,7 @@ class CartridgeLLM(CustomLLM):
     retrieval: str = Field(default="bm25", description="how passages are ranked: bm25 or dense")
     passages_from: str = Field(default="store", description="passages of the whole store, or 'routed': only of the "
                                "answering cartridges' documents")
-    runtime: Any = Field(default="hf", description="a runtime name or object")
+    runtime: Any = Field(default="auto", description="a runtime name (\"auto\": the fastest installed) or object")
     runtime_options: dict[str, Any] | None = None
     max_tokens: int = Field(default=256, description="new tokens per answer")
     temperature: float = 0.0
