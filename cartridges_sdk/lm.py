@@ -26,7 +26,7 @@ from .identity import ModelIdentity, architecture_of, tokenizer_fingerprint
 from .kv import prefix_cache, use_grouped_sdpa
 from .plugins import Runtime, runtimes
 from .rope import POSITION_ADDITIVE_ROPE
-from .runtime_choice import runtime_name
+from .runtime_choice import choose_runtime, runtime_name
 
 if TYPE_CHECKING:
     from .protocols import KVPrefix
@@ -85,6 +85,7 @@ class LM:
             tokenizer=tokenizer_fingerprint(tokenizer),
         )
         self._runtimes: dict[tuple[str, str], Runtime] = {}
+        self._auto_runtime: str | None = None
         # a local folder with the model's config, weights and tokenizer in Hugging Face layout, when there is one:
         # engines that load weights themselves (vLLM) start from it
         self.files = Path(files) if files is not None else None
@@ -273,6 +274,14 @@ class LM:
         return [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
 
     # -- answering -------------------------------------------------------------------------------------
+    @property
+    def auto_runtime(self) -> str:
+        """The runtime ``"auto"`` stands for with this model (`runtime_choice.choose_runtime`), chosen on first use and
+        kept, so a call that leaves the runtime to its default does not look through the installed plugins again."""
+        if self._auto_runtime is None:
+            self._auto_runtime = choose_runtime(self)
+        return self._auto_runtime
+
     def get_runtime(self, name: str = "auto", **options: Any) -> Runtime:
         """The runtime registered as `name`, serving this model; built once per name and options, then reused,
         since an engine can take seconds to start. `close()` releases every runtime made here. ``"auto"`` is the

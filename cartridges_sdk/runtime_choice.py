@@ -36,7 +36,13 @@ def choose_runtime(lm: Any) -> str:
             warnings.warn(f'runtime="auto" passed over {name!r}, which failed to import ({err}); answering with '
                           f'{FALLBACK!r}, which is slower here. Fix or uninstall that backend.', stacklevel=3)
             continue
-        if cls.serves_fast(lm):
+        try:
+            fast = cls.serves_fast(lm)
+        except Exception as err:  # a plugin's bug must not break every default call
+            warnings.warn(f'runtime="auto" passed over {name!r}: its serves_fast raised {type(err).__name__}: {err}; '
+                          f'answering with {FALLBACK!r}.', stacklevel=3)
+            continue
+        if fast:
             return name
     return FALLBACK
 
@@ -46,7 +52,7 @@ def runtime_name(name: str, lm: Any, options: dict[str, Any] | None = None) -> s
     are refused, naming the runtime it picked."""
     if name != AUTO:
         return name
-    chosen = choose_runtime(lm)
+    chosen = lm.auto_runtime if hasattr(lm, "auto_runtime") else choose_runtime(lm)  # an LM keeps its choice
     if options:
         raise ConfigError(f"runtime options {sorted(options)} need a runtime name: runtime='auto' picks {chosen!r} for "
                           f"{lm.name!r} here, so pass runtime={chosen!r} (CLI: --runtime {chosen}) with them.")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from cartridges_sdk import Cartridge, CartridgeError, ModelNotAvailableError, load_model
 from cartridges_sdk.cli.common import parse_settings
+from cartridges_sdk.plugins import runtimes
 from cartridges_sdk.runtime_choice import choose_runtime
 
 HERE = Path(__file__).parent
@@ -106,15 +107,20 @@ def main() -> None:
     if not args.corpus.is_file():
         parser.error(f"--corpus {args.corpus}: no such file; give a UTF-8 text file")
     try:
-        extra = parse_settings(args.set)  # checked with the rest when self-study starts, before minutes of work
+        extra = parse_settings(args.set)  # the settings' values are checked when self-study starts
     except CartridgeError as err:
         parser.error(str(err))
+    own = sorted(set(extra) & {"num_tokens", "num_conversations", "init", "output_dir"})
+    if own:
+        parser.error(f"--set {own[0]}: the quick start sets it (use --tokens, --conversations or --work-dir)")
+    if extra and args.compaction_only:
+        parser.error("--set changes self-study, which --compaction-only skips; drop one")
 
     start = time.perf_counter()
     lm = load_reader(args.model)
     print(f"loaded {lm.name} in {time.perf_counter() - start:.1f}s")
     runtime = choose_runtime(lm)  # what every ask below uses (runtime="auto", the default)
-    faster = "" if runtime != "hf" or lm.gguf is None else (
+    faster = "" if runtime != "hf" or lm.gguf is None or "llamacpp" in runtimes.names() else (
         "; llama.cpp answers this reader 2-4x faster: `pip install -e backends/llamacpp` (compiles once, ~12 min)")
     print(f"answering with the {runtime} runtime (the fastest installed here{faster})")
     text = args.corpus.read_text(encoding="utf-8")
@@ -125,7 +131,7 @@ def main() -> None:
     print(f"corpus: {args.corpus.name}, {corpus_tokens} tokens")
     work = args.work_dir or HERE / "quickstart.work" / (
         f"{args.corpus.stem}-{lm.name.rsplit('/', 1)[-1]}-{tokens}t-{args.conversations}c"
-        + "".join(f"-{k}{v}" for k, v in sorted(extra.items())))
+        + "".join(f"-{k}{v}" for k, v in sorted(extra.items())).replace("/", "_"))
 
     questions = args.question or list(QUESTIONS)
     # per question, the facts a right answer names (any one spelling of each), or None: unmarked

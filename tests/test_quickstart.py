@@ -70,4 +70,8 @@ def test_bad_arguments_are_named_before_any_work(tmp_path):
     bad_setting = run("--model", "default", "--set", "lr")
     assert bad_setting.returncode == 2
     assert "--set 'lr' must look like key=value" in bad_setting.stderr
+    for args, said in ((["--set", "num_tokens=8"], "--set num_tokens: the quick start sets it"),
+                       (["--set", "lr=0.01", "--compaction-only"], "--compaction-only skips")):
+        refused = run("--model", "default", *args)
+        assert refused.returncode == 2 and said in refused.stderr
 

@@ -29,6 +29,8 @@ def test_the_embedded_gguf_on_a_cpu_is_answered_by_llamacpp(default_lm):
     runtime = default_lm.get_runtime("auto")
     assert runtime is default_lm.get_runtime("llamacpp")  # one engine, whichever way it is asked for
     assert runtime.gguf == default_lm.gguf  # llama.cpp runs the file the student was read from
+    assert runtime.max_positions == default_lm.max_context == 8192  # the context HF allows, not a smaller one
+    assert default_lm.auto_runtime == "llamacpp"
 
 
 @pytest.mark.default_model
@@ -84,3 +86,68 @@ def test_llamacpp_without_a_gguf_says_how_to_give_one(tiny_lm):
 @pytest.mark.default_model
 def test_the_model_copy_in_another_dtype_keeps_the_gguf(default_lm):
     assert default_lm.in_dtype(torch.bfloat16).gguf == default_lm.gguf
+
+
+# -- a stream on a one-sequence runtime (llama.cpp) holds the engine to its end, without deadlocking its readers
+
+
+def _counting(n: int, fail_at: int | None = None):
+    for i in range(n):
+        if i == fail_at:
+            raise RuntimeError("the engine broke")
+        yield f"{i} "
+    return "finished"
+
+
+def test_a_held_stream_lets_its_reader_ask_something_else_before_reading_on():
+    import threading
+
+    from cartridges_sdk.serve.answering import _held
+
+    lock = threading.Lock()
+    first = _held(_counting(3), lock)
+    assert next(first) == "0 "
+    # the same thread now waits for the engine: the first stream's own thread finishes it and lets go
+    second = _held(_counting(2), lock)
+    assert list(second) == ["0 ", "1 "]
+    assert list(first) == ["1 ", "2 "]
+    assert not lock.locked()
+
+
+def test_a_held_stream_lets_go_of_the_engine_when_read_no_further_or_when_it_fails():
+    import threading
+    import time
+
+    from cartridges_sdk.serve.answering import _held
+
+    lock = threading.Lock()
+    stream = _held(_counting(10**6), lock)
+    next(stream)
+    stream.close()
+    deadline = time.monotonic() + 10
+    while lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not lock.locked()
+    broken = _held(_counting(3, fail_at=1), lock)
+    assert next(broken) == "0 "
+    with pytest.raises(RuntimeError, match="the engine broke"):
+        next(broken)
+    assert not lock.locked()
+
+
+def test_a_held_stream_returns_what_the_steps_return():
+    import threading
+
+    from cartridges_sdk.serve.answering import _held
+
+    def read(gen):
+        out = yield from gen
+        return out
+
+    pieces = []
+    reader = read(_held(_counting(2), threading.Lock()))
+    try:
+        while True:
+            pieces.append(next(reader))
+    except StopIteration as done:
+        assert (pieces, done.value) == (["0 ", "1 "], "finished")

@@ -5,6 +5,7 @@ the request and its usage counts live here once, so both frameworks answer the s
 
 from __future__ import annotations
 
+import queue
 import threading
 import weakref
 from collections.abc import Generator, Sequence
@@ -53,15 +54,41 @@ def _stepped(steps: Generator[str, None, Any], lock: threading.Lock) -> Generato
 
 
 def _held(steps: Generator[str, None, Any], lock: threading.Lock) -> Generator[str, None, Any]:
-    """`steps` under `lock` from the first step to the closing: for a runtime that cannot interleave streams, the
-    other callers wait for this one's end (a `threading.Lock`, so the thread that reads it to its end may differ from
-    the one that started it)."""
-    lock.acquire()
+    """`steps` for a runtime that cannot interleave answers: a thread of its own takes `lock`, runs them to the end
+    (or until the reader stops) and hands each piece over a queue. The engine is held from the first step to the
+    last, yet the holder never waits for a reader's thread, so readers on a busy thread pool, or one that asks
+    something else before reading on, cannot deadlock it."""
+    pieces: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+
+    def produce() -> None:
+        ended: tuple[str, Any] = ("done", None)
+        try:
+            with lock:
+                try:
+                    while not stop.is_set():
+                        pieces.put(("piece", next(steps)))
+                except StopIteration as done:
+                    ended = ("done", done.value)
+                except BaseException as err:  # handed to the reader, raised there
+                    ended = ("error", err)
+                finally:
+                    steps.close()
+        finally:
+            pieces.put(ended)
+
+    threading.Thread(target=produce, name="cartridges-stream", daemon=True).start()
     try:
-        return (yield from steps)
+        while True:
+            kind, value = pieces.get()
+            if kind == "piece":
+                yield value
+            elif kind == "done":
+                return value
+            else:
+                raise value
     finally:
-        steps.close()
-        lock.release()
+        stop.set()
 
 
 @attrs.frozen

@@ -26,8 +26,9 @@ class LlamaCppOptions:
     # .gguf path). It must be the student's model:
     # its architecture is checked against the student's when the runtime starts
     gguf: str | None = attrs.field(default=None, validator=_gguf)
-    # positions one sequence may hold: cartridge + conversation + answer
-    n_ctx: int = attrs.field(default=4096, validator=at_least_one)
+    # positions one sequence may hold: cartridge + conversation + answer; None: the model's own context, as the HF
+    # runtime allows (its f16 KV cache for all of it is allocated at start: 0.4 GB for the 0.5B reader's 32k)
+    n_ctx: int | None = attrs.field(default=None, validator=attrs.validators.optional(at_least_one))
     # CPU threads for decoding; None: llama.cpp's default
     n_threads: int | None = attrs.field(default=None, validator=_threads)
     # llama.cpp's flash attention (its V cache is then stored untransposed); either way cartridges load exactly

@@ -32,6 +32,7 @@ from cartridges_sdk.kit import (CartridgeMeta, check_fits, ends_answer, INTERLEA
 from .options import LlamaCppOptions
 from .state import Layout, read
 
+DEFAULT_N_CTX = 4096  # positions when neither the option nor the model says
 PLACEHOLDER_ID = 0  # what the cartridge's cells claim to hold, in the Llama object's bookkeeping
 MAX_BLOB_BYTES = 256 * 2**20  # recent cartridges kept ready to load, in bytes
 # llama.cpp's RoPE per GGUF architecture: Llama-family GGUFs had their Q/K rows permuted at conversion, so their
@@ -54,7 +55,8 @@ class LlamaCppRuntime(Runtime):
                 f"llama-cpp-python is not usable here ({type(err).__name__}: {err}). Install it with "
                 "`pip install -e backends/llamacpp` (it compiles llama.cpp, about 12 minutes the first time)."
             ) from err
-        self.llm = Llama(model_path=str(self.gguf), n_ctx=self.options.n_ctx, n_threads=self.options.n_threads,
+        n_ctx = self.options.n_ctx or model.max_context or DEFAULT_N_CTX
+        self.llm = Llama(model_path=str(self.gguf), n_ctx=n_ctx, n_threads=self.options.n_threads,
                          flash_attn=self.options.flash_attn, logits_all=False, verbose=self.options.verbose)
         # llama.cpp rounds its context up to a multiple of 256; llama-cpp-python's token list keeps the size asked for
         self.max_positions = min(self.llm.n_ctx(), len(self.llm.input_ids))
@@ -75,10 +77,14 @@ class LlamaCppRuntime(Runtime):
 
     @classmethod
     def serves_fast(cls, lm: Any) -> bool:
-        """A GGUF reader of a family this runtime runs, on the CPU: llama.cpp's quantized kernels answer it faster than
-        the HF runtime's float32 copy (docs/runtimes.md); on a GPU, HF's are faster."""
+        """A GGUF reader of a family this runtime runs, on the CPU, with llama-cpp-python installed: llama.cpp's
+        quantized kernels answer it faster than the HF runtime's float32 copy (docs/runtimes.md); on a GPU, HF's are
+        faster."""
+        import importlib.util
+
         return (getattr(lm, "gguf", None) is not None and lm.device.type == "cpu"
-                and getattr(lm.model.config, "model_type", None) in PAIRING)
+                and getattr(lm.model.config, "model_type", None) in PAIRING
+                and importlib.util.find_spec("llama_cpp") is not None)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
         requests = list(requests)

@@ -14,6 +14,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, PrivateAttr, model_validator
 
 from cartridges_sdk.serve import Answerer, Selection, Usage
+from cartridges_sdk.runtime_choice import runtime_name
 
 from .errors import invalid_request, langchain_errors
 
@@ -64,7 +65,9 @@ class ChatCartridges(BaseChatModel):
             "store": str(self.store.root), "cartridges": self.cartridges, "k": self.k, "budget": self.budget,
             "passages": self.passages, "retrieval": self.retrieval, "passages_from": self.passages_from}
         return {"model": self._answerer.model.name, **source,
-                "runtime": self.runtime if isinstance(self.runtime, str) else type(self.runtime).__name__,
+                # "auto" as the runtime it stands for here: llama.cpp's answers are not HF's
+                "runtime": runtime_name(self.runtime, self._answerer.model) if isinstance(self.runtime, str)
+                else type(self.runtime).__name__,
                 "runtime_options": self.runtime_options, "max_tokens": self.max_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
 
