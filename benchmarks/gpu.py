@@ -23,7 +23,6 @@ import contextlib
 import json
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from cartridges_sdk.files import atomic_write_json
 from cartridges_sdk.lm import LM
 
 from . import provenance
+from .measure import timed
 
 # the serving model's shapes; "tiny" lets the tests run every part on a CPU in seconds
 SHAPES: dict[str, dict[str, Any]] = {
@@ -55,17 +55,6 @@ NO_GPU = "benchmarks.gpu: no CUDA GPU here (torch.cuda.is_available() is False);
 
 def log(message: str) -> None:
     print(message, flush=True)
-
-
-def timed(device: torch.device, fn) -> tuple[Any, float]:
-    """`fn()` and its wall-clock seconds, with the device's queued work finished at both ends."""
-    from .measure import synchronize
-
-    synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    synchronize(device)
-    return out, time.perf_counter() - start
 
 
 def register_builtins() -> None:

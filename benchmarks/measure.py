@@ -111,6 +111,15 @@ def synchronize(device: torch.device | str = "cpu") -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(device: torch.device | str, fn) -> tuple[Any, float]:
+    """`fn()` and its wall-clock seconds, with the device's queued work finished at both ends."""
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return out, time.perf_counter() - start
+
+
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Best FLOP/s of an n x n x n matrix product in `dtype` on `device`, now (the yardstick for training)."""
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.plugins import runtimes
-from cartridges_sdk.runtime_choice import choose_runtime
 
 from . import provenance
+from .measure import timed
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "examples" / "data" / "harrow_point.txt"
@@ -32,23 +31,17 @@ NEW_TOKENS = 60
 USERS = 9  # requests at once, as a server meets them
 
 
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
 def measure(lm, name: str, cartridge: Cartridge, text: str) -> dict:
     """One runtime on one model: start, then each way of asking, timed in the order a user meets them."""
-    runtime, start = timed(lambda: lm.get_runtime(name))
+    runtime, start = timed(lm.device, lambda: lm.get_runtime(name))
     gen = dict(runtime=runtime, max_new_tokens=NEW_TOKENS)
-    one, one_s = timed(lambda: cartridge.ask(QUESTIONS[0], **gen))
-    three, three_s = timed(lambda: cartridge.ask(QUESTIONS, **gen))
-    whole, whole_s = timed(lambda: lm.ask(QUESTIONS, document=text, **gen))
+    one, one_s = timed(lm.device, lambda: cartridge.ask(QUESTIONS[0], **gen))
+    three, three_s = timed(lm.device, lambda: cartridge.ask(QUESTIONS, **gen))
+    whole, whole_s = timed(lm.device, lambda: lm.ask(QUESTIONS, document=text, **gen))
     answers = [one, *three, *whole]
     tokens = sum(len(lm.encode(a)) for a in answers)
     # a server's load: USERS requests at once (HF and vLLM batch them, llama.cpp answers one after another)
-    many, many_s = timed(lambda: cartridge.ask(QUESTIONS * (USERS // len(QUESTIONS)), **gen))
+    many, many_s = timed(lm.device, lambda: cartridge.ask(QUESTIONS * (USERS // len(QUESTIONS)), **gen))
     return {"runtime": name, "start_s": round(start, 2), "cartridge_one_s": round(one_s, 2),
             "cartridge_three_s": round(three_s, 2), "whole_text_three_s": round(whole_s, 2),
             "tokens_per_s": round(tokens / (one_s + three_s + whole_s), 1),
@@ -74,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         lm = load_model() if model == "default" else load_model(model)
         p = max(32, -(-len(lm.encode(text)) // 4))
         cartridge = Cartridge.compact(lm, text, p, report=False)
-        auto = choose_runtime(lm)
+        auto = lm.auto_runtime
         measured = [measure(lm, name, cartridge, text) for name in names]
         reference = next((m["answers"] for m in measured if m["runtime"] == "hf"), None)
         for m in measured:

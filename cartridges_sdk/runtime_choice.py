@@ -52,7 +52,7 @@ def runtime_name(name: str, lm: Any, options: dict[str, Any] | None = None) -> s
     are refused, naming the runtime it picked."""
     if name != AUTO:
         return name
-    chosen = lm.auto_runtime if hasattr(lm, "auto_runtime") else choose_runtime(lm)  # an LM keeps its choice
+    chosen = lm.auto_runtime  # chosen once per model (`choose_runtime`)
     if options:
         raise ConfigError(f"runtime options {sorted(options)} need a runtime name: runtime='auto' picks {chosen!r} for "
                           f"{lm.name!r} here, so pass runtime={chosen!r} (CLI: --runtime {chosen}) with them.")

@@ -28,7 +28,6 @@ from pathlib import Path
 from cartridges_sdk import Cartridge, CartridgeError, ModelNotAvailableError, load_model
 from cartridges_sdk.cli.common import parse_settings
 from cartridges_sdk.plugins import runtimes
-from cartridges_sdk.runtime_choice import choose_runtime
 
 HERE = Path(__file__).parent
 READER = "qwen2.5-coder-0.5b"
@@ -119,7 +118,7 @@ def main() -> None:
     start = time.perf_counter()
     lm = load_reader(args.model)
     print(f"loaded {lm.name} in {time.perf_counter() - start:.1f}s")
-    runtime = choose_runtime(lm)  # what every ask below uses (runtime="auto", the default)
+    runtime = lm.auto_runtime  # what every ask below uses (runtime="auto", the default)
     faster = "" if runtime != "hf" or lm.gguf is None or "llamacpp" in runtimes.names() else (
         "; llama.cpp answers this reader 2-4x faster: `pip install -e backends/llamacpp` (compiles once, ~12 min)")
     print(f"answering with the {runtime} runtime (the fastest installed here{faster})")

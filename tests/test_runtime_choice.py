@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import types
 import warnings
 
@@ -12,6 +14,7 @@ from cartridges_sdk import ConfigError
 from cartridges_sdk import runtime_choice
 from cartridges_sdk.plugins import runtimes
 from cartridges_sdk.runtime_choice import choose_runtime
+from cartridges_sdk.serve.answering import _held
 
 from conftest import TEXT
 
@@ -100,10 +103,6 @@ def _counting(n: int, fail_at: int | None = None):
 
 
 def test_a_held_stream_lets_its_reader_ask_something_else_before_reading_on():
-    import threading
-
-    from cartridges_sdk.serve.answering import _held
-
     lock = threading.Lock()
     first = _held(_counting(3), lock)
     assert next(first) == "0 "
@@ -115,11 +114,6 @@ def test_a_held_stream_lets_its_reader_ask_something_else_before_reading_on():
 
 
 def test_a_held_stream_lets_go_of_the_engine_when_read_no_further_or_when_it_fails():
-    import threading
-    import time
-
-    from cartridges_sdk.serve.answering import _held
-
     lock = threading.Lock()
     stream = _held(_counting(10**6), lock)
     next(stream)
@@ -136,10 +130,6 @@ def test_a_held_stream_lets_go_of_the_engine_when_read_no_further_or_when_it_fai
 
 
 def test_a_held_stream_returns_what_the_steps_return():
-    import threading
-
-    from cartridges_sdk.serve.answering import _held
-
     def read(gen):
         out = yield from gen
         return out
