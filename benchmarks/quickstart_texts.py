@@ -5,7 +5,7 @@ right and how many of the whole text's right answers the cartridge keeps (docs/g
 
     python -m benchmarks.quickstart_texts [--texts sample,quality-1] [--model NAME] [-- QUICKSTART ARGS...]
 
-Arguments after ``--`` go to every quick-start run (``--compaction-only``, ``--conversations 128``). The dev texts are
+Arguments after ``--`` go to every quick-start run (``--self-study``, ``--tokens 192``). The dev texts are
 read from the evaluation data at run time and cut to their first ~2,300 characters (about 500 tokens).
 """
 

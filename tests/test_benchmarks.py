@@ -398,11 +398,11 @@ def test_the_quickstart_texts_benchmark_runs_the_quick_start_as_a_user_does(tmp_
 
     out = tmp_path / "qt.json"
     result = quickstart_texts.main(["--texts", "tpo-2", "--model", "default", "--out", str(out),
-                                    "--", "--compaction-only", "--tokens", "32"])
+                                    "--", "--tokens", "32"])
     (row,) = result["rows"]
     assert row["text"] == "tpo-2" and row["questions"] == 3 and row["cartridge"] == "compacted"
     assert set(row["right"]) == {"no context", "whole text", "compacted"}
-    assert json.loads(out.read_text())["quickstart_args"] == ["--compaction-only", "--tokens", "32"]
+    assert json.loads(out.read_text())["quickstart_args"] == ["--tokens", "32"]
     assert "in all: the cartridge answers" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         quickstart_texts.main(["--texts", "nope"])

@@ -101,6 +101,9 @@ def test_compaction_round_trips_through_the_file(tmp_path, tiny_llama):
         ({"probe_questions": "Summarize it."}, "must be a list of questions"),
         ({"mass": "False"}, "mass='False' must be true or false"),
         ({"ridge": 0}, "ridge=0"),
+        ({"keep_surprising": 1.0}, "keep_surprising=1.0 must be a share"),
+        ({"keep_surprising": -0.1}, "keep_surprising=-0.1"),
+        ({"keep_surprising": True}, "keep_surprising=True"),
     ],
 )
 def test_bad_settings_are_refused_by_name(settings, message):
@@ -166,7 +169,7 @@ def test_chunk_shares_add_up_and_follow_the_lengths():
 
 
 def test_the_attention_function_is_restored_after_an_error(tiny_llama):
-    from cartridges_sdk.making.compaction import _recording
+    from cartridges_sdk.making.recording import recording as _recording
 
     before = tiny_llama.model.config._attn_implementation
     with pytest.raises(KeyError):
@@ -198,7 +201,7 @@ def test_another_thread_answers_as_usual_while_compaction_records(tiny_llama):
     """A server thread answering while a watcher compacts (serve --watch) gets the model's own attention."""
     import threading
 
-    from cartridges_sdk.making import compaction
+    from cartridges_sdk.making import recording
 
     x = torch.tensor([tiny_llama.encode("The keeper rowed out at dawn.")])
     with torch.no_grad():
@@ -209,7 +212,7 @@ def test_another_thread_answers_as_usual_while_compaction_records(tiny_llama):
         with torch.no_grad():
             got["logits"] = tiny_llama.model(x).logits
 
-    with compaction._recording(tiny_llama) as recorder:
+    with recording.recording(tiny_llama) as recorder:
         thread = threading.Thread(target=answer)
         thread.start()
         thread.join()
@@ -251,3 +254,59 @@ def test_the_chunks_own_questions_are_references_and_asking_them_is_not(tiny_lla
     assert first.meta.extra["compaction"]["chunk_questions"] == 3
     with pytest.raises(ConfigError, match="chunk_questions=-1"):
         CompactionConfig(chunk_questions=-1)
+
+
+@pytest.mark.default_model
+def test_the_least_expected_words_are_chosen_whole(default_lm):
+    """`keep_surprising` chooses the words holding the tokens the model least expected, each word whole (a rare
+    name's tail is what a reader needs to spell it), never the sink."""
+    from cartridges_sdk.making import compaction
+
+    ids = default_lm.encode(TEXT)
+    _, _, _, surprisal = compaction._read(default_lm, ids, CompactionConfig(keep_surprising=0.5))
+    assert surprisal.shape == (len(ids),) and surprisal[0] == 0 and bool((surprisal[1:] > 0).all())
+    kept = compaction.surprising_words(default_lm, ids, surprisal, 40).tolist()
+    assert 0 < len(kept) <= 40 and 0 not in kept
+    assert int(surprisal[1:].argmax()) + 1 in kept  # the least expected token of all
+    # the lamp's fuel, spelled once in the text: every token of the word, or none of them
+    fuel = [i for i in range(len(ids)) if "col" in default_lm.tokenizer.decode(ids[i : i + 1]).lower()]
+    assert fuel, "the sample should spell colza"
+    word = range(fuel[0], fuel[0] + len(default_lm.tokenizer.encode(" colza", add_special_tokens=False)))
+    assert all(i in kept for i in word) or not any(i in kept for i in word)
+    assert compaction.surprising_words(default_lm, ids, surprisal, 0) is None
+
+
+def test_kept_positions_stay_whatever_their_attention():
+    """`fit_layer(keep=...)`: positions no reference query attends to stay, as the text's own keys (without the
+    mass shift), beside the sink and the best-attended ones."""
+    from cartridges_sdk.making.compaction import fit_layer
+
+    torch.manual_seed(0)
+    keys, values, queries = torch.randn(1, 64, 8), torch.randn(1, 64, 8), torch.randn(2, 30, 8)
+    keys[0, 40] = keys[0, 41] = -5 * queries.mean((0, 1))  # attended by no query: never chosen otherwise
+    plain, _ = fit_layer(keys, values, queries, 0.35, 8, 0.01, mass=False)
+    kept, _ = fit_layer(keys, values, queries, 0.35, 8, 0.01, mass=False, keep=torch.tensor([40, 41]))
+    def has(k, pos):
+        return bool((k[0] == keys[0, pos]).all(-1).any())
+    assert not has(plain, 40) and has(kept, 40) and has(kept, 41) and has(kept, 0) and kept.shape == (1, 8, 8)
+
+
+def test_self_study_starts_from_the_compaction_asked_for(tiny_llama, tmp_path):
+    """`from_corpus(compaction=...)` reaches the compacted start; a start kept by an earlier run is reused only when it
+    was made with the same compaction settings."""
+    from cartridges_sdk.making.selfstudy import initial_cartridge
+    from cartridges_sdk.making.settings import StartConfig
+
+    ids = _ids(tiny_llama, 200)
+    saved = tmp_path / "start.safetensors"
+    plain = initial_cartridge(tiny_llama, ids, 40, "compact", 0, saved=saved, progress=False)
+    keep = CompactionConfig(keep_surprising=0.5)
+    kept = initial_cartridge(tiny_llama, ids, 40, "compact", 0, saved=saved, progress=False, compaction=keep)
+    assert kept.meta.extra["compaction"]["keep_surprising"] == 0.5
+    assert not all(torch.equal(a, b) for a, b in zip(plain.keys, kept.keys))
+    again = initial_cartridge(tiny_llama, ids, 40, "compact", 0, saved=saved, progress=False, compaction=keep)
+    assert all(torch.equal(a, b) for a, b in zip(kept.keys, again.keys))
+    with pytest.raises(ConfigError, match="must be a CompactionConfig"):
+        StartConfig(40, "compact", compaction={"keep_surprising": 0.5})
+    with pytest.raises(ConfigError, match="init='prefix'"):
+        StartConfig(40, "prefix", compaction=keep)

@@ -30,7 +30,7 @@ LAYERS = {
     "making": ["making.corpus", "making.dataset", "making.seeds", "making.settings", "making.distributed", "making.precision",
               "making.conversations", "making.windows", "making.synthesis", "making.memory", "making.distractors",
               "making.checkpoint", "making.trainable", "making.loss", "making.training", "making.evaluation",
-              "making.report", "making.compaction", "making.selfstudy", "making"],
+              "making.report", "making.recording", "making.compaction", "making.selfstudy", "making"],
     # serving them
     "serve": ["serve.background", "serve.words", "serve.subjects", "serve.documents", "serve.settings", "serve.records", "serve.guard",
               "serve.sync", "serve.rerank", "serve.passages", "serve.store", "serve.answering", "serve.watch", "serve.access", "serve.audit", "serve.parse",

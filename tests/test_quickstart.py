@@ -23,14 +23,27 @@ def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
                           text=True, timeout=600, cwd=cwd, check=False)
 
 
+def test_by_default_the_compacted_cartridge_answers_and_is_reported(tmp_path):
+    """Without --self-study the quick start ends with the compacted cartridge, made in seconds, and says how to train
+    it further; its quality report is the compacted cartridge's."""
+    done = run("--model", "default", "--work-dir", str(tmp_path / "work"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    verdict = summary(out)
+    assert verdict["cartridge"] == "compacted" and set(verdict["right"]) == {"no context", "whole text", "compacted"}
+    assert "Self-study from the compacted" not in out and "`--self-study` trains it further" in out
+    assert len(re.findall(r"quality report: (recovers|the text|the model asked)", done.stderr)) == 1
+    assert (tmp_path / "work.safetensors").is_file()
+
+
 def test_your_own_text_and_questions_go_through_the_same_steps(tmp_path):
     corpus = tmp_path / "railway.txt"
     corpus.write_text(TEXT, encoding="utf-8")
     questions = ["When did the railway open?", "What did its engines burn first?"]
     # the first marked by what a right answer names; the second ('') left to the reader to compare
     done = run("--model", "default", "--corpus", str(corpus), "--question", questions[0], "--answer", "1903",
-               "--question", questions[1], "--answer", "", "--conversations", "4", "--work-dir", str(tmp_path / "work"),
-               cwd=tmp_path)
+               "--question", questions[1], "--answer", "", "--self-study", "--conversations", "4", "--work-dir",
+               str(tmp_path / "work"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     corpus_tokens = int(re.search(r"corpus: railway\.txt, (\d+) tokens", out).group(1))
@@ -70,8 +83,10 @@ def test_bad_arguments_are_named_before_any_work(tmp_path):
     bad_setting = run("--model", "default", "--set", "lr")
     assert bad_setting.returncode == 2
     assert "--set 'lr' must look like key=value" in bad_setting.stderr
-    for args, said in ((["--set", "num_tokens=8"], "--set num_tokens: the quick start sets it"),
-                       (["--set", "lr=0.01", "--compaction-only"], "--compaction-only skips")):
+    for args, said in ((["--self-study", "--set", "num_tokens=8"], "--set num_tokens: the quick start sets it"),
+                       (["--set", "lr=0.01"], "runs with --self-study; add it"),
+                       (["--conversations", "8"], "runs with --self-study; add it"),
+                       (["--keep-surprising", "1.5"], "--keep-surprising: keep_surprising=1.5 must be a share")):
         refused = run("--model", "default", *args)
         assert refused.returncode == 2 and said in refused.stderr
 

@@ -18,8 +18,6 @@ its length, and the parts are composed one after another with their keys reposit
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,10 +29,10 @@ from ..cartridge import Cartridge
 from ..errors import ConfigError, UnsupportedModelError
 from ..fileformat import CartridgeMeta
 from ..identity import token_fingerprint
-from ..kv import sdpa_gqa_attention
 from ..lm import rope_inv_freq
 from ..rope import shift_keys
 from . import seeds
+from .recording import Recorder, recording
 from .report import check_report, corpus_ids, reported
 from .settings import CompactionConfig, ReportConfig
 
@@ -151,72 +149,6 @@ def _shares(num_tokens: int, lengths: list[int]) -> list[int]:
 
 
 # -- reading the reference queries ---------------------------------------------------------------------------------
-class _Recorder:
-    """Collects post-RoPE queries per layer from inside the attention function, for the positions asked for."""
-
-    def __init__(self) -> None:
-        self.select: torch.Tensor | None = None  # positions of the current forward to keep (None: all)
-        self.paused = False  # forwards that are not references (the model asking its own questions)
-        self.queries: dict[int, list[torch.Tensor]] = {}
-        self.scaling: dict[int, float] = {}
-
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
-        if not self.paused:
-            q = query[0] if self.select is None else query[0].index_select(1, self.select.to(query.device))
-            self.queries.setdefault(module.layer_idx, []).append(q.detach().float().cpu())
-        self.scaling[module.layer_idx] = float(scaling if scaling is not None else module.scaling)
-        return sdpa_gqa_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-
-_RECORDER: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar("cartridges_recorder", default=None)
-RECORDING = "cartridges_record"
-_BEFORE: dict[int, str] = {}  # id(model config) -> the attention the model used before recording switched it
-
-
-def _recording_attention(module, query, key, value, attention_mask, **kwargs):
-    """The attention function a model uses while a recorder is active (registered once, under `RECORDING`). Another
-    thread using the same model meanwhile (a server answering while a watcher compacts) has no recorder in its
-    context and gets the model's own attention, so it answers as if nothing were recorded."""
-    recorder = _RECORDER.get()
-    if recorder is None:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-        before = _BEFORE.get(id(module.config), "sdpa")
-        if before == RECORDING or before not in ALL_ATTENTION_FUNCTIONS:
-            raise RuntimeError(f"cartridges_record attention ran outside compaction and the model's own ({before!r}) "
-                               "cannot stand in; call model.set_attn_implementation('sdpa').")
-        return ALL_ATTENTION_FUNCTIONS[before](module, query, key, value, attention_mask, **kwargs)
-    return recorder(module, query, key, value, attention_mask, **kwargs)
-
-
-@contextlib.contextmanager
-def _recording(lm: LM) -> Iterator[_Recorder]:
-    """Route the model's attention through a recorder for the duration (restored afterwards, even on error).
-    The model is switched as a whole; other threads answering with it meanwhile get its own attention through
-    `_recording_attention`."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    model = lm.model
-    AttentionInterface.register(RECORDING, _recording_attention)
-    AttentionMaskInterface.register(RECORDING, sdpa_mask)
-    recorder = _Recorder()
-    token = _RECORDER.set(recorder)
-    before = model.config._attn_implementation
-    _BEFORE[id(model.config)] = before
-    model.set_attn_implementation(RECORDING)
-    try:
-        if model.config._attn_implementation != RECORDING:
-            raise UnsupportedModelError(
-                f"Model {lm.name!r} would not switch its attention function, so its queries cannot be read; "
-                "compaction needs a transformers model that takes `set_attn_implementation`."
-            )
-        yield recorder
-    finally:
-        model.set_attn_implementation(before)
-        _RECORDER.reset(token)
-
-
 @torch.inference_mode()
 def _read(lm: LM, ids: list[int], config: CompactionConfig):
     """The chunk's per-layer keys and values, and per-layer reference queries ``[heads, m, head_dim]`` placed at
@@ -229,10 +161,13 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
     wanted = min(config.corpus_queries, n - 1)
     # positions spread evenly over the corpus (the first few tokens' queries are mostly about the sink)
     positions = torch.linspace(min(16, n - 1), n - 1, wanted).round().long().unique() if wanted else torch.empty(0, dtype=torch.long)
-    with _recording(lm) as rec:
+    with recording(lm) as rec:
         rec.select = positions
-        model.base_model(input_ids=torch.tensor([ids], device=device), position_ids=torch.arange(n, device=device)[None],
-                         past_key_values=cache, use_cache=True)
+        hidden = model.base_model(input_ids=torch.tensor([ids], device=device),
+                                  position_ids=torch.arange(n, device=device)[None], past_key_values=cache,
+                                  use_cache=True).last_hidden_state[0]
+        surprisal = _surprisal(lm, ids, hidden) if config.keep_surprising else None
+        del hidden
         kv = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in cache.layers]
         # each corpus query moves from its position to one just after the corpus (offsets spread evenly, in a fixed
         # shuffled order so that neighbouring positions do not land together)
@@ -256,11 +191,23 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
             "attention layer that calls transformers' attention interface in every layer."
         )
     queries = [torch.cat([q[i] for q in (corpus_q, probe_q) if i in q], dim=1) for i in layers]
-    return kv, queries, rec.scaling
+    return kv, queries, rec.scaling, surprisal
+
+
+def _surprisal(lm: LM, ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+    """Each token's ``-log p`` under the model given the tokens before it (0 for the first), from the chunk's own
+    forward pass; the vocabulary's logits are taken a block of positions at a time (all at once can take gigabytes)."""
+    head = lm.model.get_output_embeddings()
+    target = torch.tensor(ids[1:], device=hidden.device)
+    out = [hidden.new_zeros(1, dtype=torch.float32)]
+    for start in range(0, len(ids) - 1, QUERY_BLOCK):
+        logp = head(hidden[start : start + QUERY_BLOCK][: len(target) - start]).float().log_softmax(-1)
+        out.append(-logp.gather(1, target[start : start + len(logp), None])[:, 0])
+    return torch.cat(out).cpu()
 
 
 def _probe(lm: LM, cache, start: int, prompt: list[int], answer_tokens: int,
-           generator: torch.Generator | None = None, quiet_prompt: _Recorder | None = None) -> list[int]:
+           generator: torch.Generator | None = None, quiet_prompt: Recorder | None = None) -> list[int]:
     """Run a probe question after the corpus, then answer it for up to `answer_tokens` tokens: greedily, or sampled
     at `QUESTION_TEMPERATURE` with `generator`. With `quiet_prompt` (the recorder) the prompt's forward pass records
     no queries: only the answer's do. Returns the answer's tokens."""
@@ -287,7 +234,7 @@ def _probe(lm: LM, cache, start: int, prompt: list[int], answer_tokens: int,
     return answer
 
 
-def _own_questions(lm: LM, cache, start: int, count: int, rec: _Recorder) -> list[list[int]]:
+def _own_questions(lm: LM, cache, start: int, count: int, rec: Recorder) -> list[list[int]]:
     """`count` questions the model asks about the chunk in `cache` (self-study's question seed prompts, in turn,
     sampled with a fixed seed), as prompt ids; asking them records no reference queries."""
     generator, questions = torch.Generator().manual_seed(0), []
@@ -310,20 +257,54 @@ def _compact_chunk(lm: LM, ids: list[int], budget: int, config: CompactionConfig
     n = len(ids)
     if budget >= n:  # nothing to drop: the prefix cache itself, exactly
         return [(k.clone(), v.clone()) for k, v in lm.kv(ids)]
-    kv, queries, scaling = _read(lm, ids, config)
+    kv, queries, scaling, surprisal = _read(lm, ids, config)
     inv_freq = rope_inv_freq(lm)
+    keep = None
+    if surprisal is not None:
+        keep = surprising_words(lm, ids, surprisal, min(budget - 1, round(config.keep_surprising * budget)))
     out = []
     for i, (k, v) in enumerate(kv):
         keys, values = fit_layer(k.float(), v.float(), queries[i].to(k.device), scaling[i], budget, config.ridge,
-                                 mass=config.mass, select=config.select)
+                                 mass=config.mass, select=config.select, keep=keep)
         out.append((shift_keys(keys, -(n - budget), inv_freq).to(k.dtype), values.to(v.dtype)))
     return out
 
 
+def surprising_words(lm: LM, ids: list[int], surprisal: torch.Tensor, count: int) -> torch.Tensor | None:
+    """Up to `count` positions (never the sink's): the words holding the tokens the model least expected, most
+    surprising first, each whole. A reader copies a rare name token by token, each one found by the token before
+    it, so a name missing its tail comes out misspelled ("milen" for "mil|ank|ov|itch"). A token whose text does not
+    start with a space or a sign continues the word before it."""
+    if count <= 0:
+        return None
+    decode = lm.tokenizer.decode
+    # a token's own text is what it adds after the token before it (a lone SentencePiece token decodes unspaced)
+    starts = [i == 0 or not decode(ids[i - 1 : i + 1])[len(decode(ids[i - 1 : i])):][:1].isalnum()
+              for i in range(len(ids))]
+    chosen: dict[int, None] = {}
+    for p in surprisal[1:].argsort(descending=True).add(1).tolist():
+        if p in chosen:
+            continue
+        first = p
+        while first > 1 and not starts[first]:
+            first -= 1
+        last = p + 1
+        while last < len(ids) and not starts[last]:
+            last += 1
+        for q in range(first, last):
+            if len(chosen) < count:
+                chosen[q] = None
+        if len(chosen) >= count:
+            break
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
 def fit_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, scaling: float, budget: int,
-              ridge: float, *, mass: bool = True, select: str = "max") -> tuple[torch.Tensor, torch.Tensor]:
+              ridge: float, *, mass: bool = True, select: str = "max",
+              keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Compact one layer: keys and values ``[kv_heads, T, d]``, queries ``[heads, m, d]`` (grouped by KV head as
-    the model groups them). Returns ``budget`` keys (at their original positions) and refitted values per KV head.
+    the model groups them). Returns ``budget`` keys (at their original positions) and refitted values per KV head;
+    the positions in `keep` are among them whatever their attention.
 
     With `mass`, one vector ``delta`` per head is added to all its kept keys, fitted so ``q . delta`` makes up the
     log of the attention mass the dropped keys held for each reference query. The same shift for every kept key
@@ -335,7 +316,7 @@ def fit_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, s
     group = queries.shape[0] // kv_heads
     if kv_heads > 1:  # one KV head at a time: the logits of all heads at once can take gigabytes
         parts = [fit_layer(keys[g : g + 1], values[g : g + 1], queries[g * group : (g + 1) * group], scaling, budget,
-                           ridge, mass=mass, select=select) for g in range(kv_heads)]
+                           ridge, mass=mass, select=select, keep=keep) for g in range(kv_heads)]
         return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
     q = queries.reshape(group * queries.shape[1], d)  # query head h uses KV head h // group
     k, v = keys[0], values[0]
@@ -351,6 +332,8 @@ def fit_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, s
         target.append(weights @ v)
     target, lse = torch.cat(target), torch.cat(lse)
     score[0] = float("inf")  # the attention sink always stays
+    if keep is not None:
+        score[keep.to(score.device)] = float("inf")
     idx = score.topk(budget).indices.sort().values
     kept_k = k[idx]
     kept_logits = (q @ kept_k.T) * scaling  # [m, budget]
@@ -380,7 +363,7 @@ def attention_error(lm: LM, ids: Sequence[int], cartridge: Cartridge, config: Co
     config = config or CompactionConfig()
     ids = [int(t) for t in ids]
     n = len(ids)
-    kv, queries, scaling = _read(lm, ids, config)
+    kv, queries, scaling, _ = _read(lm, ids, config)
     inv_freq = rope_inv_freq(lm)
     errors = []
     for i, (k, v) in enumerate(kv):

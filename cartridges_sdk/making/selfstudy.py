@@ -7,6 +7,7 @@ what was checked (`synthesis.synthesize_checked`, `train_checked`).
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import warnings
@@ -34,8 +35,8 @@ from .distributed import is_lead, lead_does, process_group, ranks_in_env, under_
 from .loss import check_shardable
 from .precision import FASTEST, resolve_work_dtype, WorkDtypes
 from .report import check_report, reported
-from .settings import (DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS, ReportConfig, StartConfig, check_settings,
-                       check_training_settings)
+from .settings import (DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS, CompactionConfig, ReportConfig, StartConfig,
+                       check_settings, check_training_settings)
 from .synthesis import check_built_synthesizer, check_context, check_synthesizer, synthesize_checked
 
 COMPACT_START = "start-compact.safetensors"  # kept in the training folder, so a resumed run starts from it
@@ -114,7 +115,8 @@ def check_compact(corpus_ids: Sequence[int] | None, num_tokens: int) -> None:
 
 
 def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int, init: str, seed: int,
-                      num_frozen: int = 1, *, saved: Path | None = None, progress: bool = True) -> Cartridge:
+                      num_frozen: int = 1, *, saved: Path | None = None, progress: bool = True,
+                      compaction: CompactionConfig | None = None) -> Cartridge:
     """The cartridge training starts from: the corpus compacted (`compact`, `prefix_ids` then holds the whole
     corpus), its first tokens (`prefix`), unrelated text, or random vectors.
 
@@ -123,12 +125,17 @@ def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int,
     if init == "compact":
         if saved is not None and saved.is_file():
             kept = Cartridge.load(saved, lm)
+            # made with these settings too (as its file holds them: lists for tuples); a setting it predates is default
+            settings = json.loads(json.dumps(attrs.asdict(compaction or CompactionConfig())))
+            made = kept.meta.extra.get("compaction", {})
             same = (kept.num_tokens, kept.num_frozen) == (num_tokens, num_frozen) and (
-                prefix_ids is None or (kept.meta.corpus or {}).get("fingerprint") == token_fingerprint(prefix_ids))
+                prefix_ids is None or (kept.meta.corpus or {}).get("fingerprint") == token_fingerprint(prefix_ids)) \
+                and all(made.get(k, v) == v for k, v in settings.items())
             if same:
                 return kept
         check_compact(prefix_ids, num_tokens)
-        start = compact_corpus(lm, list(prefix_ids), num_tokens, num_frozen=num_frozen, progress=progress)
+        start = compact_corpus(lm, list(prefix_ids), num_tokens, num_frozen=num_frozen, config=compaction,
+                               progress=progress)
         if saved is not None:
             saved.parent.mkdir(parents=True, exist_ok=True)
             start.save(saved)
@@ -255,7 +262,7 @@ def _fit(fitter: Trainer, dataset: SelfStudyDataset, lm: LM, work: LM, start: St
     def make_start() -> Cartridge:
         ids = prefix_ids if prefix_ids is not None else dataset_corpus_ids(dataset, lm, start.init)
         return initial_cartridge(lm, ids, start.num_tokens, start.init, start.seed, start.num_frozen, saved=saved,
-                                 progress=progress)
+                                 progress=progress, compaction=start.compaction)
 
     among = {"distractors": distractors} if distractors else {}
     with process_group(work.device):  # under torchrun: one group for the start and the training
@@ -319,7 +326,7 @@ def build_cartridge(
     trainer_options: dict[str, Any] | None = None, allow_unverified_model: bool = False,
     output_dir: str | os.PathLike | None = None, restart: bool = False, num_frozen: int = 1,
     work_dtype: str | torch.dtype | None = FASTEST, progress: bool = True, distractors: Sequence[Cartridge] = (),
-    report: bool | ReportConfig = True, **settings: Any,
+    report: bool | ReportConfig = True, compaction: CompactionConfig | None = None, **settings: Any,
 ) -> Cartridge:
     """Synthesize `num_conversations` self-study conversations about `corpus`, then train a `num_tokens` cartridge.
 
@@ -336,13 +343,15 @@ def build_cartridge(
     `distractors` (other documents' cartridges) are composed around it in training, so it holds up when composed
     with others (making/distractors.py). Then the cartridge is checked against its corpus on questions the model
     asks itself (`Cartridge.quality`, docs/quality-report.md): `report` True, a `ReportConfig`, or False to skip it.
+    `compaction` (a `CompactionConfig`) says how the compacted start (``init="compact"``) is made.
 
     Under torchrun, the ranks share both stages (docs/distributed.md): each makes its share of the conversations
     into `output_dir` (required: a folder every rank reaches), then they train data-parallel.
     """
     check_report(report)
     start, synth_cfg, train_cfg = check_settings(settings, num_tokens=num_tokens, num_conversations=num_conversations,
-                                                 epochs=epochs, init=init, seed=seed, num_frozen=num_frozen)
+                                                 epochs=epochs, init=init, seed=seed, num_frozen=num_frozen,
+                                                 compaction=compaction)
     check_work_dir(output_dir)
     check_synthesizer(synthesizer, synthesizer_options, synth_cfg)
     check_trainer(trainer, trainer_options, distractors)

@@ -103,6 +103,9 @@ class CompactionConfig:
     # which keys stay: those with the highest mean or highest peak attention weight over the reference queries
     select: str = attrs.field(default="max", validator=one_of("max", "mean"))
     max_chunk_tokens: int | None = attrs.field(default=None)  # None: the model's context minus room for a probe
+    # this share of each chunk's budget goes to the tokens the model least expected (a rare name, a number), kept in
+    # every layer whatever the references attend to: a reader copies such a token and cannot rebuild it from the gist
+    keep_surprising: float = attrs.field(default=0.0)
 
     @probe_questions.validator
     def _check_probes(self, _attr, value) -> None:
@@ -115,6 +118,11 @@ class CompactionConfig:
     def _check_chunk(self, _attr, value: int | None) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
             raise ConfigError(f"max_chunk_tokens={value!r} must be None or an int >= 2.")
+
+    @keep_surprising.validator
+    def _check_keep(self, _attr, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ConfigError(f"keep_surprising={value!r} must be a share of the budget in [0, 1), e.g. 0.25.")
 
     def __attrs_post_init__(self) -> None:
         if self.corpus_queries == 0 and not self.probe_questions and not self.chunk_questions:
@@ -159,8 +167,14 @@ class StartConfig:
     init: str = DEFAULT_START
     num_frozen: int = 1
     seed: int = attrs.field(default=0, validator=optional_int)
+    compaction: CompactionConfig | None = None  # how init="compact" compacts (None: CompactionConfig's defaults)
 
     def __attrs_post_init__(self) -> None:
+        if self.compaction is not None and not isinstance(self.compaction, CompactionConfig):
+            raise ConfigError(f"compaction={self.compaction!r} must be a CompactionConfig, e.g. "
+                              "CompactionConfig(keep_surprising=0.45).")
+        if self.compaction is not None and self.init != "compact":
+            raise ConfigError(f"compaction= says how init='compact' compacts; this run starts from init={self.init!r}.")
         if self.init not in STARTS:
             raise ConfigError(f"init={self.init!r} must be one of {STARTS}.")
         Cartridge.check_size(self.num_tokens, self.num_frozen)
@@ -195,14 +209,14 @@ def split_settings(settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
 
 def check_settings(
     settings: dict[str, Any], *, num_tokens: int, num_conversations: int = DEFAULT_CONVERSATIONS, epochs: int = 1,
-    init: str = DEFAULT_START, seed: int = 0, num_frozen: int = 1,
+    init: str = DEFAULT_START, seed: int = 0, num_frozen: int = 1, compaction: CompactionConfig | None = None,
 ) -> tuple[StartConfig, SynthesisConfig, TrainConfig]:
     """Every self-study setting of both stages, validated in one place before any model work; returns the configs.
 
     Each error names the setting, the bad value and the fix (`--set lr=abc` -> ``lr='abc' must be a finite number``).
     """
     synth_settings, train_settings = split_settings(settings)
-    start = StartConfig(num_tokens, init, num_frozen, seed)
+    start = StartConfig(num_tokens, init, num_frozen, seed, compaction)
     return (start, SynthesisConfig(num_conversations=num_conversations, seed=seed, **synth_settings),
             TrainConfig(epochs=epochs, seed=seed, **train_settings))
 
