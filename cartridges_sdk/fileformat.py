@@ -119,15 +119,21 @@ def write_file(path: str | os.PathLike, keys: Sequence[torch.Tensor], values: Se
     return atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
-def read_file(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor], CartridgeMeta]:
-    """Keys, values and metadata of a cartridge file; every way a file can be wrong is a `CartridgeFormatError`."""
+# safetensors' dtype names, for tensors described but not read (`read_file(data=False)`)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def read_file(path: Path, *, data: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor], CartridgeMeta]:
+    """Keys, values and metadata of a cartridge file; every way a file can be wrong is a `CartridgeFormatError`.
+    With ``data=False`` only the header is read (the file's size is still checked against it): the tensors come back
+    on the ``meta`` device, with their shapes and dtypes, for a store that checks many files and loads few."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             header = f.metadata() or {}
             names = set(f.keys())
-            tensors = {n: f.get_tensor(n) for n in names}
+            tensors = {n: f.get_tensor(n) if data else _described(f.get_slice(n)) for n in names}
     except Exception as err:
         if _looks_like_torch_save(path):
             raise CartridgeFormatError(
@@ -164,6 +170,13 @@ def read_file(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor], Cartr
     keys = [tensors[tensor_name(i, "keys")] for i in range(num_layers)]
     values = [tensors[tensor_name(i, "values")] for i in range(num_layers)]
     return keys, values, meta
+
+
+def _described(view) -> torch.Tensor:
+    dtype = _DTYPES.get(view.get_dtype())
+    if dtype is None:
+        raise ValueError(f"tensor dtype {view.get_dtype()} is not a cartridge's")
+    return torch.empty(view.get_shape(), dtype=dtype, device="meta")
 
 
 def _looks_like_torch_save(path: Path) -> bool:

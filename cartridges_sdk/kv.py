@@ -59,6 +59,10 @@ class Recent(Generic[V]):
     def __init__(self, size: int | None = None, *, budget: int | None = None, cost: Callable[[V], int] = len):
         self.size, self.budget, self.cost = size, budget, cost
         self._items: OrderedDict[Hashable, V] = OrderedDict()
+        # each held value's cost, taken once when it is put, and their sum: summing them again at every put made a
+        # store of n cartridges take n^2 / 2 cost calls to read (minutes at 10,000)
+        self._costs: dict[Hashable, int] = {}
+        self._total = 0
         self.made = 0  # values made so far (tests count installs with it)
 
     def get(self, key: Hashable, make: Callable[[], V]) -> V:
@@ -72,19 +76,25 @@ class Recent(Generic[V]):
 
     def put(self, key: Hashable, value: V) -> None:
         """Hold `value` as the most recently used, dropping the least recently used beyond the limits."""
+        self.pop(key)
         self._items[key] = value
-        self._items.move_to_end(key)
+        if self.budget is not None:
+            self._costs[key] = self.cost(value)
+            self._total += self._costs[key]
         while len(self._items) > 1 and (
             (self.size is not None and len(self._items) > self.size)
-            or (self.budget is not None and sum(map(self.cost, self._items.values())) > self.budget)
+            or (self.budget is not None and self._total > self.budget)
         ):
-            self._items.popitem(last=False)
+            self.pop(next(iter(self._items)))
 
     def pop(self, key: Hashable) -> V | None:
+        self._total -= self._costs.pop(key, 0)
         return self._items.pop(key, None)
 
     def clear(self) -> None:
         self._items.clear()
+        self._costs.clear()
+        self._total = 0
 
     def __iter__(self) -> Iterator[Hashable]:
         """The keys held, least recently used first."""

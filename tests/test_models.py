@@ -96,3 +96,19 @@ def test_default_model_in_bfloat16(default_lm):
     lm = load_model(dtype="bfloat16")
     assert lm.dtype == torch.bfloat16
     assert lm.logits(lm.encode("Hello")).dtype == torch.float32
+
+
+def test_tiny_random_is_the_same_model_in_every_process_and_leaves_the_random_state_alone(tiny_llama):
+    """`load_model("tiny-random")`: a named test model that needs no files (benchmarks.scale and any command take it
+    as `--model tiny-random`), with the seed-0 weights the tests' tiny Llama has, whoever loads it."""
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    lm = load_model("tiny-random")
+    assert torch.equal(torch.rand(3), before)  # loading drew nothing from the caller's generator
+    assert lm.name == "tiny-random" and lm.identity.source == "tiny-random" and lm.gguf is None
+    for a, b in zip(lm.model.parameters(), tiny_llama.model.parameters()):
+        assert torch.equal(a, b)
+    assert lm.identity == load_model("tiny-random").identity
+    with pytest.raises(ConfigError, match="'tiny-random'"):
+        load_model(42)

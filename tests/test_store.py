@@ -211,3 +211,83 @@ def test_routing_needs_a_corpus_text(tmp_path, tiny_llama):
     (tmp_path / "bare.corpus.txt").write_text(CORPORA["orchard"] + " Slate trains stop here, slate trains.")
     store.refresh()  # and an edited one is read again
     assert store.route("slate trains")[0].name == "bare"
+
+
+def test_a_new_process_reads_the_catalog_instead_of_every_header(store, tiny_llama, tiny_qwen, monkeypatch):
+    """serve/catalog.py: a store opened on a folder whose catalog is current reads no cartridge header; a file
+    replaced since is read again; a catalog made for another model, or a damaged one, is not used."""
+    from cartridges_sdk.serve import store as store_module
+    from cartridges_sdk.serve.catalog import CATALOG
+
+    store.save_catalog()
+    read = []
+    real = store_module.read_file
+    monkeypatch.setattr(store_module, "read_file", lambda path, **kw: read.append(path.name) or real(path, **kw))
+    again = CartridgeStore(store.root, tiny_llama)
+    assert read == [] and again.names() == store.names() and again.records() == store.records()
+    assert again.get("orchard").num_tokens == 12  # serving reads and checks the file itself
+    # replaced after the catalog was written: its new header is read, and its new size seen
+    Cartridge.from_prefix(tiny_llama, CORPORA["railway"], 20).save(store.root / "railway.safetensors")
+    read.clear()
+    third = CartridgeStore(store.root, tiny_llama)
+    assert read == ["railway.safetensors"] and third._entries["railway"].num_tokens == 20
+    # another model's store trusts none of it: it reads the headers and refuses the files
+    read.clear()
+    assert CartridgeStore(store.root, tiny_qwen).names() == [] and len(read) == 3
+    (store.root / CATALOG).write_text("{not json")
+    read.clear()
+    assert CartridgeStore(store.root, tiny_llama).names() == store.names() and len(read) == 3
+
+
+def test_the_memory_budget_costs_each_cartridge_once():
+    """Recent sums the costs it holds as they come and go (summing them again at every put read a store of n
+    cartridges in n^2 / 2 cost calls)."""
+    from cartridges_sdk.kv import Recent
+
+    calls = []
+    held = Recent(budget=10, cost=lambda v: calls.append(v) or v)
+    for i, cost in enumerate([4, 4, 4, 9, 1]):
+        held.put(i, cost)
+    assert list(held) == [3, 4] and len(calls) == 5
+    held.put(3, 2)  # the same key again: its old cost goes
+    assert list(held) == [4, 3] and held._total == 3
+    held.pop(4)
+    held.clear()
+    assert held._total == 0 and list(held) == []
+
+
+def test_routing_ranks_only_the_best_and_breaks_ties_by_name():
+    import numpy as np
+
+    from cartridges_sdk.serve.store import _best
+
+    names = ["delta", "alpha", "gamma", "beta", "eps"]
+    scores = np.array([2.0, 1.0, 0.0, 1.0, 3.0], dtype=np.float32)
+    assert _best(names, scores, 1) == [("eps", 3.0)]
+    assert _best(names, scores, 3) == [("eps", 3.0), ("delta", 2.0), ("alpha", 1.0)]  # beta ties alpha: by name
+    assert _best(names, scores, 10) == [("eps", 3.0), ("delta", 2.0), ("alpha", 1.0), ("beta", 1.0)]  # no zero
+    assert _best(names, np.zeros(5), 2) == []
+
+
+def test_a_quick_refresh_sees_new_and_renamed_over_files_at_once_and_rewritten_ones_at_the_next_full_scan(
+        store, tiny_llama, monkeypatch):
+    """A server's once-a-second look compares inodes from the folder's listing (no stat per file): what sync and
+    store.add write (a new file renamed into place) shows at once; a file rewritten in place keeps its inode and
+    shows at the next full scan (`FULL_SCAN_SECONDS`)."""
+    from cartridges_sdk.serve import store as store_module
+
+    store.refresh()  # a full scan: the quick ones that follow compare inodes
+    Cartridge.from_prefix(tiny_llama, CORPORA["orchard"], 8).save(store.root / "cider.safetensors")
+    Cartridge.from_prefix(tiny_llama, CORPORA["railway"], 20).save(store.root / "railway.safetensors")
+    assert store.refresh(quick=True)["added"] == ["cider"] and store._entries["railway"].num_tokens == 20
+    in_place = Cartridge.from_prefix(tiny_llama, CORPORA["lighthouse"], 16)
+    in_place.save(store.root / "scratch.safetensors")
+    with open(store.root / "lighthouse.safetensors", "r+b") as f:  # rewritten in place: the same inode
+        f.write((store.root / "scratch.safetensors").read_bytes())
+        f.truncate()
+    (store.root / "scratch.safetensors").unlink()
+    store.refresh(quick=True)
+    assert store._entries["lighthouse"].num_tokens == 12  # not compared yet
+    monkeypatch.setattr(store_module, "FULL_SCAN_SECONDS", 0.0)
+    store.refresh(quick=True)
+    assert store._entries["lighthouse"].num_tokens == 16 and store.get("lighthouse").num_tokens == 16

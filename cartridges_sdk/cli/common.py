@@ -116,3 +116,29 @@ def read_corpus(args: argparse.Namespace):
     if len(paths) == 1 and paths[0].is_dir():
         return Corpus.from_directory(paths[0], include=args.include, exclude=args.exclude, description=args.description)
     return Corpus.from_files([str(p) for p in paths], description=args.description)
+
+
+def as_ranks(args: argparse.Namespace, option: str, count: int) -> int | None:
+    """With `count` > 1 outside torchrun: run this command again as `count` torchrun ranks on this machine (without
+    `option`, which asked for them) and return their exit code. Otherwise None: go on in this process."""
+    from ..making.distributed import launch, under_torchrun
+
+    if count <= 1 or under_torchrun():
+        return None
+    return launch(["cartridges_sdk.cli", *without_option(args.argv, option)], count)
+
+
+def without_option(argv: list[str], name: str) -> list[str]:
+    """`argv` without option `name` and its value (``--name V``, ``--name=V``, or an abbreviation argparse took):
+    torchrun reads its own ``--nproc-per-node`` from any ``--nproc`` it sees, even after the module's name."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if len(flag) > 2 and flag.startswith("--") and name.startswith(flag) and flag != "--":
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out

@@ -239,6 +239,9 @@ def _sync(p: argparse.ArgumentParser) -> None:
     _sync_settings(p)
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                    help="wait this long for another sync writing to the store (default: fail at once)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="build in this many processes on this machine (torchrun ranks, each building its share of "
+                        "the documents; for several machines see docs/scale.md; default 1)")
     p.add_argument("--json", action="store_true", help="print what was done as JSON")
     _model_args(p)
 

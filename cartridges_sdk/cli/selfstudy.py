@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..making.dataset import SelfStudyDataset, Shard, merge
-from ..making.distributed import is_lead, launch, rank_device, under_torchrun
+from ..making.distributed import is_lead, rank_device, under_torchrun
 from ..making.loss import check_shardable
 from ..making.selfstudy import COMPACT_START, check_compact, check_dataset_corpus, check_whole, train_cartridge
 from ..making.settings import SynthesisConfig, check_settings, check_training_settings, split_settings
@@ -19,7 +19,7 @@ from ..errors import CartridgeError, ConfigError
 from ..plugins import synthesizers, trainers
 from ..trainer_inputs import SEED_KIND_DOCUMENT
 from . import common  # common.model_for is looked up at each call, so tests can replace it
-from .common import backend_options, bind_all, human_bytes, output_file, parse_settings, read_corpus
+from .common import as_ranks, backend_options, bind_all, human_bytes, output_file, parse_settings, read_corpus
 
 
 def _start_ranks(args: argparse.Namespace, trainer_options: dict[str, Any] | None = None) -> int | None:
@@ -34,8 +34,9 @@ def _start_ranks(args: argparse.Namespace, trainer_options: dict[str, Any] | Non
         raise ConfigError(f"--nproc runs training data-parallel under torchrun; trainer {trainer!r} does not join a "
                           "process group (its capabilities.distributed is False). Drop --nproc, or use a trainer "
                           "that does, e.g. --trainer torch.")
-    if args.nproc > 1 and not under_torchrun():
-        return launch(["cartridges_sdk.cli", *_without_option(args.argv, "--nproc")], args.nproc)
+    ranks_exit = as_ranks(args, "--nproc", args.nproc)
+    if ranks_exit is not None:
+        return ranks_exit
     args.device = rank_device(args.device)
     return None
 
@@ -161,19 +162,3 @@ def _distractor_files(paths: list[str]) -> list[Cartridge]:
             err.add_note(f"It was given with --distractors {path}: give cartridge files of other documents.")
             raise
     return loaded
-
-
-def _without_option(argv: list[str], name: str) -> list[str]:
-    """`argv` without option `name` and its value (``--name V``, ``--name=V``, or an abbreviation argparse took):
-    torchrun reads its own ``--nproc-per-node`` from any ``--nproc`` it sees, even after the module's name."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-            continue
-        flag = arg.split("=", 1)[0]
-        if len(flag) > 2 and flag.startswith("--") and name.startswith(flag) and flag != "--":
-            skip = "=" not in arg
-            continue
-        out.append(arg)
-    return out

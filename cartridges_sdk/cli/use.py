@@ -13,11 +13,12 @@ from typing import Any
 from ..cartridge import Cartridge
 from ..checks import is_loopback
 from ..errors import ConfigError
+from ..making.distributed import is_lead
 from ..plugins import REGISTRIES
 from ..runtime_choice import runtime_name
 from ..serve.store import CartridgeStore
 from . import common  # common.model_for is looked up at each call, so tests can replace it
-from .common import backend_options, bind_all
+from .common import as_ranks, backend_options, bind_all
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -138,10 +139,20 @@ def _study_settings(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def cmd_sync(args: argparse.Namespace) -> int:
     config, study = _sync_config(args), _study_settings(args)  # checked before the model loads
+    if isinstance(args.workers, bool) or args.workers < 1:
+        raise ConfigError(f"--workers {args.workers} must be at least 1.")
+    if args.workers > 1 and study is not None:
+        raise ConfigError("--workers shares the building among processes; --self-study then trains one document at "
+                          "a time. Run `cartridges sync` with --workers first, then again with --self-study.")
+    ranks_exit = as_ranks(args, "--workers", args.workers)
+    if ranks_exit is not None:
+        return ranks_exit
     lm = common.model_for(args.model, device=args.device)
     try:
         store = CartridgeStore(args.store, lm)
         report = store.sync(args.folder, config, timeout=args.wait, progress=not args.json)
+        if not is_lead():  # each rank built its share; rank 0 says what the job did
+            return 0
         if not args.json:
             print(f"{args.store}: {report}", flush=True)
         studied = (store.self_study(args.folder, config, study, distractors=args.distractors, progress=not args.json)

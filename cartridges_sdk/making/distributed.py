@@ -156,6 +156,16 @@ def gather_from_ranks(value: Any, group: Any = None) -> list[Any]:
     return out
 
 
+def scatter_from_lead(values: Sequence[Any] | None, group: Any = None) -> Any:
+    """Rank r's item of `values` (one per rank, picklable, given on rank 0; None elsewhere): each rank is sent only
+    its own."""
+    import torch.distributed as dist
+
+    out = [None]
+    dist.scatter_object_list(out, list(values) if dist.get_rank(group) == 0 else None, src=0, group=group)
+    return out[0]
+
+
 def sum_numbers_across_ranks(numbers: Sequence[float], device: torch.device) -> list[float]:
     """Each of `numbers` summed over all ranks (in float64, on `device`, where the group's backend can send it)."""
     totals = torch.tensor(list(numbers), dtype=torch.float64, device=device)

@@ -57,7 +57,7 @@ class ServerState:
 
     def refresh(self, force: bool = False) -> None:
         if force or time.monotonic() - self.refreshed > 1.0:  # a folder re-read at most once a second
-            self.store.refresh()
+            self.store.refresh(quick=True)  # new and renamed-over files at once; rewritten in place within seconds
             self.refreshed = time.monotonic()
 
     def visible(self, grant: Grant | None) -> list[str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,14 +34,17 @@ import attrs
 from ..cartridge import Cartridge
 from ..errors import CartridgeError, ConfigError, NotInStoreError
 from ..files import atomic_write
+from ..fileformat import read_file
 from ..kv import Recent
 from ..lm import LM
+from .catalog import WRITE_AFTER, model_key, read_catalog, write_catalog
 from .documents import CORPUS_SUFFIX, NAME, SUFFIX, name_problem
 from .passages import Passage, PassageIndex, Plan, check_retrieval, plan
 from .records import document_record, subject_of, versions, with_subject
 from .subjects import check_subject
 from .settings import SyncConfig
-from .sync import SyncReport, forget, self_study, sync
+from .forget import forget
+from .sync import SyncReport, self_study, sync
 from .words import STOPWORDS, routing_text
 
 log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed
@@ -75,15 +79,42 @@ class _Entry:
     document: dict[str, Any] | None = None  # what sync recorded in the file: the document and its hash
     num_tokens: int = 0  # the cartridge's size, for composing within a budget without loading it
     subject: str | None = None  # who or what it is about (records.subject_of), for routing without loading it
+    inodes: tuple[int, int | None] = (0, None)  # the cartridge's and its corpus's: a file renamed over gets a new one
 
 
 def _link_out_reason(name: str) -> str:
     return f"{name} is a link to a file outside the store's folder; copy the file in instead"
 
 
+# a quick refresh (`refresh(quick=True)`) compares sizes and times too at least this often: a file rewritten in place
+FULL_SCAN_SECONDS = 10.0
+
+
 def _stamp(path: Path) -> tuple[int, int]:
     st = path.stat()
     return st.st_size, st.st_mtime_ns
+
+
+def _entry_stamp(entry: os.DirEntry) -> tuple[int, int]:
+    st = entry.stat()  # follows a link, as Path.stat does (a link's target is judged by `_inside`)
+    return st.st_size, st.st_mtime_ns
+
+
+def _best(names: list[str], scores: Any, k: int) -> list[tuple[str, float]]:
+    """The `k` best-scoring names with a score above 0, best first, ties by name. Only the candidates at or above
+    the k-th score are sorted: ranking every corpus took a store of 100,000 a tenth of a second per question."""
+    import numpy as np
+
+    candidates = np.flatnonzero(scores > 0)
+    if len(candidates) > k:
+        kth = np.partition(scores[candidates], len(candidates) - k)[len(candidates) - k]
+        candidates = candidates[scores[candidates] >= kth]
+    return sorted(((names[i], float(scores[i])) for i in candidates.tolist()), key=lambda item: (-item[1], item[0]))[:k]
+
+
+def _listing(root: Path) -> dict[str, os.DirEntry]:
+    with os.scandir(root) as entries:
+        return {e.name: e for e in entries}
 
 
 class CartridgeStore:
@@ -106,6 +137,9 @@ class CartridgeStore:
         # after a change; emptied by every change
         self._index: dict[frozenset[str] | None, Any] = {}
         self._lock = threading.RLock()
+        self._model_key = model_key(model.identity)
+        self._catalog: dict[str, dict[str, Any]] | None = None  # read at the first refresh, then dropped
+        self._full_scan = 0.0  # when the last refresh compared every file's size and time (time.monotonic)
         self.refresh()
 
     # ---- what it holds
@@ -151,13 +185,19 @@ class CartridgeStore:
         """Keep `cartridge` in memory as the most recently used, within the budget."""
         self._memory.put(name, cartridge)
 
-    def _load(self, path: Path) -> tuple[Cartridge | None, str | None]:
-        """The file's cartridge, bound to the model; or None and why, said once in the log and remembered."""
+    def _load(self, path: Path, *, data: bool = True) -> tuple[Cartridge | None, str | None]:
+        """The file's cartridge, bound to the model (with `data` False, its header alone: the tensors on the meta
+        device, every check but the bytes'); or None and why, said once in the log and remembered."""
         if not self._inside(path):  # checked again as it is read: the file may have become a link since the scan
             why = _link_out_reason(path.name)
             self._refuse(path, why)
             return None, why
         try:
+            if not data:
+                keys, values, meta = read_file(path, data=False)
+                shell = Cartridge(keys, values, meta)
+                shell.check_model(self.model, whose="the store's")
+                return shell, None
             return Cartridge.load(path, model=self.model), None
         except Exception as err:  # noqa: BLE001 - a bad file must never stop the store
             why = str(err) if isinstance(err, CartridgeError) else f"{type(err).__name__}: {err}"
@@ -261,23 +301,51 @@ class CartridgeStore:
             entry = self._entries.get(name)
             return entry.corpus if entry is not None else None
 
-    def refresh(self) -> dict[str, list[str]]:
+    def refresh(self, *, quick: bool = False) -> dict[str, list[str]]:
         """Re-read the folder: new and replaced files are checked and served, removed ones dropped. Returns the
-        names added, removed and refused."""
+        names added, removed and refused.
+
+        `quick` (a server's once-a-second look) takes a file as unchanged while it is the same inode, which the
+        folder's listing gives without a stat: every writer here replaces a file by renaming a new one over it, so a
+        new or replaced file is seen at once. A file rewritten in place keeps its inode, so a quick refresh still
+        compares every file's size and time once `FULL_SCAN_SECONDS` have passed since the last full one."""
         with self._lock:
+            full = not quick or time.monotonic() - self._full_scan > FULL_SCAN_SECONDS
+            if full:
+                self._full_scan = time.monotonic()
             seen: dict[str, _Entry] = {}
             changes: dict[str, list[str]] = {"added": [], "removed": [], "refused": []}
-            for path in sorted(self.root.glob(f"*{SUFFIX}")):
-                name = path.name.removesuffix(SUFFIX)
+            # one listing of the folder, its entries' types and stats from it: a store of 100,000 cartridges is re-read
+            # every second by a server, so a file costs a stat or two here, and a link a resolve
+            listing = _listing(self.root)
+            # what earlier processes read of these files' headers (serve/catalog.py), read once per store
+            catalog = read_catalog(self.root, self._model_key) if self._catalog is None else self._catalog
+            headers, slow = 0, []  # headers read; names that were not in the steady state
+            for file in [f for f in listing if f.endswith(SUFFIX)]:
+                name = file.removesuffix(SUFFIX)
+                old = self._entries.get(name)
+                corpus_entry = listing.get(f"{name}{CORPUS_SUFFIX}")
+                inodes = (listing[file].inode(), corpus_entry.inode() if corpus_entry is not None else None)
+                if not full and old is not None and old.inodes == inodes and not listing[file].is_symlink() and not (
+                        corpus_entry is not None and corpus_entry.is_symlink()):
+                    seen[name] = old  # the same files, by their inodes (a link's target is judged by a full scan)
+                    continue
                 try:
-                    st = path.stat()
+                    stamp = _entry_stamp(listing[file])
+                    has_corpus = corpus_entry is not None and corpus_entry.is_file()
+                    corpus_stamp = _entry_stamp(corpus_entry) if has_corpus else None
                 except FileNotFoundError:  # removed while we looked
                     continue
-                stamp = (st.st_size, st.st_mtime_ns)
-                corpus = self.root / f"{name}{CORPUS_SUFFIX}"
-                corpus = corpus if corpus.is_file() else None
-                corpus_stamp = _stamp(corpus) if corpus is not None else None
-                outside = [p.name for p in (path, corpus) if p is not None and not self._inside(p)]
+                if (old is not None and old.stamp == stamp and old.corpus_stamp == corpus_stamp
+                        and not listing[file].is_symlink() and not (has_corpus and corpus_entry.is_symlink())):
+                    # the steady state: no path built, nothing read
+                    seen[name] = old if old.inodes == inodes else attrs.evolve(old, inodes=inodes)
+                    continue
+                path = self.root / file
+                corpus = self.root / corpus_entry.name if has_corpus else None
+                slow.append(name)
+                links = [(path, listing[file])] + ([(corpus, corpus_entry)] if corpus is not None else [])
+                outside = [p.name for p, e in links if e.is_symlink() and not self._inside(p)]
                 if outside:  # a link to elsewhere would serve or index a file the store's owner never put there
                     if self._refused.get(path, (None,))[0] != stamp or path not in self._linked_out:
                         self._linked_out.add(path)
@@ -287,9 +355,16 @@ class CartridgeStore:
                 if path in self._linked_out:  # the link is gone: the file is judged afresh
                     self._linked_out.discard(path)
                     self._refused.pop(path, None)
-                old = self._entries.get(name)
                 if old is not None and old.stamp == stamp and old.path == path:
-                    seen[name] = attrs.evolve(old, corpus=corpus, corpus_stamp=corpus_stamp)
+                    seen[name] = attrs.evolve(old, corpus=corpus, corpus_stamp=corpus_stamp, inodes=inodes)
+                    continue
+                known = catalog.get(file)
+                if known is not None and known.get("stamp") == list(stamp) and name_problem(name) is None:
+                    self._refused.pop(path, None)
+                    seen[name] = _Entry(path, stamp, corpus, corpus_stamp, known.get("document"),
+                                        int(known.get("num_tokens", 0)), known.get("subject"), inodes)
+                    if old is None:
+                        changes["added"].append(name)
                     continue
                 if path in self._refused and self._refused[path][0] == stamp:
                     continue  # the same bad file: said once already
@@ -297,30 +372,47 @@ class CartridgeStore:
                     self._refuse(path, "its name cannot be served (letters, digits, '.', '_', '-'; not 'auto')")
                     changes["refused"].append(name)
                     continue
-                cartridge, _ = self._load(path)
+                cartridge, _ = self._load(path, data=False)  # its header: checked now, its tensors read when asked
+                headers += 1
                 if cartridge is None:
                     changes["refused"].append(name)
                     continue
                 self._refused.pop(path, None)
-                self._remember(name, cartridge)  # it was read to check it: keep it for the first request
+                self._memory.pop(name)  # a replaced file: the old tensors go
                 seen[name] = _Entry(path, stamp, corpus, corpus_stamp, document_record(cartridge),
-                                    cartridge.num_tokens, subject_of(cartridge))
+                                    cartridge.num_tokens, subject_of(cartridge), inodes)
                 if old is None:
                     changes["added"].append(name)
             changes["removed"] = sorted(set(self._entries) - set(seen))
             for name in changes["removed"]:
                 self._memory.pop(name)
             self._refused = {p: v for p, v in self._refused.items() if p.exists()}
-            def routing(entries):
-                return {n: (e.corpus, e.corpus_stamp) for n, e in entries.items()}
+            def corpus_of(entry: _Entry | None) -> tuple[Path | None, tuple[int, int] | None]:
+                return (entry.corpus, entry.corpus_stamp) if entry is not None else (None, None)
 
-            if routing(seen) != routing(self._entries):
+            # a corpus added, replaced or gone makes the routing indexes stale (a file refused again does not)
+            if changes["removed"] or any(corpus_of(self._entries.get(n)) != corpus_of(seen.get(n)) for n in slow):
                 self._index = {}
+            for said in changes.values():
+                said.sort()
             self._entries = seen
+            self._catalog = {}  # read once: from now on this store's own entries are newer
+            if headers >= WRITE_AFTER:
+                self.save_catalog()
             return changes
 
+    def save_catalog(self) -> None:
+        """Write what this store knows of its files' headers (serve/catalog.py), so the next process to open the
+        folder reads one file instead of every header. Refresh calls it after reading many; sync after a build."""
+        with self._lock:
+            entries = {e.path.name: {"stamp": list(e.stamp), "document": e.document, "num_tokens": e.num_tokens,
+                                     "subject": e.subject} for e in self._entries.values()}
+        write_catalog(self.root, self._model_key, entries)
+
     def _inside(self, path: Path) -> bool:
-        """Whether `path`, links followed, is in the store's folder."""
+        """Whether `path`, links followed, is in the store's folder (a file in it that is not a link is: one lstat)."""
+        if path.parent == self.root and not path.is_symlink():
+            return True
         return path.resolve().parent == self.root.resolve()
 
     # ---- routing
@@ -345,11 +437,9 @@ class CartridgeStore:
             raise ConfigError(f"No cartridge in the store at {self.root} has a corpus text ({CORPUS_SUFFIX}) to route "
                               "by; add cartridges with store.add(name, cartridge, corpus=text).")
         retriever, names = index
-        found, scores = retriever.retrieve(bm25s.tokenize([routing_text(question)], stopwords=STOPWORDS,
-                                                          show_progress=False),
-                                           k=len(names), show_progress=False)
-        ranked = sorted(((names[d], float(s)) for d, s in zip(found[0].tolist(), scores[0].tolist()) if s > 0),
-                        key=lambda item: (-item[1], item[0]))[:k]
+        words = bm25s.tokenize([routing_text(question)], stopwords=STOPWORDS, return_ids=False, show_progress=False)[0]
+        known = [w for w in words if w in retriever.vocab_dict]
+        ranked = _best(names, retriever.get_scores(known), k) if known else []
         if not ranked:
             raise ConfigError(f"The question {question[:80]!r} shares no word with the corpus of any cartridge in the "
                               f"store at {self.root}, so it cannot be routed; name the cartridges to use instead.")

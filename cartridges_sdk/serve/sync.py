@@ -10,6 +10,8 @@ Why this is crash-safe without a journal: the record travels in the cartridge fi
 rename, so a store killed at any point holds, for each document, the old cartridge or the new one, each saying which
 version it is. The next sync sees what is stale and finishes the job. One writer at a time holds ``.sync.lock`` in
 the store's folder (the operating system's lock, released when its holder dies); readers never need it.
+Under torchrun (``cartridges sync --workers N``, or ranks on several machines sharing the folder) the ranks share one
+sync's building: the one writer is the job, whose rank 0 holds the lock (`_ranks`, docs/scale.md).
 
 `self_study` then trains, one document at a time, the cartridges sync compacted, and swaps each in when it is done
 if its document has not changed meanwhile. Training runs without the lock (it takes minutes to hours); only the swap
@@ -33,8 +35,7 @@ from ..cartridge import Cartridge
 from ..errors import ConfigError, StoreBusyError
 from ..files import folder_lock
 from ..lm import LM
-from .documents import (CORPUS_SUFFIX, SUFFIX, NotADocument, SourceDocument, content_hash, name_problem,
-                        read_documents, store_name)
+from .documents import SUFFIX, NotADocument, SourceDocument, content_hash, read_documents, store_name
 from .records import with_record
 from .settings import SyncConfig
 
@@ -60,6 +61,7 @@ class SyncedStore(Protocol):
     def refresh(self) -> dict[str, list[str]]: ...
     def records(self) -> dict[str, dict[str, Any]]: ...
     def corpus_path(self, name: str) -> Path | None: ...
+    def save_catalog(self) -> None: ...
     def _drop(self, name: str) -> None: ...  # forget a name whose files sync deleted itself
 
 
@@ -85,44 +87,123 @@ class SyncReport:
 
 def sync(store: SyncedStore, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None, *,
          timeout: float = 0, progress: bool = True) -> SyncReport:
-    """`CartridgeStore.sync`: see the module docstring."""
+    """`CartridgeStore.sync`: see the module docstring. Under torchrun, the ranks share the building (`_ranks`)."""
+    import torch
+
+    from ..making.distributed import process_group
+
     config = config or SyncConfig()
-    start = time.perf_counter()
+    store.model.check_context(config.tokens, f"A {config.tokens}-token cartridge per document", "pass a smaller tokens")
+    with process_group(torch.device("cpu")) as (rank, world):
+        if world > 1:
+            return _ranks(store, source, config, timeout, progress, rank, world)
+        start = time.perf_counter()
+        with _lead(store, timeout):
+            todo, plan = _plan_sync(store, source, config)
+            added, updated = _build_all(store, todo, plan.rejected, config, progress)
+            return _finish(store, plan, added, updated, config, start)
+
+
+@attrs.define
+class _Plan:
+    """What the writer holding the lock read, and what only it finishes: deleting the cartridges of documents gone."""
+
+    documents: list[SourceDocument]
+    records: dict[str, dict[str, Any]]
+    skipped: list[str]
+    rejected: list[NotADocument]
+
+
+# one document to build: the document, whether it replaces a cartridge, and the name and record of a cartridge of the
+# same content to reuse (a renamed or copied document), or None
+Todo = tuple[SourceDocument, bool, str | None, dict[str, Any] | None]
+
+
+def _lead(store: SyncedStore, timeout: float):
     busy = (f"Another sync is writing to the store at {store.root} (it holds {LOCK}); wait for it to finish, or pass "
             "a timeout to wait. Only one sync writes at a time; servers keep reading meanwhile.")
-    store.model.check_context(config.tokens, f"A {config.tokens}-token cartridge per document", "pass a smaller tokens")
-    with folder_lock(store.root, name=LOCK, timeout=timeout, busy=busy, error=StoreBusyError):
-        _clear_stale(store.root)
-        store.refresh()
-        documents, rejected = read_documents(source, unit=config.unit, max_bytes=config.max_bytes,
-                                             include=config.include)
-        records = store.records()
-        if not documents and records:  # an unmounted or emptied folder looks like every document deleted
-            raise ConfigError(f"{source if not isinstance(source, Mapping) else 'The source'} holds no documents"
-                              f"{' matching ' + ', '.join(config.include) if config.include else ''}, so "
-                              f"this sync would delete all {len(records)} synced cartridges of the store at "
-                              f"{store.root}; check the folder, or delete them on purpose with store.remove(name).")
-        todo, skipped = _plan(store, documents, records, rejected, config)
-        for line in rejected:
-            log.warning("sync %s: skipping %s: %s", store.root, line.path, line.why)
-        added, updated = _build_all(store, todo, records, rejected, config, progress)
-        # what could not be read this time keeps its cartridge; a folder that could not be read keeps all under it
-        kept = {store_name(r.path.split("/", 1)[0] if config.unit == "folder" else r.path) for r in rejected}
-        present = {doc.name for doc in documents}
-        deleted = sorted(n for n in records if n not in present and n not in kept
-                         and not any(n.startswith(k + ".") for k in kept))
-        for name in deleted:  # a document that could not be read this time keeps its cartridge: nothing is lost
-            store.remove(name)
-        _clear_old_work(store.root, documents, kept)
-    return SyncReport(tuple(added), tuple(updated), tuple(skipped), tuple(deleted),
+    return folder_lock(store.root, name=LOCK, timeout=timeout, busy=busy, error=StoreBusyError)
+
+
+def _plan_sync(store: SyncedStore, source: str | os.PathLike | Mapping[str, str],
+               config: SyncConfig) -> tuple[list[Todo], _Plan]:
+    """Read the folder and the store (the caller holds the lock): what to build, and the rest of the plan."""
+    _clear_stale(store.root)
+    store.refresh()
+    documents, rejected = read_documents(source, unit=config.unit, max_bytes=config.max_bytes, include=config.include)
+    records = store.records()
+    if not documents and records:  # an unmounted or emptied folder looks like every document deleted
+        raise ConfigError(f"{source if not isinstance(source, Mapping) else 'The source'} holds no documents"
+                          f"{' matching ' + ', '.join(config.include) if config.include else ''}, so "
+                          f"this sync would delete all {len(records)} synced cartridges of the store at "
+                          f"{store.root}; check the folder, or delete them on purpose with store.remove(name).")
+    todo, skipped = _plan(store, documents, records, rejected, config)
+    for line in rejected:
+        log.warning("sync %s: skipping %s: %s", store.root, line.path, line.why)
+    return todo, _Plan(documents, records, skipped, rejected)
+
+
+def _finish(store: SyncedStore, plan: _Plan, added: list[str], updated: list[str], config: SyncConfig,
+            start: float) -> SyncReport:
+    """Delete the cartridges of documents gone and old work folders (the caller holds the lock); the report."""
+    rejected = plan.rejected
+    # what could not be read this time keeps its cartridge; a folder that could not be read keeps all under it
+    kept = {store_name(r.path.split("/", 1)[0] if config.unit == "folder" else r.path) for r in rejected}
+    present = {doc.name for doc in plan.documents}
+    deleted = sorted(n for n in plan.records if n not in present and n not in kept
+                     and not any(n.startswith(k + ".") for k in kept))
+    for name in deleted:  # a document that could not be read this time keeps its cartridge: nothing is lost
+        store.remove(name)
+    _clear_old_work(store.root, plan.documents, kept)
+    if added or updated or deleted:  # the next process to open the store reads the catalog, not every header
+        store.refresh()  # what other ranks wrote, too
+        store.save_catalog()
+    return SyncReport(tuple(sorted(added)), tuple(sorted(updated)), tuple(plan.skipped), tuple(deleted),
                       tuple(sorted(rejected, key=lambda r: r.path)), round(time.perf_counter() - start, 3))
 
 
+def _ranks(store: SyncedStore, source: str | os.PathLike | Mapping[str, str], config: SyncConfig, timeout: float,
+           progress: bool, rank: int, world: int) -> SyncReport:
+    """One sync shared by the ranks of a torchrun job (`cartridges sync --workers N`, or torchrun on several machines
+    sharing the store's folder). Rank 0 takes the store's lock for the whole job, plans, and hands rank r every
+    world-th document to build (the documents are disjoint; each cartridge is written by one atomic rename, as one
+    writer writes it). When all are done, rank 0 deletes what is gone and lets go of the lock. A killed rank stops the
+    job (torchrun stops the others) and releases nothing half-written: the next sync builds what is left."""
+    import contextlib
+
+    from ..making.distributed import gather_from_ranks, lead_does, patient_group, scatter_from_lead
+
+    start = time.perf_counter()
+    with contextlib.ExitStack() as held, patient_group() as waits:
+        def plan_all() -> tuple[list[list[Todo]], _Plan]:
+            held.enter_context(_lead(store, timeout))
+            todo, plan = _plan_sync(store, source, config)
+            return [todo[r::world] for r in range(world)], plan
+
+        planned = lead_does(plan_all)
+        mine = scatter_from_lead(planned[0] if planned is not None else None, waits)
+        if any(same is not None and same not in store for _, _, same, _ in mine):
+            store.refresh()  # a cartridge to reuse that this rank's store has not read yet
+        rejected: list[NotADocument] = []
+        added, updated = _build_all(store, mine, rejected, config, progress and rank == 0)
+        done = gather_from_ranks((added, updated, rejected), waits)
+
+        def finish() -> SyncReport:
+            plan = planned[1]
+            plan.rejected += [r for _, _, rs in done for r in rs]
+            return _finish(store, plan, [n for a, _, _ in done for n in a], [n for _, u, _ in done for n in u],
+                           config, start)
+
+        return gather_from_ranks(lead_does(finish), waits)[0]  # every rank returns rank 0's report
+
+
 def _plan(store: SyncedStore, documents: list[SourceDocument], records: dict[str, dict[str, Any]],
-          rejected: list[NotADocument], config: SyncConfig) -> tuple[list[tuple[SourceDocument, bool]], list[str]]:
-    """The documents to build (each with whether it replaces a cartridge) and the names of those unchanged; a name
-    the store holds a cartridge of that sync did not make joins `rejected`."""
-    todo: list[tuple[SourceDocument, bool]] = []
+          rejected: list[NotADocument], config: SyncConfig) -> tuple[list[Todo], list[str]]:
+    """The documents to build and the names of those unchanged; a name the store holds a cartridge of that sync did
+    not make joins `rejected`. A renamed or copied document reuses the cartridge of its content (a self-studied one
+    stays self-studied) when no document of this sync rewrites that cartridge: then which worker builds what, and in
+    what order, changes nothing."""
+    changed: list[tuple[SourceDocument, bool]] = []
     skipped = []
     for doc in documents:
         record = records.get(doc.name)
@@ -132,26 +213,28 @@ def _plan(store: SyncedStore, documents: list[SourceDocument], records: dict[str
         elif record is not None and _current(store, doc, record, config):
             skipped.append(doc.name)
         else:  # a file the store left out (another model's, say) is replaced too
-            todo.append((doc, doc.name in records or (store.root / f"{doc.name}{SUFFIX}").exists()))
+            changed.append((doc, doc.name in records or (store.root / f"{doc.name}{SUFFIX}").exists()))
+    rewritten = {doc.name for doc, _ in changed}
+    by_content = {(r["sha256"], r.get("size")): name for name, r in records.items() if name not in rewritten}
+    todo: list[Todo] = []
+    for doc, replaces in changed:
+        same = by_content.get((doc.sha256, config.tokens))
+        todo.append((doc, replaces, same, records[same] if same is not None else None))
     return todo, skipped
 
 
-def _build_all(store: SyncedStore, todo: list[tuple[SourceDocument, bool]], records: dict[str, dict[str, Any]],
-               rejected: list[NotADocument], config: SyncConfig, progress: bool) -> tuple[list[str], list[str]]:
+def _build_all(store: SyncedStore, todo: list[Todo], rejected: list[NotADocument], config: SyncConfig,
+               progress: bool) -> tuple[list[str], list[str]]:
     """Build and store each document of `todo`: the names added and updated. One that fails to build joins
     `rejected` and the store keeps what it had."""
     added: list[str] = []
     updated: list[str] = []
-    # a renamed or copied document reuses the cartridge of its content (a self-studied one stays self-studied),
-    # unless that cartridge was already rewritten by this sync
-    by_content = {(r["sha256"], r.get("size")): name for name, r in records.items()}
-    for doc, replaces in _bar(todo, progress):
-        same = by_content.get((doc.sha256, config.tokens))
+    for doc, replaces, same, record in _bar(todo, progress):
         try:
-            if same is not None and same != doc.name and same not in added + updated:
+            if same is not None:
                 log.info("sync %s: %s has the content of %s; its cartridge is reused", store.root, doc.origin, same)
-                cartridge = with_record(store.model, store.get(same), doc, records[same]["method"],
-                                        int(records[same].get("tokens", 0)), config.tokens)
+                cartridge = with_record(store.model, store.get(same), doc, record["method"],
+                                        int(record.get("tokens", 0)), config.tokens)
             else:
                 cartridge = build(store.model, doc, config)
         except Exception as err:  # noqa: BLE001 - one document that fails to build must not stop the sync
@@ -236,49 +319,6 @@ def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str]
         shutil.rmtree(work, ignore_errors=True)
         improved.append(doc.name)
     return tuple(improved)
-
-
-def forget(store: SyncedStore, name: str, documents: str | os.PathLike | None = None, *,
-           timeout: float = 0) -> list[Path]:
-    """`CartridgeStore.forget`: see its docstring."""
-    if not isinstance(name, str) or name_problem(name) is not None:
-        raise ConfigError(f"name={name!r} is not a cartridge name (letters, digits, '.', '_', '-').")
-    busy = f"A sync is writing to the store at {store.root}; wait for it, or pass a timeout."
-    with folder_lock(store.root, name=LOCK, timeout=timeout, error=StoreBusyError, busy=busy):
-        store.refresh()
-        record = (store.records().get(name) or {})
-        removed: list[Path] = []
-        if documents is not None and record:
-            removed += _remove_document(Path(documents), record["origin"], name)
-        work = store.root / WORK
-        for folder in sorted(work.glob("*")) if work.is_dir() else ():
-            if folder.name.rpartition("-")[0] == name or any(folder.glob(f"distractors*/{name}{SUFFIX}")):
-                shutil.rmtree(folder)  # its checkpoints were trained among it: that training starts again
-                removed.append(folder)
-        corpus = store.root / f"{name}{CORPUS_SUFFIX}"
-        for path in (corpus, store.root / f"{name}{SUFFIX}"):  # the cartridge last: killed between, sync sees it
-            if path.exists() or path.is_symlink():
-                path.unlink()
-                removed.append(path)
-        if not removed and name not in store:
-            store.get(name)  # raises, naming what the store holds
-        store._drop(name)
-        return removed
-
-
-def _remove_document(folder: Path, origin: str, name: str) -> list[Path]:
-    """Delete the document at `origin` (as sync recorded it) in `folder`; a link is removed itself, never what it
-    points to (another patient's file, a mount outside)."""
-    if not origin or os.path.isabs(origin) or os.path.normpath(origin).split(os.sep)[0] == "..":
-        raise ConfigError(f"The document of {name!r} ({origin!r}) is not inside {folder}; delete it by hand.")
-    source = folder / os.path.normpath(origin)
-    if source.is_symlink() or source.is_file():
-        source.unlink()
-    elif source.is_dir():
-        shutil.rmtree(source)  # does not follow links inside it
-    else:
-        return []
-    return [source]
 
 
 def among_others(store: SyncedStore, name: str, work: Path) -> list[Cartridge]:
