@@ -263,15 +263,17 @@ class Cartridge:
         return write_file(path, self.keys, self.values, self.meta)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model: LM | None = None) -> Cartridge:
-        """Read a cartridge file (`cartridges_sdk.fileformat`); with `model`, check it fits and bind it."""
+    def load(cls, path: str | os.PathLike, model: LM | None = None, *, data: bool = True) -> Cartridge:
+        """Read a cartridge file (`cartridges_sdk.fileformat`); with `model`, check it fits and bind it. With
+        ``data=False`` only its header is read and checked: the tensors are on the ``meta`` device (shapes and
+        dtypes, no values), for a store that checks many files and answers from few."""
         require("path", path, PATH, "a file path")
         if model is not None:
             require("model", model, LM, "a model from load_model()")
         path = Path(path)
         if not path.is_file():
             raise CartridgeFormatError(f"No cartridge file at {str(path)!r}; check the path.")
-        keys, values, meta = read_file(path)
+        keys, values, meta = read_file(path, data=data)
         try:
             cartridge = cls(keys, values, meta)
         except ConfigError as err:

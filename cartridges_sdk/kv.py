@@ -59,8 +59,8 @@ class Recent(Generic[V]):
     def __init__(self, size: int | None = None, *, budget: int | None = None, cost: Callable[[V], int] = len):
         self.size, self.budget, self.cost = size, budget, cost
         self._items: OrderedDict[Hashable, V] = OrderedDict()
-        # each held value's cost, taken once when it is put, and their sum: summing them again at every put made a
-        # store of n cartridges take n^2 / 2 cost calls to read (minutes at 10,000)
+        # each held value's cost, taken once when it is put, and their sum: summing them again at every put cost
+        # n^2 / 2 cost calls for n puts (a store that read 10,000 cartridges into memory took minutes)
         self._costs: dict[Hashable, int] = {}
         self._total = 0
         self.made = 0  # values made so far (tests count installs with it)

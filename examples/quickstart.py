@@ -124,7 +124,7 @@ def main() -> None:
     args.conversations = CONVERSATIONS if args.conversations is None else args.conversations
 
     try:
-        CompactionConfig(keep_surprising=args.keep_surprising)
+        compaction = CompactionConfig(keep_surprising=args.keep_surprising)
     except CartridgeError as err:
         parser.error(f"--keep-surprising: {err}")
 
@@ -142,7 +142,7 @@ def main() -> None:
         parser.error(f"--tokens {tokens}: give between 1 and the corpus's {corpus_tokens} tokens")
     print(f"corpus: {args.corpus.name}, {corpus_tokens} tokens")
     work = args.work_dir or HERE / "quickstart.work" / (
-        f"{args.corpus.stem}-{lm.name.rsplit('/', 1)[-1]}-{tokens}t-{args.conversations}c"
+        f"{args.corpus.stem}-{lm.name.rsplit('/', 1)[-1]}-{tokens}t-{args.conversations}c-{args.keep_surprising}k"
         + "".join(f"-{k}{v}" for k, v in sorted(extra.items())).replace("/", "_"))
 
     questions = args.question or list(QUESTIONS)
@@ -158,7 +158,6 @@ def main() -> None:
 
     print(f"\nCompacting the text into {tokens} tokens (seconds)...")
     start = time.perf_counter()
-    compaction = CompactionConfig(keep_surprising=args.keep_surprising)
     # the report scores the last cartridge
     compacted = Cartridge.compact(lm, text, tokens, config=compaction, report=not args.self_study)
     print(f"compacted in {time.perf_counter() - start:.1f}s")

@@ -306,7 +306,30 @@ def test_self_study_starts_from_the_compaction_asked_for(tiny_llama, tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(plain.keys, kept.keys))
     again = initial_cartridge(tiny_llama, ids, 40, "compact", 0, saved=saved, progress=False, compaction=keep)
     assert all(torch.equal(a, b) for a, b in zip(kept.keys, again.keys))
+    # a start kept before the setting existed was made with its default, not with what is asked now
+    import attrs
+
+    older = Cartridge.load(saved, tiny_llama)
+    made = {k: v for k, v in older.meta.extra["compaction"].items() if k != "keep_surprising"}
+    Cartridge(older.keys, older.values, attrs.evolve(older.meta, extra={**older.meta.extra, "compaction": made})).save(saved)
+    redone = initial_cartridge(tiny_llama, ids, 40, "compact", 0, saved=saved, progress=False, compaction=keep)
+    assert redone.meta.extra["compaction"]["keep_surprising"] == 0.5
     with pytest.raises(ConfigError, match="must be a CompactionConfig"):
         StartConfig(40, "compact", compaction={"keep_surprising": 0.5})
     with pytest.raises(ConfigError, match="init='prefix'"):
         StartConfig(40, "prefix", compaction=keep)
+
+
+def test_a_word_is_kept_whole_and_a_long_run_is_its_one_token(tiny_llama):
+    from cartridges_sdk.making.compaction import MAX_WORD, surprising_words
+
+    text = "go " + "x" * (MAX_WORD + 3) + " cat dog"
+    ids = tiny_llama.encode(text)  # one token a character, after the BOS
+    offset = len(ids) - len(text)
+    surprisal = torch.zeros(len(ids))
+    cat, run = offset + text.index("cat") + 1, offset + 3 + 5
+    surprisal[cat], surprisal[run] = 9.0, 5.0
+    # this tokenizer's space is a token of its own, and the letters after it continue it: the word is " cat"; the run
+    # has no word edge in sight, so it is its one token
+    kept = surprising_words(tiny_llama, ids, surprisal, 5).tolist()
+    assert kept == sorted([offset + text.index(" cat") + i for i in range(4)] + [run])

@@ -216,13 +216,14 @@ def test_routing_needs_a_corpus_text(tmp_path, tiny_llama):
 def test_a_new_process_reads_the_catalog_instead_of_every_header(store, tiny_llama, tiny_qwen, monkeypatch):
     """serve/catalog.py: a store opened on a folder whose catalog is current reads no cartridge header; a file
     replaced since is read again; a catalog made for another model, or a damaged one, is not used."""
-    from cartridges_sdk.serve import store as store_module
+    from cartridges_sdk import cartridge as cartridge_module
     from cartridges_sdk.serve.catalog import CATALOG
 
     store.save_catalog()
-    read = []
-    real = store_module.read_file
-    monkeypatch.setattr(store_module, "read_file", lambda path, **kw: read.append(path.name) or real(path, **kw))
+    read = []  # the headers read to check a file (a cartridge served is read whole, not counted)
+    real = cartridge_module.read_file
+    monkeypatch.setattr(cartridge_module, "read_file",
+                        lambda path, data=True: (read.append(path.name) if not data else None) or real(path, data=data))
     again = CartridgeStore(store.root, tiny_llama)
     assert read == [] and again.names() == store.names() and again.records() == store.records()
     assert again.get("orchard").num_tokens == 12  # serving reads and checks the file itself
@@ -291,3 +292,34 @@ def test_a_quick_refresh_sees_new_and_renamed_over_files_at_once_and_rewritten_o
     monkeypatch.setattr(store_module, "FULL_SCAN_SECONDS", 0.0)
     store.refresh(quick=True)
     assert store._entries["lighthouse"].num_tokens == 16 and store.get("lighthouse").num_tokens == 16
+
+
+def test_forgetting_or_removing_a_cartridge_leaves_nothing_of_it_in_the_catalog(store):
+    """The catalog holds each cartridge's record (a patient's name may be its subject): deleting a cartridge deletes
+    the catalog, and the next sync writes it again without it."""
+    from cartridges_sdk.serve.catalog import CATALOG
+
+    store.save_catalog()
+    assert "orchard" in (store.root / CATALOG).read_text()
+    store.remove("orchard")
+    assert not (store.root / CATALOG).exists()
+    store.save_catalog()
+    store.forget("railway")
+    assert not (store.root / CATALOG).exists()
+    store.save_catalog()
+    text = (store.root / CATALOG).read_text()
+    assert "lighthouse" in text and "orchard" not in text and "railway" not in text
+
+
+def test_a_catalog_edited_by_hand_is_read_afresh_where_it_does_not_fit(store, tiny_llama):
+    import json
+
+    from cartridges_sdk.serve.catalog import CATALOG
+
+    store.save_catalog()
+    data = json.loads((store.root / CATALOG).read_text())
+    data["entries"]["orchard.safetensors"]["num_tokens"] = "many"
+    data["entries"]["railway.safetensors"] = ["not", "an", "entry"]
+    (store.root / CATALOG).write_text(json.dumps(data))
+    again = CartridgeStore(store.root, tiny_llama)
+    assert again.names() == store.names() and again._entries["orchard"].num_tokens == 12

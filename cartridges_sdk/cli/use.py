@@ -13,7 +13,7 @@ from typing import Any
 from ..cartridge import Cartridge
 from ..checks import is_loopback
 from ..errors import ConfigError
-from ..making.distributed import is_lead
+from ..making.distributed import is_lead, rank_device, under_torchrun
 from ..plugins import REGISTRIES
 from ..runtime_choice import runtime_name
 from ..serve.store import CartridgeStore
@@ -147,10 +147,10 @@ def cmd_sync(args: argparse.Namespace) -> int:
     ranks_exit = as_ranks(args, "--workers", args.workers)
     if ranks_exit is not None:
         return ranks_exit
-    lm = common.model_for(args.model, device=args.device)
+    lm = common.model_for(args.model, device=rank_device(args.device))  # a rank's own GPU, where there are several
     try:
         store = CartridgeStore(args.store, lm)
-        report = store.sync(args.folder, config, timeout=args.wait, progress=not args.json)
+        report = store.sync(args.folder, config, timeout=args.wait, progress=not args.json, ranks=under_torchrun())
         if not is_lead():  # each rank built its share; rank 0 says what the job did
             return 0
         if not args.json:

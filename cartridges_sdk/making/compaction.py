@@ -54,6 +54,8 @@ PROBE_QUESTIONS = (
 _SEEDS = seeds.QUESTION_PROMPTS  # what the model is asked, to ask its own question about a chunk
 # its question: at most this many tokens, sampled (greedy would ask one question per seed prompt, and there are three)
 QUESTION_TOKENS, QUESTION_TEMPERATURE = 48, 0.8
+# the longest word `keep_surprising` keeps whole, in tokens (a name is a few; text without spaces is one long "word")
+MAX_WORD = 8
 
 # the longest chunk read in one pass by default: one forward pass holds the chunk's KV and recorded queries
 MAX_CHUNK = 16384
@@ -274,26 +276,28 @@ def surprising_words(lm: LM, ids: list[int], surprisal: torch.Tensor, count: int
     """Up to `count` positions (never the sink's): the words holding the tokens the model least expected, most
     surprising first, each whole. A reader copies a rare name token by token, each one found by the token before
     it, so a name missing its tail comes out misspelled ("milen" for "mil|ank|ov|itch"). A token whose text does not
-    start with a space or a sign continues the word before it."""
+    start with a space or a sign continues the word before it, and a word longer than `MAX_WORD` tokens (text
+    without spaces) is its single token."""
     if count <= 0:
         return None
     decode = lm.tokenizer.decode
     # a token's own text is what it adds after the token before it (a lone SentencePiece token decodes unspaced)
     starts = [i == 0 or not decode(ids[i - 1 : i + 1])[len(decode(ids[i - 1 : i])):][:1].isalnum()
               for i in range(len(ids))]
-    chosen: dict[int, None] = {}
+    chosen: set[int] = set()
     for p in surprisal[1:].argsort(descending=True).add(1).tolist():
         if p in chosen:
             continue
-        first = p
-        while first > 1 and not starts[first]:
+        first, last = p, p + 1
+        while first > 1 and not starts[first] and p - first < MAX_WORD - 1:
             first -= 1
-        last = p + 1
-        while last < len(ids) and not starts[last]:
+        while last < len(ids) and not starts[last] and last - first < MAX_WORD:
             last += 1
-        for q in range(first, last):
+        # a word whose start or end is not in sight (text without spaces, a long identifier) is its token alone
+        word = range(first, last) if (first == 1 or starts[first]) and (last == len(ids) or starts[last]) else [p]
+        for q in word:  # the last word may not fit whole: its first tokens then (measured: docs/compaction.md)
             if len(chosen) < count:
-                chosen[q] = None
+                chosen.add(q)
         if len(chosen) >= count:
             break
     return torch.tensor(sorted(chosen), dtype=torch.long)

@@ -125,12 +125,16 @@ def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int,
     if init == "compact":
         if saved is not None and saved.is_file():
             kept = Cartridge.load(saved, lm)
-            # made with these settings too (as its file holds them: lists for tuples); a setting it predates is default
-            settings = json.loads(json.dumps(attrs.asdict(compaction or CompactionConfig())))
+            # made with these settings too (as its file holds them: lists for tuples); a setting the file predates
+            # was that setting's default
+            def as_saved(config: CompactionConfig) -> dict[str, Any]:
+                return json.loads(json.dumps(attrs.asdict(config)))
+
+            wanted, defaults = as_saved(compaction or CompactionConfig()), as_saved(CompactionConfig())
             made = kept.meta.extra.get("compaction", {})
             same = (kept.num_tokens, kept.num_frozen) == (num_tokens, num_frozen) and (
                 prefix_ids is None or (kept.meta.corpus or {}).get("fingerprint") == token_fingerprint(prefix_ids)) \
-                and all(made.get(k, v) == v for k, v in settings.items())
+                and all(made.get(k, defaults[k]) == v for k, v in wanted.items())
             if same:
                 return kept
         check_compact(prefix_ids, num_tokens)

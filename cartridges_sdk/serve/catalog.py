@@ -40,7 +40,23 @@ def read_catalog(root: Path, key: str) -> dict[str, dict[str, Any]]:
     if not isinstance(data, dict) or data.get("version") != VERSION or data.get("model") != key:
         return {}
     entries = data.get("entries")
-    return entries if isinstance(entries, dict) else {}
+    return {file: e for file, e in entries.items() if _well_formed(e)} if isinstance(entries, dict) else {}
+
+
+def _well_formed(entry: Any) -> bool:
+    """An entry a store can use as it is; any other (a catalog edited by hand, say) is read afresh from its file."""
+    if not isinstance(entry, dict):
+        return False
+    stamp, tokens = entry.get("stamp"), entry.get("num_tokens")
+    return (isinstance(stamp, list) and len(stamp) == 2 and all(type(x) is int for x in stamp)
+            and type(tokens) is int and isinstance(entry.get("document"), (dict, type(None)))
+            and isinstance(entry.get("subject"), (str, type(None))))
+
+
+def discard_catalog(root: Path) -> None:
+    """Delete the catalog: a cartridge deleted (forgotten) must leave nothing of its record behind, and rewriting a
+    large catalog at each deletion would cost more than the next process reading the headers once."""
+    (root / CATALOG).unlink(missing_ok=True)
 
 
 def write_catalog(root: Path, key: str, entries: dict[str, dict[str, Any]]) -> None:

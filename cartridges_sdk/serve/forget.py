@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, StoreBusyError
 from ..files import folder_lock
+from .catalog import discard_catalog
 from .documents import CORPUS_SUFFIX, SUFFIX, name_problem
 from .sync import LOCK, WORK, SyncedStore
 
@@ -22,6 +23,7 @@ def forget(store: SyncedStore, name: str, documents: str | os.PathLike | None = 
     with folder_lock(store.root, name=LOCK, timeout=timeout, error=StoreBusyError, busy=busy):
         store.refresh()
         record = (store.records().get(name) or {})
+        discard_catalog(store.root)  # it holds the record too (serve/catalog.py)
         removed: list[Path] = []
         if documents is not None and record:
             removed += _remove_document(Path(documents), record["origin"], name)

@@ -34,10 +34,9 @@ import attrs
 from ..cartridge import Cartridge
 from ..errors import CartridgeError, ConfigError, NotInStoreError
 from ..files import atomic_write
-from ..fileformat import read_file
 from ..kv import Recent
 from ..lm import LM
-from .catalog import WRITE_AFTER, model_key, read_catalog, write_catalog
+from .catalog import WRITE_AFTER, discard_catalog, model_key, read_catalog, write_catalog
 from .documents import CORPUS_SUFFIX, NAME, SUFFIX, name_problem
 from .passages import Passage, PassageIndex, Plan, check_retrieval, plan
 from .records import document_record, subject_of, versions, with_subject
@@ -138,7 +137,7 @@ class CartridgeStore:
         self._index: dict[frozenset[str] | None, Any] = {}
         self._lock = threading.RLock()
         self._model_key = model_key(model.identity)
-        self._catalog: dict[str, dict[str, Any]] | None = None  # read at the first refresh, then dropped
+        self._catalog_read = False  # the catalog is read at the first refresh only: after it, this store is newer
         self._full_scan = 0.0  # when the last refresh compared every file's size and time (time.monotonic)
         self.refresh()
 
@@ -193,12 +192,7 @@ class CartridgeStore:
             self._refuse(path, why)
             return None, why
         try:
-            if not data:
-                keys, values, meta = read_file(path, data=False)
-                shell = Cartridge(keys, values, meta)
-                shell.check_model(self.model, whose="the store's")
-                return shell, None
-            return Cartridge.load(path, model=self.model), None
+            return Cartridge.load(path, model=self.model, data=data), None
         except Exception as err:  # noqa: BLE001 - a bad file must never stop the store
             why = str(err) if isinstance(err, CartridgeError) else f"{type(err).__name__}: {err}"
         self._refuse(path, why)
@@ -249,6 +243,7 @@ class CartridgeStore:
         with self._lock:
             if name not in self._entries:
                 self.get(name)  # raises, naming what the store holds
+            discard_catalog(self.root)  # first: killed after it, nothing of the record is left there
             for suffix in (CORPUS_SUFFIX, SUFFIX):  # the cartridge last: killed between, sync still sees it
                 (self.root / f"{name}{suffix}").unlink(missing_ok=True)
             self._drop(name)
@@ -263,21 +258,24 @@ class CartridgeStore:
         return forget(self, name, documents, timeout=timeout)
 
     def _drop(self, name: str) -> None:
-        """Forget `name` in memory: its entry, its loaded cartridge, the routing indexes (its files are gone)."""
+        """Forget `name` in memory: its entry, its loaded cartridge, the routing indexes (its files are gone), and
+        the catalog, which held its record (sync writes a new one when it is done)."""
         with self._lock:
+            discard_catalog(self.root)
             self._entries.pop(name, None)
             self._memory.pop(name)
             self._refused = {p: v for p, v in self._refused.items() if p.exists()}
             self._index = {}
 
     def sync(self, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None, *,
-             timeout: float = 0, progress: bool = True) -> SyncReport:
+             timeout: float = 0, progress: bool = True, ranks: bool = False) -> SyncReport:
         """Bring the store in step with `source`, a folder (one document per file, or per top-level entry with
         ``SyncConfig(unit="folder")``) or a mapping of name to text: one cartridge per document, built only when the
         document is new or changed, deleted when the document is gone. Bad files are skipped with one log line each
         and lose nothing already stored. Waits `timeout` seconds for another sync holding the store's lock (then
-        raises `ConfigError`). See docs/sync.md."""
-        return sync(self, source, config, timeout=timeout, progress=progress)
+        raises `ConfigError`). With `ranks`, each rank of a torchrun job calls it and they share the building (rank 0
+        holds the lock and plans; docs/scale.md). See docs/sync.md."""
+        return sync(self, source, config, timeout=timeout, progress=progress, ranks=ranks)
 
     def self_study(self, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None,
                    settings: Mapping[str, Any] | None = None, *, limit: int | None = None, distractors: int = 0,
@@ -307,8 +305,9 @@ class CartridgeStore:
 
         `quick` (a server's once-a-second look) takes a file as unchanged while it is the same inode, which the
         folder's listing gives without a stat: every writer here replaces a file by renaming a new one over it, so a
-        new or replaced file is seen at once. A file rewritten in place keeps its inode, so a quick refresh still
-        compares every file's size and time once `FULL_SCAN_SECONDS` have passed since the last full one."""
+        new or replaced file is seen at once. A file rewritten in place keeps its inode, and a filesystem may give a
+        freed inode number to the next new file; either is seen at the first full scan, which a quick refresh makes
+        once `FULL_SCAN_SECONDS` have passed since the last one."""
         with self._lock:
             full = not quick or time.monotonic() - self._full_scan > FULL_SCAN_SECONDS
             if full:
@@ -319,7 +318,7 @@ class CartridgeStore:
             # every second by a server, so a file costs a stat or two here, and a link a resolve
             listing = _listing(self.root)
             # what earlier processes read of these files' headers (serve/catalog.py), read once per store
-            catalog = read_catalog(self.root, self._model_key) if self._catalog is None else self._catalog
+            catalog = {} if self._catalog_read else read_catalog(self.root, self._model_key)
             headers, slow = 0, []  # headers read; names that were not in the steady state
             for file in [f for f in listing if f.endswith(SUFFIX)]:
                 name = file.removesuffix(SUFFIX)
@@ -396,7 +395,7 @@ class CartridgeStore:
             for said in changes.values():
                 said.sort()
             self._entries = seen
-            self._catalog = {}  # read once: from now on this store's own entries are newer
+            self._catalog_read = True
             if headers >= WRITE_AFTER:
                 self.save_catalog()
             return changes

@@ -35,6 +35,7 @@ from ..cartridge import Cartridge
 from ..errors import ConfigError, StoreBusyError
 from ..files import folder_lock
 from ..lm import LM
+from ..making.settings import DEFAULT_START
 from .documents import SUFFIX, NotADocument, SourceDocument, content_hash, read_documents, store_name
 from .records import with_record
 from .settings import SyncConfig
@@ -86,22 +87,24 @@ class SyncReport:
 
 
 def sync(store: SyncedStore, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None, *,
-         timeout: float = 0, progress: bool = True) -> SyncReport:
-    """`CartridgeStore.sync`: see the module docstring. Under torchrun, the ranks share the building (`_ranks`)."""
-    import torch
-
-    from ..making.distributed import process_group
-
+         timeout: float = 0, progress: bool = True, ranks: bool = False) -> SyncReport:
+    """`CartridgeStore.sync`: see the module docstring. With `ranks`, every rank of the torchrun job calls it and
+    they share the building (`_ranks`); without, this process syncs alone, whatever job it is part of."""
     config = config or SyncConfig()
     store.model.check_context(config.tokens, f"A {config.tokens}-token cartridge per document", "pass a smaller tokens")
-    with process_group(torch.device("cpu")) as (rank, world):
-        if world > 1:
-            return _ranks(store, source, config, timeout, progress, rank, world)
-        start = time.perf_counter()
-        with _lead(store, timeout):
-            todo, plan = _plan_sync(store, source, config)
-            added, updated = _build_all(store, todo, plan.rejected, config, progress)
-            return _finish(store, plan, added, updated, config, start)
+    if ranks:
+        import torch
+
+        from ..making.distributed import process_group
+
+        with process_group(torch.device("cpu")) as (rank, world):
+            if world > 1:
+                return _ranks(store, source, config, timeout, progress, rank, world)
+    start = time.perf_counter()
+    with _lead(store, timeout):
+        todo, plan = _plan_sync(store, source, config)
+        added, updated = _build_all(store, todo, plan.rejected, config, progress)
+        return _finish(store, plan, added, updated, config, start)
 
 
 @attrs.define
@@ -280,10 +283,12 @@ def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str]
     of the store's other cartridges at a time (`among_others`). Returns the names replaced."""
     config = config or SyncConfig()
     settings = dict(settings or {})
-    taken = {"num_tokens", "output_dir", "progress", "distractors", "max_distractors", "report"} & set(settings)
+    taken = {"num_tokens", "output_dir", "progress", "distractors", "max_distractors", "report",
+             "compaction"} & set(settings)
     if taken:
         raise ConfigError(f"self-study settings {sorted(taken)} are set by sync (the size is SyncConfig.tokens, the "
-                          "distractors its distractors= argument, the report SyncConfig.report).")
+                          "distractors its distractors= argument, the report SyncConfig.report, the compacted start "
+                          "SyncConfig.compaction).")
     if isinstance(distractors, bool) or not isinstance(distractors, int) or distractors < 0:
         raise ConfigError(f"distractors={distractors!r} must be a whole number >= 0 (0 trains each cartridge alone).")
     documents, _ = read_documents(source, unit=config.unit, max_bytes=config.max_bytes, include=config.include)
@@ -299,8 +304,10 @@ def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str]
         among = ({"distractors": among_others(store, doc.name, work), "max_distractors": distractors}
                  if distractors else {})
         try:
+            # starting from the corpus compacted as sync compacts it (unless the settings start elsewhere)
+            start = {"compaction": config.compaction} if settings.get("init", DEFAULT_START) == "compact" else {}
             trained = Cartridge.from_corpus(doc.text, store.model, num_tokens=config.tokens, output_dir=work,
-                                            progress=progress, report=config.report, **among, **settings)
+                                            progress=progress, report=config.report, **among, **start, **settings)
         except ConfigError:
             raise  # a bad setting fails every document alike: say it once
         except Exception as err:  # noqa: BLE001 - one document that fails to train must not stop the others
