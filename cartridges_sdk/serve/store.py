@@ -325,8 +325,8 @@ class CartridgeStore:
                 old = self._entries.get(name)
                 corpus_entry = listing.get(f"{name}{CORPUS_SUFFIX}")
                 inodes = (listing[file].inode(), corpus_entry.inode() if corpus_entry is not None else None)
-                if not full and old is not None and old.inodes == inodes and not listing[file].is_symlink() and not (
-                        corpus_entry is not None and corpus_entry.is_symlink()):
+                linked = listing[file].is_symlink() or (corpus_entry is not None and corpus_entry.is_symlink())
+                if not full and old is not None and old.inodes == inodes and not linked:
                     seen[name] = old  # the same files, by their inodes (a link's target is judged by a full scan)
                     continue
                 try:
@@ -335,8 +335,7 @@ class CartridgeStore:
                     corpus_stamp = _entry_stamp(corpus_entry) if has_corpus else None
                 except FileNotFoundError:  # removed while we looked
                     continue
-                if (old is not None and old.stamp == stamp and old.corpus_stamp == corpus_stamp
-                        and not listing[file].is_symlink() and not (has_corpus and corpus_entry.is_symlink())):
+                if old is not None and old.stamp == stamp and old.corpus_stamp == corpus_stamp and not linked:
                     # the steady state: no path built, nothing read
                     seen[name] = old if old.inodes == inodes else attrs.evolve(old, inodes=inodes)
                     continue
