@@ -327,7 +327,11 @@ class Registry(Generic[T]):
         if target is None:
             ep = self._entry_points().get(name)
             if ep is None:
-                if name in PROJECT_BACKENDS:
+                if name == "llamacpp":  # the script builds llama.cpp without the kernels that crash some VMs
+                    hint = (" It is this project's 'llamacpp' backend, not installed here: install it with "
+                            "`./scripts/setup.sh --core --llamacpp` from the repository (docs/llamacpp.md), or run "
+                            "`./scripts/setup.sh` for every backend.")
+                elif name in PROJECT_BACKENDS:
                     hint = (f" It is this project's {name!r} backend, not installed here: install it with `pip install "
                             f"-e '{PROJECT_BACKENDS[name]}'` from the repository, or run `./scripts/setup.sh` for "
                             "every backend.")

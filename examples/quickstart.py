@@ -133,7 +133,7 @@ def main() -> None:
     print(f"loaded {lm.name} in {time.perf_counter() - start:.1f}s")
     runtime = lm.auto_runtime  # what every ask below uses (runtime="auto", the default)
     faster = "" if runtime != "hf" or lm.gguf is None or "llamacpp" in runtimes.names() else (
-        "; llama.cpp answers this reader 2-4x faster: `pip install -e backends/llamacpp` (compiles once, ~12 min)")
+        "; llama.cpp answers this reader 2-4x faster: `./scripts/setup.sh --core --llamacpp` (compiles once, ~10 min)")
     print(f"answering with the {runtime} runtime (the fastest installed here{faster})")
     text = args.corpus.read_text(encoding="utf-8")
     corpus_tokens = len(lm.encode(text))
@@ -160,7 +160,9 @@ def main() -> None:
     start = time.perf_counter()
     # the report scores the last cartridge
     compacted = Cartridge.compact(lm, text, tokens, config=compaction, report=not args.self_study)
-    print(f"compacted in {time.perf_counter() - start:.1f}s")
+    checked = (compacted.quality or {}).get("seconds", 0.0)  # the report's own time, within compact's
+    print(f"compacted in {time.perf_counter() - start - checked:.1f}s"
+          + (f", then checked by the quality report in {checked:.0f}s" if checked else ""))
     answers["compacted"] = compacted.ask(questions, **gen)
     cartridge, last = compacted, "compacted"
     if args.self_study:

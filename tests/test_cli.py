@@ -109,7 +109,7 @@ def test_synthesize_then_train(tmp_path, capsys, monkeypatch):
 
     # two trainings below are compared bit for bit: "fastest" is timed per model load, and a loaded machine can time
     # the two loads differently (it did once), so both compute in the model's own dtype
-    monkeypatch.setattr(precision, "fastest_dtypes", lambda lm: dict.fromkeys(precision.STAGES, None))
+    monkeypatch.setattr(precision, "fastest_dtypes", lambda lm, stages=precision.STAGES: dict.fromkeys(stages, None))
     corpus = str(DATA / "harrow_point.txt")
     data = tmp_path / "data.parquet"
     assert main(["synthesize", corpus, "-o", str(data), "--conversations", "4", *TINY]) == 0

@@ -29,9 +29,11 @@ def test_the_text_itself_recovers_everything_and_a_random_cartridge_does_not(def
     assert report.nll["context"] < report.nll["none"]  # the text helps, so there is something to recover
     assert report.recovered == pytest.approx(1.0, abs=1e-4) and report.kl == pytest.approx(0.0, abs=1e-5)
     assert report.agreement == 1.0
-    # the same questions again (the report's own seed): the same figures
+    # the same questions again (the report's own seed): the same figures. In the model's dtype: "fastest" is timed, and
+    # on a machine where bf16 and float32 run the 135M about as fast it picks either, so two questions would differ
+    fixed = attrs.evolve(QUICK, dtype=None)
     noise = Cartridge.random(default_lm, 32, seed=3)
-    first, again = check_quality(default_lm, TEXT, noise, QUICK), check_quality(default_lm, TEXT, noise, QUICK)
+    first, again = check_quality(default_lm, TEXT, noise, fixed), check_quality(default_lm, TEXT, noise, fixed)
     assert first == attrs.evolve(again, seconds=first.seconds)  # the same but for the time it took
     assert first.kl > 0.01 and first.agreement < 1.0 and first.recovered < 0.9
 

@@ -237,7 +237,7 @@ def test_the_fastest_work_dtype_is_measured_per_stage_once_per_run(tiny_llama, m
     assert tiny_llama.in_dtype(torch.bfloat16) is tiny_llama.in_dtype(torch.bfloat16)
     measured = []
     monkeypatch.setattr(precision, "_CHOSEN", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(precision, "fastest_dtypes", lambda lm: measured.append(lm) or
+    monkeypatch.setattr(precision, "fastest_dtypes", lambda lm, stages=precision.STAGES: measured.append(lm) or
                         {"synthesis": torch.float32, "training": torch.bfloat16})
     cart = Cartridge.from_corpus(TEXT[:400], tiny_llama, num_tokens=8, num_conversations=2, document_windows=0,
                                  max_tokens_a=4, max_tokens_b=4, min_chunk=32, max_chunk=64, work_dtype="fastest",
@@ -247,3 +247,14 @@ def test_the_fastest_work_dtype_is_measured_per_stage_once_per_run(tiny_llama, m
     precision.resolve_work_dtype(tiny_llama, "fastest")
     assert len(measured) == 1  # once per model and process
     assert cart.keys[0].dtype == tiny_llama.dtype  # bound to the model it was asked for
+    # the quality report only synthesizes, so it times synthesis alone; a later run times training, once
+    asked = []
+    monkeypatch.setattr(precision, "_CHOSEN", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(precision, "fastest_dtypes", lambda lm, stages=precision.STAGES: asked.append(stages) or
+                        dict.fromkeys(stages, torch.bfloat16))
+    assert precision.resolve_work_dtype(tiny_llama, "fastest", stages=("synthesis",)) == {"synthesis": torch.bfloat16}
+    assert precision.resolve_work_dtype(tiny_llama, "fastest") == dict.fromkeys(precision.STAGES, torch.bfloat16)
+    precision.resolve_work_dtype(tiny_llama, "fastest")
+    assert asked == [("synthesis",), ("training",)]
+    with pytest.raises(ConfigError, match="'decoding' is not one of"):
+        precision.resolve_work_dtype(tiny_llama, "fastest", stages=("decoding",))

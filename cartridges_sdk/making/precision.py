@@ -10,6 +10,7 @@ import weakref
 
 import torch
 
+from ..errors import ConfigError
 from ..lm import LM, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -63,19 +64,20 @@ def _training_probe(lm: LM, tokens: int = 256, targets: int = 64):
 MARGINS = {"synthesis": 1.3, "training": 1.2}
 
 
-def fastest_dtypes(lm: LM, *, rounds: int = 2) -> dict[str, torch.dtype]:
+def fastest_dtypes(lm: LM, *, rounds: int = 2, stages: tuple[str, ...] = STAGES) -> dict[str, torch.dtype]:
     """Per stage, bfloat16 where that stage's own work, run in miniature on `lm` and on a bfloat16 copy of it, is
     faster by the stage's margin (`MARGINS`); else the model's dtype.
 
     bf16 matrix products are 2x faster than float32 on this project's CPUs, but decoding a small model attends over
     the chunk with elementwise work that bf16 slows: the 135M model synthesizes 0.8x as fast in bf16 and trains 1.8x
     as fast, where the 0.5B does both 1.7-2x as fast (docs/self-study.md). So each stage is measured, not assumed:
-    a warm-up, then `rounds` alternating runs of each dtype, the best of each kept (10-30 s on 2 cores)."""
+    a warm-up, then `rounds` alternating runs of each dtype, the best of each kept (10-30 s on 2 cores for both
+    `stages`; the quality report asks for synthesis alone)."""
     if lm.dtype != torch.float32:
-        return dict.fromkeys(STAGES, lm.dtype)
+        return dict.fromkeys(stages, lm.dtype)
     models = {torch.float32: lm, torch.bfloat16: lm.in_dtype(torch.bfloat16)}
-    probes = {"synthesis": {dtype: _synthesis_probe(m) for dtype, m in models.items()},
-              "training": {dtype: _training_probe(m) for dtype, m in models.items()}}
+    make = {"synthesis": _synthesis_probe, "training": _training_probe}
+    probes = {stage: {dtype: make[stage](m) for dtype, m in models.items()} for stage in stages}
     chosen = {}
     for stage, runs in probes.items():
         best = dict.fromkeys(runs, float("inf"))
@@ -101,9 +103,14 @@ SMALLEST_MEASURED = 50_000_000
 _CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def resolve_work_dtype(lm: LM, dtype: str | torch.dtype | WorkDtypes | None) -> WorkDtypes:
-    """`dtype` for each stage: "fastest" measured here, once per model and process, so a run's stages are decided
-    together; a named dtype or None (the model's) for both."""
+def resolve_work_dtype(lm: LM, dtype: str | torch.dtype | WorkDtypes | None, *,
+                       stages: tuple[str, ...] = STAGES) -> WorkDtypes:
+    """`dtype` for each of `stages`: "fastest" measured here, once per model, stage and process, so a run's stages
+    are decided together (and the quality report, which only synthesizes, does not time training); a named dtype or
+    None (the model's) for all."""
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ConfigError(f"stages={stages!r}: {unknown[0]!r} is not one of {STAGES}.")
     if isinstance(dtype, dict):  # already resolved (by from_corpus, for its training stage)
         return dtype
     if isinstance(dtype, str) and dtype.lower() == FASTEST:
@@ -112,9 +119,11 @@ def resolve_work_dtype(lm: LM, dtype: str | torch.dtype | WorkDtypes | None) -> 
         # ranks timing alone could choose differently and train one cartridge in two dtypes: under torchrun the
         # model's own dtype, unless work_dtype names one
         if under_torchrun() or sum(p.numel() for p in lm.model.parameters()) < SMALLEST_MEASURED:
-            return dict.fromkeys(STAGES, None)
-        if lm.model not in _CHOSEN:
-            _CHOSEN[lm.model] = dict(fastest_dtypes(lm))
-        return dict(_CHOSEN[lm.model])
-    return dict.fromkeys(STAGES, resolve_dtype(dtype))
+            return dict.fromkeys(stages, None)
+        chosen = _CHOSEN.setdefault(lm.model, {})
+        missing = tuple(s for s in stages if s not in chosen)
+        if missing:
+            chosen.update(fastest_dtypes(lm, stages=missing))
+        return {s: chosen[s] for s in stages}
+    return dict.fromkeys(stages, resolve_dtype(dtype))
 

@@ -152,7 +152,7 @@ def check_quality(lm: LM, corpus: Any, cartridge: Cartridge, config: ReportConfi
     ids = _same_corpus(lm, corpus, cartridge)
     # an estimate, not a contract: by default computed in the dtype self-study's synthesis stage measures fastest
     # here (bfloat16 halves the 0.5B's report), both references alike
-    lm = lm.in_dtype(resolve_work_dtype(lm, config.dtype)["synthesis"])
+    lm = lm.in_dtype(resolve_work_dtype(lm, config.dtype, stages=("synthesis",))["synthesis"])
     cartridge = cartridge.bind(lm)
     windows = _windows(lm, ids, config)
     per_window = math.ceil(config.questions / len(windows))

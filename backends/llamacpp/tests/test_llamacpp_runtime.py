@@ -29,6 +29,14 @@ def runtime(lm):
     return lm.get_runtime("llamacpp")  # by name, as cartridge.ask(q, runtime="llamacpp") reaches it
 
 
+def test_the_engine_is_built_without_amx_kernels():
+    """scripts/setup.sh compiles llama.cpp less its AMX kernels: on a VM that reports AMX they died with SIGILL at the
+    first answer, taking the process with them. A build with them (plain `pip install`) fails here, not later."""
+    import llama_cpp
+
+    assert b"AMX_INT8 = 1" not in llama_cpp.llama_print_system_info(), "rebuild it: ./scripts/setup.sh"
+
+
 def kl_to_hf(runtime, lm, cartridge, follow):
     """Per position of `follow` (teacher-forced after the cartridge and QUESTION), KL(HF || llama.cpp) in nats."""
     prompt = lm.chat_ids(QUESTION, after_cartridge=True)
