@@ -30,10 +30,11 @@ if TYPE_CHECKING:
     from .identity import ModelIdentity
     from .protocols import KVPrefix, RunningModel
 
-# this repository's backend packages, by plugin name: what to install when one is asked for and missing (the quick
-# start installs the core only; scripts/setup.sh installs them all)
-PROJECT_BACKENDS = {"vllm": "backends/vllm[cpu]", "llamacpp": "backends/llamacpp", "openai": "backends/openai",
-                    "example": "backends/example"}
+# this repository's backend packages, by plugin name: the command that installs one asked for and missing (the quick
+# start installs the core only; scripts/setup.sh installs them all, and builds llama.cpp without the AMX kernels
+# that crash some VMs)
+PROJECT_BACKENDS = {"vllm": "pip install -e 'backends/vllm[cpu]'", "llamacpp": "./scripts/setup.sh --core --llamacpp",
+                    "openai": "pip install -e backends/openai", "example": "pip install -e backends/example"}
 
 
 @attrs.frozen
@@ -327,13 +328,9 @@ class Registry(Generic[T]):
         if target is None:
             ep = self._entry_points().get(name)
             if ep is None:
-                if name == "llamacpp":  # the script builds llama.cpp without the kernels that crash some VMs
-                    hint = (" It is this project's 'llamacpp' backend, not installed here: install it with "
-                            "`./scripts/setup.sh --core --llamacpp` from the repository (docs/llamacpp.md), or run "
-                            "`./scripts/setup.sh` for every backend.")
-                elif name in PROJECT_BACKENDS:
-                    hint = (f" It is this project's {name!r} backend, not installed here: install it with `pip install "
-                            f"-e '{PROJECT_BACKENDS[name]}'` from the repository, or run `./scripts/setup.sh` for "
+                if name in PROJECT_BACKENDS:
+                    hint = (f" It is this project's {name!r} backend, not installed here: install it with "
+                            f"`{PROJECT_BACKENDS[name]}` from the repository, or run `./scripts/setup.sh` for "
                             "every backend.")
                 elif not self._entry_points():
                     hint = " The built-in backends are registered by installing cartridges-sdk (pip install -e .)."

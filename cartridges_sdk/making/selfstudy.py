@@ -243,7 +243,7 @@ def train_checked(
     """`train_cartridge` once its settings, trainer and distractors are checked (`build_cartridge` checks them before
     synthesis): the dataset's checks, the trainer's fit, and the result bound to `lm` in its dtype."""
     check_training_data(dataset, lm, start.num_tokens, config, distractors, prefix_ids)
-    work = lm.in_dtype(resolve_work_dtype(lm, work_dtype)["training"])
+    work = lm.in_dtype(resolve_work_dtype(lm, work_dtype, stages=("training",))["training"])
     fitter, owned = trainers.resolve(trainer, work, trainer_options)
     try:
         if restart and output_dir is not None and is_lead():  # under torchrun, rank 0 alone touches the folder
