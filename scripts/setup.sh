@@ -36,11 +36,12 @@ llamacpp_has_amx() {
   python -c "import llama_cpp, sys; sys.exit(b'AMX_INT8 = 1' not in llama_cpp.llama_print_system_info())" 2>/dev/null
 }
 install_llamacpp() {
-  local spec="llama-cpp-python==0.3.36" no_amx=""  # backends/llamacpp/pyproject.toml pins the same
-  if [ "$(uname -m)" = x86_64 ] &&
-      echo "int main(void){return 0;}" | "${CC:-cc}" -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -x c - -o /dev/null \
-        2>/dev/null; then
-    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  local spec="llama-cpp-python==0.3.36" flags="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" no_amx=""  # spec: as pinned
+  # in backends/llamacpp/pyproject.toml; flags: only where the compiler takes them
+  # shellcheck disable=SC2086
+  if [ "$(uname -m)" = x86_64 ] && echo "int main(void){return 0;}" | "${CC:-cc}" $flags -x c - -o /dev/null 2>/dev/null
+  then
+    no_amx="$flags"
   fi
   local build=(env CFLAGS="${CFLAGS:-} $no_amx" CXXFLAGS="${CXXFLAGS:-} $no_amx" pip install "${quiet[@]}")
   if ! python -c "import llama_cpp" 2>/dev/null; then

@@ -53,7 +53,8 @@ class LlamaCppRuntime(Runtime):
         except Exception as err:
             raise BackendUnavailableError(
                 f"llama-cpp-python is not usable here ({type(err).__name__}: {err}). Install it with "
-                "`./scripts/setup.sh --core --llamacpp` from the repository (it compiles llama.cpp, about 10 minutes the first time)."
+                "`./scripts/setup.sh --core --llamacpp` from the repository (it compiles llama.cpp, about 10 minutes "
+                "the first time)."
             ) from err
         n_ctx = self.options.n_ctx or model.max_context or DEFAULT_N_CTX
         self.llm = Llama(model_path=str(self.gguf), n_ctx=n_ctx, n_threads=self.options.n_threads,
