@@ -6,7 +6,7 @@ closure and KL(ICL || cartridge) for each; wall-clock time of the build, and of 
 compacted start and synthesis). Work folders are kept (one per model and settings), so a re-run resumes.
 
     python -m benchmarks.selfstudy [--docs 1] [--tokens 256] [--conversations 16] [--set lr=0.01 ...]
-        [--model qwen2.5-coder-0.5b]
+        [--compaction chunk_questions=8 ...] [--model qwen2.5-coder-0.5b]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from cartridges_sdk.cli.common import parse_settings
 from cartridges_sdk.making.checkpoint import RUN_LOG
 from cartridges_sdk.making.evaluation import score
 from cartridges_sdk.making.selfstudy import COMPACT_START
-from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS
+from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, CompactionConfig
 
 from . import provenance
 from .data import DEFAULT_DATA
@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="any from_corpus setting (repeatable)")
+    parser.add_argument("--compaction", action="append", metavar="KEY=VALUE",
+                        help="a CompactionConfig setting for the compacted start (repeatable), e.g. chunk_questions=8")
     parser.add_argument("--work", type=Path, default=Path("benchmarks/results/selfstudy.work"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/selfstudy.json"))
     parser.add_argument("--model", default=None, help="a named model, GGUF file or model folder (default: the "
@@ -45,6 +47,7 @@ def main() -> None:
 
     lm = load_model(args.model) if args.model else load_model()
     settings = parse_settings(args.set)
+    compaction = parse_settings(args.compaction, "--compaction", "chunk_questions=8")
     lines = args.data.read_text(encoding="utf-8").splitlines()
     rows = []
     for d in (int(x) for x in args.docs.split(",")):
@@ -52,12 +55,13 @@ def main() -> None:
         text, qa = doc["input"], list(zip(doc["instructions"], doc["outputs"]))
         start = time.perf_counter()
         # a folder per model and settings: a run with other settings must not resume this one's work
-        tag = hashlib.sha256(json.dumps([lm.name, args.conversations, args.epochs, settings], sort_keys=True,
-                                        default=str).encode()).hexdigest()[:8]
+        named = [lm.name, args.conversations, args.epochs, settings] + ([compaction] if compaction else [])
+        tag = hashlib.sha256(json.dumps(named, sort_keys=True, default=str).encode()).hexdigest()[:8]
         work = args.work / f"{args.data.stem}-{d}-p{args.tokens}-s{args.seed}-{tag}"
         trained = Cartridge.from_corpus(
             text, lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
-            seed=args.seed, output_dir=work, **settings,
+            seed=args.seed, output_dir=work, compaction=CompactionConfig(**compaction) if compaction else None,
+            **settings,
         )
         seconds = time.perf_counter() - start
         logged = [json.loads(line) for p in work.rglob(RUN_LOG) for line in p.read_text().splitlines() if line]
@@ -87,7 +91,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "data": str(args.data), "tokens": args.tokens, "conversations": args.conversations, "epochs": args.epochs,
-        "seed": args.seed, "settings": settings, "model": lm.name, "commit": provenance.commit(), "machine": provenance.machine(),
+        "seed": args.seed, "settings": settings, "compaction": compaction, "model": lm.name, "commit": provenance.commit(), "machine": provenance.machine(),
         "rows": rows,
     }, indent=2))
     print(f"wrote {args.out}")

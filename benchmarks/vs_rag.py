@@ -31,7 +31,7 @@ import torch
 
 from cartridges_sdk import Cartridge, CartridgeStore, SyncConfig, load_model
 from cartridges_sdk.cli.common import parse_settings
-from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS
+from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, CompactionConfig
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.kv import prefix_cache
@@ -97,11 +97,13 @@ def likeliest(lm, question: str, context: Context) -> int:
     return max(range(len(texts)), key=scores.__getitem__)
 
 
-def build_store(lm, texts: dict[str, str], folder: Path, tokens: int, selfstudy: dict | None) -> tuple:
-    """A store of one cartridge per text: compacted by sync to `tokens`, then trained by
-    self-study with `selfstudy`'s settings (`Cartridge.from_corpus` keyword arguments) when given. Made once,
-    resumed when a run is interrupted; returns it and its build seconds (None when an earlier run made it)."""
-    config = SyncConfig(tokens=tokens)
+def build_store(lm, texts: dict[str, str], folder: Path, tokens: int, selfstudy: dict | None,
+                compaction: dict | None = None) -> tuple:
+    """A store of one cartridge per text: compacted by sync to `tokens` (with `compaction`'s `CompactionConfig`
+    settings when given), then trained by self-study with `selfstudy`'s settings (`Cartridge.from_corpus` keyword
+    arguments) when given, from that compacted start. Made once, resumed when a run is interrupted; returns it and
+    its build seconds (None when an earlier run made it)."""
+    config = SyncConfig(tokens=tokens, compaction=CompactionConfig(**(compaction or {})))
     store = CartridgeStore(folder, lm)
     start = time.perf_counter()
     report = store.sync(texts, config)
@@ -115,26 +117,28 @@ def build_store(lm, texts: dict[str, str], folder: Path, tokens: int, selfstudy:
 
 
 def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods: Sequence[str],
-                 selfstudy: dict) -> tuple[dict, dict]:
+                 selfstudy: dict, compaction: dict | None = None) -> tuple[dict, dict]:
     """The store each stored method answers from (one per kind of cartridge and size, shared by the methods that
     use it), and each method's build seconds."""
     texts = {c.name: c.text for c in corpora}
     stores, seconds, made = {}, {}, {}
     tag = "-".join(f"{k}={v}" for k, v in sorted(selfstudy.items()))
+    compacted = "".join(f"-{k}={v}" for k, v in sorted((compaction or {}).items()))  # other settings, other stores
     for method in methods:
         kind = method.partition(":")[0].removesuffix("+rerank")
         if kind not in STORED and kind != "default":
             continue
         if kind == "default":  # sync's default size: the same store as a compacted method of that size
             key = ("compact", SyncConfig().tokens)
-            folder = work / f"compact-{key[1]}"
+            folder = work / f"compact-{key[1]}{compacted}"
         else:
             trained = kind.endswith("selfstudy")
             size = method_spec(method, tokens)[1]
             key = ("selfstudy" if trained else "compact", size)
-            folder = work / (f"selfstudy-{size}-{tag}" if trained else f"compact-{size}")
+            folder = work / (f"selfstudy-{size}-{tag}{compacted}" if trained else f"compact-{size}{compacted}")
         if key not in made:
-            made[key] = build_store(lm, texts, folder, key[1], selfstudy if key[0] == "selfstudy" else None)
+            made[key] = build_store(lm, texts, folder, key[1], selfstudy if key[0] == "selfstudy" else None,
+                                    compaction)
         stores[method], seconds[method] = made[key]
     return stores, seconds
 
@@ -167,14 +171,15 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
 
 
 def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Path, methods: Sequence[str],
-                selfstudy: dict | None = None, scope: str = "store") -> dict:
+                selfstudy: dict | None = None, scope: str = "store", compaction: dict | None = None) -> dict:
     """Every method on the set's first `docs` documents. `scope` "store": each question is asked of the whole
     corpus (cartridges routed, RAG over every document's passages); "document": of its own document, as the data
-    set poses it and as ICL answers it (its document's cartridge, RAG over its passages only)."""
+    set poses it and as ICL answers it (its document's cartridge, RAG over its passages only). `compaction`:
+    `CompactionConfig` settings for every stored method's compacted cartridges (and self-study's start)."""
     if scope not in SCOPES:
         raise ConfigError(f"scope={scope!r}: use one of {list(SCOPES)}.")
     corpora = load_corpora(path, list(range(docs)))
-    stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {})
+    stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {}, compaction)
     chunks = passages([c.text for c in corpora])
     retrievers = {kind: Retriever(kind, [p for _, p in chunks], work) for kind in ("bm25", "dense") if kind in methods}
     build.update({kind: r.seconds for kind, r in retrievers.items()})
@@ -288,6 +293,9 @@ def main() -> None:
                         help="self-study conversations, for the self-studied methods (the SDK's default recipe)")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="any other from_corpus setting for the self-studied methods (repeatable)")
+    parser.add_argument("--compaction", action="append", metavar="KEY=VALUE",
+                        help="a CompactionConfig setting for the stores' compacted cartridges and self-study's start "
+                        "(repeatable), e.g. chunk_questions=8")
     parser.add_argument("--scope", default="store", choices=SCOPES,
                         help="ask each question of the whole corpus (routed) or of its own document, as ICL does")
     parser.add_argument("--users", default="1,32", help="concurrent users for the speed figures ('' skips them)")
@@ -314,14 +322,15 @@ def main() -> None:
         parser.error(f"unknown sets {bad}; --methods must include none and icl (the reference); sets: "
                      f"{sorted(DATASETS)}")
     selfstudy = {"num_conversations": args.selfstudy, **parse_settings(args.set)}
+    compaction = parse_settings(args.compaction, "--compaction", "chunk_questions=8")
     lm = load_model(None if args.model == "default" else args.model)
     start = time.perf_counter()
     result = {"model": lm.name, "tokens": args.tokens, "scope": args.scope, "kv_bytes_per_token": kv_bytes_per_token(lm),
-              "selfstudy": selfstudy, "sets": {}}
+              "selfstudy": selfstudy, "compaction": compaction, "sets": {}}
     for name in args.sets.split(","):
         work = args.work / f"{args.model}-{name}-{args.docs}"
         result["sets"][name] = run_dataset(lm, args.data_dir / DATASETS[name], args.docs, args.questions,
-                                           args.tokens, work, methods, selfstudy, args.scope)
+                                           args.tokens, work, methods, selfstudy, args.scope, compaction)
     if args.users:
         first = args.sets.split(",")[0]
         corpus = load_corpora(args.data_dir / DATASETS[first], [0])[0]

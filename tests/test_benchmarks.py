@@ -317,6 +317,11 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
                                                    if d == 0])
     assert own["rows"][0]["nll"]["bm25"] == pytest.approx(nll(answer_logprobs(lm, q[0], q[1], document=first), lm,
                                                               q[1]), abs=1e-3)
+    # --compaction's settings make stores of their own, every cartridge in them compacted that way
+    vs_rag.run_dataset(lm, data, 2, 1, 16, tmp_path / "work", ["none", "icl", "cartridge"], scope="document",
+                       compaction={"corpus_queries": 32})
+    other = vs_rag.CartridgeStore(tmp_path / "work" / "compact-16-corpus_queries=32", lm)
+    assert {other.get(n).meta.extra["compaction"]["corpus_queries"] for n in other.names()} == {32}
     with pytest.raises(vs_rag.ConfigError, match="scope='paper'"):
         vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl"], scope="paper")
     assert all(result["build_seconds"][k] > 0 for k in ("cartridge", "selfstudy", "dense", "hybrid:8"))

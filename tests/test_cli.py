@@ -11,6 +11,7 @@ import torch
 
 from cartridges_sdk import Cartridge
 from cartridges_sdk.cli import main
+from cartridges_sdk.making.selfstudy import COMPACT_START
 
 from conftest import DATA
 
@@ -177,12 +178,20 @@ def test_shards_made_apart_then_merged(tmp_path, capsys):
     assert "holds shard 0 of 2, not shard 0 of 3" in capsys.readouterr().err
 
 
-def test_build(tmp_path):
+def test_build(tmp_path, capsys):
     out = tmp_path / "b.safetensors"
     args = ["build", str(DATA / "harrow_point.txt"), "-o", str(out), "--tokens", "16", "--conversations", "4", *TINY]
-    assert main(args) == 0
+    # the compacted start made as --compaction says (here with the text's own questions as references)
+    assert main([*args, "--compaction", "chunk_questions=1", "--compaction", "answer_tokens=4"]) == 0
     assert Cartridge.load(out).num_tokens == 16
     assert (tmp_path / "b.safetensors.work" / "data" / "header.json").is_file()
+    start = Cartridge.load(tmp_path / "b.safetensors.work" / "train" / COMPACT_START)
+    assert (start.meta.extra["compaction"]["chunk_questions"], start.meta.extra["compaction"]["answer_tokens"]) == (1, 4)
+    # refused before any model work: a name CompactionConfig lacks, and a compaction for a start that is not one
+    assert main([*args, "--compaction", "selection=max"]) == 2
+    assert "--compaction 'selection' is not a compaction setting" in capsys.readouterr().err
+    assert main([*args, "--init", "prefix", "--compaction", "chunk_questions=1"]) == 2
+    assert "compaction= says how init='compact' compacts" in capsys.readouterr().err
 
 
 def test_compact_then_ask(tmp_path, capsys):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cartridges_sdk import Cartridge, ConfigError
+from cartridges_sdk import Cartridge, ConfigError, load_model
 from cartridges_sdk.errors import StoreBusyError
 from cartridges_sdk.cli import main
 from cartridges_sdk.files import folder_lock
@@ -284,6 +284,14 @@ def test_the_command(tmp_path, tiny_dir, capsys):
     assert "added 0, updated 0, skipped 2 (unchanged), deleted 1, rejected 1 in" in captured.out
     assert main(["sync", str(folder), "--store", str(tmp_path / "store"), "--tokens", "0"]) == 2
     assert "tokens=0" in capsys.readouterr().err
+    # --compaction says how each document is compacted; a name CompactionConfig lacks is refused
+    other = ["sync", str(folder), "--store", str(tmp_path / "store-q"), "--model", str(tiny_dir), "--tokens", "48"]
+    assert main([*other, "--compaction", "corpus_queries=64"]) == 0
+    capsys.readouterr()
+    store = CartridgeStore(tmp_path / "store-q", load_model(str(tiny_dir)))
+    assert {store.get(n).meta.extra["compaction"]["corpus_queries"] for n in store.names()} == {64}
+    assert main([*other, "--compaction", "queries=64"]) == 2
+    assert "--compaction 'queries' is not a compaction setting" in capsys.readouterr().err
     assert main([*args, "--set", "lr=0.1"]) == 2
     assert "--set gives self-study settings; add --self-study" in capsys.readouterr().err
     serve = ["serve", "--store", str(tmp_path / "store"), "--model", str(tmp_path / "no-model"), "--watch", str(folder)]

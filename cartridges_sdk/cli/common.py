@@ -15,6 +15,23 @@ from ..plugins import REGISTRIES
 from ..runtime_choice import AUTO
 
 
+def compaction_config(pairs: list[str] | None, flag: str = "--compaction"):
+    """``KEY=VALUE`` pairs as a `CompactionConfig` (None when there are none); a name it lacks is refused, listing
+    the ones it has."""
+    import attrs
+
+    from ..making.settings import CompactionConfig
+
+    settings = parse_settings(pairs, flag, "chunk_questions=8")
+    if not settings:
+        return None
+    known = {f.name for f in attrs.fields(CompactionConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise CartridgeError(f"{flag} {unknown[0]!r} is not a compaction setting; known: {sorted(known)}.")
+    return CompactionConfig(**settings)
+
+
 def model_for(spec: str | None, device: str = "cpu"):
     """The model named on the command line, else the embedded default. Never the one a file's metadata names: a file
     must not choose a path to load (its model identity is only compared with the model loaded here)."""

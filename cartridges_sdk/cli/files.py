@@ -7,14 +7,12 @@ import argparse
 import json
 import time
 
-import attrs
-
 from ..making.report import check_quality, report_of, reported, with_report
 from ..making.settings import CompactionConfig, ReportConfig
 from ..cartridge import SHAPE_FIELDS, Cartridge
 from ..errors import CartridgeError
 from . import common  # common.model_for is looked up at each call, so tests can replace it
-from .common import bind_all, human_bytes, output_file, parse_settings, read_corpus, text_file
+from .common import bind_all, compaction_config, human_bytes, output_file, parse_settings, read_corpus, text_file
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -35,12 +33,7 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_compact(args: argparse.Namespace) -> int:
     corpus = read_corpus(args)
-    known = {f.name for f in attrs.fields(CompactionConfig)}
-    settings = parse_settings(args.set)
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise CartridgeError(f"--set {unknown[0]!r} is not a compaction setting; known: {sorted(known)}.")
-    config = CompactionConfig(**settings)
+    config = compaction_config(args.set, "--set") or CompactionConfig()
     Cartridge.check_size(args.tokens, args.num_frozen)
     output_file(args.output)
     lm = common.model_for(args.model, device=args.device)

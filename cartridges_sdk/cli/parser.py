@@ -81,6 +81,11 @@ def _init(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     _model_args(p)
 
+def _compaction_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--compaction", action="append", metavar="KEY=VALUE",
+                   help=f"a CompactionConfig setting for {what}, e.g. --compaction chunk_questions=8 (repeatable; "
+                        "docs/compaction.md)")
+
 def _compact(p: argparse.ArgumentParser) -> None:
     _corpus_args(p)
     _cartridge_output(p)
@@ -97,6 +102,7 @@ def _build(p: argparse.ArgumentParser) -> None:
                    help=f"conversations to synthesize (default {DEFAULT_CONVERSATIONS})")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--init", choices=STARTS, default=DEFAULT_START, help=INIT_HELP)
+    _compaction_arg(p, "the compacted start")
     p.add_argument("--work-dir", help="where data and checkpoints go (default OUTPUT.work); a re-run resumes")
     _nproc_arg(p, "synthesize and train (data-parallel) in")
     p.add_argument("--distractors", nargs="+", metavar="FILE", default=[],
@@ -231,6 +237,7 @@ def _sync_settings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--distractors", type=int, default=0, metavar="N",
                    help="with --self-study: train each cartridge among up to N of the store's other cartridges, so "
                         "it holds up when routing composes several (docs/sync.md; default 0: alone)")
+    _compaction_arg(p, "each compacted cartridge (and self-study's start)")
     _report_arg(p, "each compacted or self-studied cartridge")
 
 def _sync(p: argparse.ArgumentParser) -> None:

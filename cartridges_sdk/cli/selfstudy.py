@@ -19,7 +19,8 @@ from ..errors import CartridgeError, ConfigError
 from ..plugins import synthesizers, trainers
 from ..trainer_inputs import SEED_KIND_DOCUMENT
 from . import common  # common.model_for is looked up at each call, so tests can replace it
-from .common import as_ranks, backend_options, bind_all, human_bytes, output_file, parse_settings, read_corpus
+from .common import (as_ranks, backend_options, bind_all, compaction_config, human_bytes, output_file, parse_settings,
+                     read_corpus)
 
 
 def _start_ranks(args: argparse.Namespace, trainer_options: dict[str, Any] | None = None) -> int | None:
@@ -43,8 +44,9 @@ def _start_ranks(args: argparse.Namespace, trainer_options: dict[str, Any] | Non
 
 def cmd_build(args: argparse.Namespace) -> int:
     settings = parse_settings(args.set)
+    compaction = compaction_config(args.compaction)
     check_settings(settings, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
-                   init=args.init, seed=args.seed)
+                   init=args.init, seed=args.seed, compaction=compaction)
     options = backend_options(args, {"synthesizer": args.synthesizer, "trainer": args.trainer})
     output_file(args.output)
     distractors = _distractor_files(args.distractors)
@@ -58,7 +60,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         init=args.init, seed=args.seed, output_dir=work, synthesizer=args.synthesizer,
         synthesizer_options=options["synthesizer"], trainer=args.trainer, trainer_options=options["trainer"],
         allow_unverified_model=args.allow_unverified_model, restart=args.restart,
-        distractors=bind_all(distractors, lm), report=not args.no_report, **settings,
+        distractors=bind_all(distractors, lm), report=not args.no_report, compaction=compaction, **settings,
     )
     if is_lead():  # every rank holds the same cartridge; one writes it
         c.save(args.output)

@@ -123,8 +123,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _sync_config(args: argparse.Namespace):
     from ..serve.settings import SyncConfig
 
+    compaction = common.compaction_config(args.compaction)
     return SyncConfig(tokens=args.tokens, unit=args.unit, max_bytes=args.max_bytes, include=args.include,
-                      report=not args.no_report)
+                      report=not args.no_report, **({"compaction": compaction} if compaction else {}))
 
 
 def _study_settings(args: argparse.Namespace) -> dict[str, Any] | None:
