@@ -8,20 +8,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from .. import models
 from ..making.corpus import Corpus, read_text
+from ..making.settings import CompactionConfig
 from ..errors import CartridgeError, IncompatibleCartridgeError
 from ..plugins import REGISTRIES
 from ..runtime_choice import AUTO
 
 
-def compaction_config(pairs: list[str] | None, flag: str = "--compaction"):
+def compaction_config(pairs: list[str] | None, flag: str = "--compaction") -> CompactionConfig | None:
     """``KEY=VALUE`` pairs as a `CompactionConfig` (None when there are none); a name it lacks is refused, listing
     the ones it has."""
-    import attrs
-
-    from ..making.settings import CompactionConfig
-
     settings = parse_settings(pairs, flag, "chunk_questions=8")
     if not settings:
         return None

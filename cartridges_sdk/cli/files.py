@@ -12,7 +12,7 @@ from ..making.settings import CompactionConfig, ReportConfig
 from ..cartridge import SHAPE_FIELDS, Cartridge
 from ..errors import CartridgeError
 from . import common  # common.model_for is looked up at each call, so tests can replace it
-from .common import bind_all, compaction_config, human_bytes, output_file, parse_settings, read_corpus, text_file
+from .common import bind_all, compaction_config, human_bytes, output_file, read_corpus, text_file
 
 
 def cmd_init(args: argparse.Namespace) -> int:
