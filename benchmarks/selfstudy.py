@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 from cartridges_sdk import Cartridge, load_model
-from cartridges_sdk.cli.common import parse_settings
+from cartridges_sdk.cli.common import compaction_config, parse_settings
 from cartridges_sdk.making.checkpoint import RUN_LOG
 from cartridges_sdk.making.evaluation import score
 from cartridges_sdk.making.selfstudy import COMPACT_START
-from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, CompactionConfig
+from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS
 
 from . import provenance
 from .data import DEFAULT_DATA
@@ -45,9 +45,10 @@ def main() -> None:
                         "embedded one)")
     args = parser.parse_args()
 
-    lm = load_model(args.model) if args.model else load_model()
     settings = parse_settings(args.set)
-    compaction = parse_settings(args.compaction, "--compaction", "chunk_questions=8")
+    start_config = compaction_config(args.compaction)  # checked before the model loads
+    compaction = parse_settings(args.compaction)  # as given, for the work folder's name and the result
+    lm = load_model(args.model) if args.model else load_model()
     lines = args.data.read_text(encoding="utf-8").splitlines()
     rows = []
     for d in (int(x) for x in args.docs.split(",")):
@@ -60,8 +61,7 @@ def main() -> None:
         work = args.work / f"{args.data.stem}-{d}-p{args.tokens}-s{args.seed}-{tag}"
         trained = Cartridge.from_corpus(
             text, lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
-            seed=args.seed, output_dir=work, compaction=CompactionConfig(**compaction) if compaction else None,
-            **settings,
+            seed=args.seed, output_dir=work, compaction=start_config, **settings,
         )
         seconds = time.perf_counter() - start
         logged = [json.loads(line) for p in work.rglob(RUN_LOG) for line in p.read_text().splitlines() if line]

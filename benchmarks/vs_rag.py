@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from cartridges_sdk import Cartridge, CartridgeStore, SyncConfig, load_model
-from cartridges_sdk.cli.common import parse_settings
+from cartridges_sdk.cli.common import compaction_config, parse_settings
 from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, CompactionConfig
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.errors import ConfigError
@@ -322,7 +322,8 @@ def main() -> None:
         parser.error(f"unknown sets {bad}; --methods must include none and icl (the reference); sets: "
                      f"{sorted(DATASETS)}")
     selfstudy = {"num_conversations": args.selfstudy, **parse_settings(args.set)}
-    compaction = parse_settings(args.compaction, "--compaction", "chunk_questions=8")
+    compaction_config(args.compaction)  # a name CompactionConfig lacks is refused before the model loads
+    compaction = parse_settings(args.compaction)
     lm = load_model(None if args.model == "default" else args.model)
     start = time.perf_counter()
     result = {"model": lm.name, "tokens": args.tokens, "scope": args.scope, "kv_bytes_per_token": kv_bytes_per_token(lm),
