@@ -3,10 +3,14 @@
 For each document: gold-answer NLL with no context, with the whole document in context (ICL, computed here),
 with the untrained prefix cartridge, the compacted start (when self-study starts from one) and the trained one; gap
 closure and KL(ICL || cartridge) for each; wall-clock time of the build, and of its training alone (the rest is the
-compacted start and synthesis). Work folders are kept (one per model and settings), so a re-run resumes.
+compacted start and synthesis). Work folders are kept (one per model and settings), so a re-run resumes; a run
+whose settings differ from an earlier one's in training settings only (`lr`, `batch_tokens`, `epochs`, ...) trains
+on that run's synthesized data and compacted start, copied, so variants of the training differ in nothing else.
+With several documents it also prints the closure pooled over all their questions (`--questions N`: each
+document's first N, as `benchmarks.vs_rag` asks them).
 
-    python -m benchmarks.selfstudy [--docs 1] [--tokens 256] [--conversations 16] [--set lr=0.01 ...]
-        [--compaction chunk_questions=8 ...] [--model qwen2.5-coder-0.5b]
+    python -m benchmarks.selfstudy [--docs 1] [--questions N] [--tokens 256] [--conversations 16] [--epochs 1]
+        [--set lr=0.01 ...] [--compaction chunk_questions=8 ...] [--model qwen2.5-coder-0.5b]
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -22,7 +27,9 @@ from cartridges_sdk.cli.common import compaction_config, parse_settings
 from cartridges_sdk.making.checkpoint import RUN_LOG
 from cartridges_sdk.making.evaluation import score
 from cartridges_sdk.making.selfstudy import COMPACT_START
-from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS
+from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, TRAINING_SETTINGS
+
+START_AND_TRAINING = TRAINING_SETTINGS | {"init", "num_frozen"}  # what the synthesized data does not depend on
 
 from . import provenance
 from .data import DEFAULT_DATA
@@ -32,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="L-Eval-format JSONL (input, instructions, outputs)")
     parser.add_argument("--docs", default="1", help="comma-separated document indices")
+    parser.add_argument("--questions", type=int, default=None, help="each document's first N questions (default: all)")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--conversations", type=int, default=DEFAULT_CONVERSATIONS)
     parser.add_argument("--epochs", type=int, default=1)
@@ -53,12 +61,15 @@ def main() -> None:
     rows = []
     for d in (int(x) for x in args.docs.split(",")):
         doc = json.loads(lines[d])
-        text, qa = doc["input"], list(zip(doc["instructions"], doc["outputs"]))
+        text, qa = doc["input"], list(zip(doc["instructions"], doc["outputs"]))[:args.questions]
         start = time.perf_counter()
         # a folder per model and settings: a run with other settings must not resume this one's work
         named = [lm.name, args.conversations, args.epochs, settings] + ([compaction] if compaction else [])
-        tag = hashlib.sha256(json.dumps(named, sort_keys=True, default=str).encode()).hexdigest()[:8]
-        work = args.work / f"{args.data.stem}-{d}-p{args.tokens}-s{args.seed}-{tag}"
+        work = args.work / f"{args.data.stem}-{d}-p{args.tokens}-s{args.seed}-{_tag(named)}"
+        # ... but one that differs in training settings only trains on the same data (and start, if made alike)
+        data = [lm.name, args.conversations, {k: v for k, v in settings.items() if k not in START_AND_TRAINING}]
+        begin = [settings.get(k) for k in sorted(START_AND_TRAINING - TRAINING_SETTINGS)] + [compaction]
+        reuse_synthesis(work, {"data": _tag(data), "start": _tag(data + begin)})
         trained = Cartridge.from_corpus(
             text, lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
             seed=args.seed, output_dir=work, compaction=start_config, **settings,
@@ -88,13 +99,43 @@ def main() -> None:
         print(f"doc {d} ({row['corpus_tokens']} tokens, {len(qa)} questions, {seconds:.0f} s): closure "
               f"{untrained.gap_closure:.3f} -> {got.gap_closure:.3f}, KL {untrained.kl_icl_cartridge:.3f} -> "
               f"{got.kl_icl_cartridge:.3f}", flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
+    if len(rows) > 1:
+        n = sum(r["questions"] for r in rows)
+        gap = sum(r["questions"] * (r["nll_none"] - r["nll_icl"]) for r in rows)
+        pooled = sum(r["questions"] * (r["nll_none"] - r["trained"]["nll"]) for r in rows) / gap
+        kl = sum(r["questions"] * r["trained"]["kl"] for r in rows) / n
+        print(f"all {len(rows)} documents, {n} questions: trained closure {pooled:.3f}, KL {kl:.3f}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "data": str(args.data), "tokens": args.tokens, "conversations": args.conversations, "epochs": args.epochs,
         "seed": args.seed, "settings": settings, "compaction": compaction, "model": lm.name, "commit": provenance.commit(), "machine": provenance.machine(),
         "rows": rows,
     }, indent=2))
     print(f"wrote {args.out}")
+
+
+def _tag(named: list) -> str:
+    return hashlib.sha256(json.dumps(named, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def reuse_synthesis(work: Path, tags: dict[str, str]) -> None:
+    """Give `work` the dataset of a sibling folder whose data were made alike (`tags["data"]`), and its compacted
+    start if that was made alike too (`tags["start"]`), unless `work` has a dataset of its own. `from_corpus` checks
+    the copied dataset's header against this run's settings, so a wrong copy is refused, never trained on."""
+    (work / "train").mkdir(parents=True, exist_ok=True)
+    (work / "made.json").write_text(json.dumps(tags))
+    if (work / "data").exists():
+        return
+    for other in sorted(work.parent.glob(f"{work.name.rsplit('-', 1)[0]}-*")):
+        made = json.loads((other / "made.json").read_text()) if (other / "made.json").is_file() else {}
+        if other == work or not (other / "data").is_dir() or made.get("data") != tags["data"]:
+            continue
+        shutil.copytree(other / "data", work / "data")
+        start = made.get("start") == tags["start"] and (other / "train" / COMPACT_START).is_file()
+        if start:
+            shutil.copy2(other / "train" / COMPACT_START, work / "train" / COMPACT_START)
+        print(f"{work.name}: training on the data{' and start' * start} of {other.name}", flush=True)
+        return
 
 
 if __name__ == "__main__":

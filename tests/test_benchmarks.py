@@ -439,3 +439,29 @@ def test_the_scale_benchmark_measures_a_store_and_its_server(tmp_path):
         assert row[key] > 0, key
     assert row["new_cartridge_answered_after_s"] < 5  # the server reads the folder again at least once a second
     assert (tmp_path / "scale.png").stat().st_size > 0 and json.loads((tmp_path / "scale.json").read_text())["rows"]
+
+
+def test_selfstudy_variants_of_training_train_on_the_same_data(tmp_path):
+    """benchmarks.selfstudy: a run that differs from an earlier one in training settings only gets that run's
+    dataset (and its compacted start when made alike), so variants differ in nothing else."""
+    from benchmarks.selfstudy import reuse_synthesis
+    from cartridges_sdk.making.selfstudy import COMPACT_START
+
+    first = tmp_path / "qa-0-p16-s0-aaaa"
+    reuse_synthesis(first, {"data": "d1", "start": "s1"})
+    (first / "data").mkdir()
+    (first / "data" / "header.json").write_text("{}")
+    (first / "train" / COMPACT_START).write_bytes(b"start")
+    lr = tmp_path / "qa-0-p16-s0-bbbb"  # another learning rate: data and start
+    reuse_synthesis(lr, {"data": "d1", "start": "s1"})
+    assert (lr / "data" / "header.json").is_file() and (lr / "train" / COMPACT_START).read_bytes() == b"start"
+    compacted = tmp_path / "qa-0-p16-s0-cccc"  # another compaction: the data, not the start
+    reuse_synthesis(compacted, {"data": "d1", "start": "s2"})
+    assert (compacted / "data").is_dir() and not (compacted / "train" / COMPACT_START).exists()
+    for folder, tags in ((tmp_path / "qa-0-p16-s0-dddd", {"data": "d2", "start": "s3"}),  # other synthesis settings
+                         (tmp_path / "qa-1-p16-s0-eeee", {"data": "d1", "start": "s1"})):  # another document
+        reuse_synthesis(folder, tags)
+        assert not (folder / "data").exists()
+    (lr / "data" / "header.json").write_text('{"own": 1}')
+    reuse_synthesis(lr, {"data": "d1", "start": "s1"})  # a folder with data of its own keeps them
+    assert (lr / "data" / "header.json").read_text() == '{"own": 1}'

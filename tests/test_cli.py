@@ -142,6 +142,14 @@ def test_synthesize_then_train(tmp_path, capsys, monkeypatch):
     assert main(["train", str(data), "-o", str(tmp_path / "e.safetensors"), "--tokens", "16"]) == 2
     assert "init='compact' (the default) needs the whole corpus: pass --corpus" in capsys.readouterr().err
     assert main(["train", str(data), "-o", str(tmp_path / "e.safetensors"), "--tokens", "16", "--init", "prefix"]) == 0
+    # --compaction says how the compacted start is made, and is refused with a start that is not one
+    assert main(["train", str(data), "-o", str(tmp_path / "e.safetensors"), "--tokens", "16", "--init", "prefix",
+                 "--compaction", "keep_surprising=0.5"]) == 2
+    assert "compaction= says how init='compact' compacts" in capsys.readouterr().err
+    assert main(["train", str(data), "-o", str(tmp_path / "g.safetensors"), "--tokens", "16", "--corpus", corpus,
+                 "--compaction", "keep_surprising=0.5"]) == 0
+    start = Cartridge.load(tmp_path / "g.safetensors.work" / COMPACT_START)
+    assert start.meta.extra["compaction"]["keep_surprising"] == 0.5
     # trained among other cartridges: the files named, each checked before the model loads
     among = ["train", str(data), "-o", str(tmp_path / "f.safetensors"), "--tokens", "16", "--init", "prefix",
              "--set", "max_distractors=1", "--distractors", str(tmp_path / "c.safetensors")]

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -441,6 +442,26 @@ def test_self_study_replaces_a_compacted_cartridge_unless_its_document_changed(t
     assert store.records()["b"]["sha256"] != content_hash(texts["b"])  # the newer version stayed
     with pytest.raises(ConfigError, match=r"\['num_tokens'\] are set by sync"):
         store.self_study(texts, config, {"num_tokens": 4})
+
+
+def test_self_study_starts_from_the_cartridge_sync_compacted(tmp_path, tiny_llama, monkeypatch):
+    """Sync's compacted cartridge is self-study's start (the document is not compacted twice), unless the start
+    asked for is another compaction."""
+    from cartridges_sdk.making import selfstudy
+    from cartridges_sdk.making.settings import CompactionConfig
+
+    texts = {"a": TEXTS["lighthouse.txt"], "b": TEXTS["railway.txt"]}
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    config = SyncConfig(tokens=24)
+    store.sync(texts, config, progress=False)
+    calls = []
+    real = selfstudy.compact_corpus
+    monkeypatch.setattr(selfstudy, "compact_corpus", lambda *a, **k: calls.append(k.get("config")) or real(*a, **k))
+    assert store.self_study(texts, config, STUDY, limit=1, progress=False) == ("a",)
+    assert calls == []
+    other = CompactionConfig(keep_surprising=0.5)
+    assert store.self_study(texts, attrs.evolve(config, compaction=other), STUDY, progress=False) == ("b",)
+    assert calls == [other]
 
 
 def test_a_watching_server_self_studies_in_the_background(tmp_path, tiny_llama):

@@ -133,6 +133,7 @@ def _train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--init", choices=STARTS, default=DEFAULT_START, help=INIT_HELP)
+    _compaction_arg(p, "the compacted start")
     p.add_argument("--corpus", nargs="*", default=None,
                    help="the corpus, checked against the one the dataset was made from (the dataset keeps its corpus; "
                         "only a dataset made before it kept one needs this for the default init=compact)")

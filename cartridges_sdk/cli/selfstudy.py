@@ -119,7 +119,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     train = _stage_settings(args, "train")
-    check_training_settings(train, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed)
+    compaction = compaction_config(args.compaction)
+    check_training_settings(train, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed,
+                            compaction=compaction)
     options = backend_options(args, {"trainer": args.trainer})["trainer"]
     output_file(args.output)
     distractors = _distractor_files(args.distractors)
@@ -145,7 +147,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     c = train_cartridge(
         dataset, lm, num_tokens=args.tokens, epochs=args.epochs, init=args.init, seed=args.seed,
         prefix_ids=prefix_ids, output_dir=work, trainer=args.trainer, trainer_options=options, restart=args.restart,
-        distractors=bind_all(distractors, lm), **train,
+        distractors=bind_all(distractors, lm), compaction=compaction, **train,
     )
     if is_lead():  # every rank holds the same cartridge; one writes it
         c.save(args.output)

@@ -216,6 +216,7 @@ def train_cartridge(
     restart: bool = False,
     progress: bool = True,
     distractors: Sequence[Cartridge] = (),
+    compaction: CompactionConfig | None = None,
     **settings: Any,
 ) -> Cartridge:
     """Train a `num_tokens` cartridge on a self-study dataset; the result is bound to `lm`.
@@ -224,9 +225,10 @@ def train_cartridge(
     `settings` are `TrainConfig` fields. A checkpoint in `output_dir` made with other settings is refused, naming
     them, unless ``restart=True``, which deletes it first. `distractors` (cartridges of other documents) are
     composed around the trainable one during training, up to ``max_distractors`` a step (making/distractors.py).
+    `compaction` says how the compacted start (``init="compact"``) is made.
     """
     start, config = check_training_settings(settings, num_tokens=num_tokens, epochs=epochs, init=init, seed=seed,
-                                            num_frozen=num_frozen)
+                                            num_frozen=num_frozen, compaction=compaction)
     distractors = check_distractors(distractors, lm)
     check_trainer(trainer, trainer_options, distractors)
     return train_checked(dataset, lm, start, config, prefix_ids=prefix_ids, trainer=trainer,

@@ -223,11 +223,12 @@ def check_settings(
 
 def check_training_settings(
     settings: dict[str, Any], *, num_tokens: int, epochs: int = 1, init: str = DEFAULT_START, seed: int = 0,
-    num_frozen: int = 1,
+    num_frozen: int = 1, compaction: CompactionConfig | None = None,
 ) -> tuple[StartConfig, TrainConfig]:
     """The training stage's settings alone, validated (a synthesis setting is refused by name); returns the configs."""
     _, train_settings = split_settings(settings)
     if any(k not in TRAINING_SETTINGS for k in settings):
         raise ConfigError(f"{sorted(set(settings) - TRAINING_SETTINGS)} are synthesis settings; training takes "
                           f"{sorted(TRAINING_SETTINGS)}.")
-    return StartConfig(num_tokens, init, num_frozen, seed), TrainConfig(epochs=epochs, seed=seed, **train_settings)
+    return (StartConfig(num_tokens, init, num_frozen, seed, compaction),
+            TrainConfig(epochs=epochs, seed=seed, **train_settings))

@@ -268,8 +268,9 @@ def build(lm: Any, doc: SourceDocument, config: SyncConfig) -> Cartridge:
         cartridge = Cartridge.from_prefix(lm, ids, len(ids), num_frozen=1 if len(ids) > 1 else 0)
         method = "whole"
     else:
-        cartridge = Cartridge.compact(lm, ids, config.tokens, config=config.compaction, progress=False,
-                                      report=config.report)
+        # the text as self-study's corpus reads it (stripped), so self-study can start from this very cartridge
+        cartridge = Cartridge.compact(lm, lm.encode(doc.text.strip()), config.tokens, config=config.compaction,
+                                      progress=False, report=config.report)
         method = "compact"
     return with_record(lm, cartridge, doc, method, len(ids), config.tokens)
 
@@ -304,8 +305,12 @@ def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str]
         among = ({"distractors": among_others(store, doc.name, work), "max_distractors": distractors}
                  if distractors else {})
         try:
-            # starting from the corpus compacted as sync compacts it (unless the settings start elsewhere)
-            start = {"compaction": config.compaction} if settings.get("init", DEFAULT_START) == "compact" else {}
+            # starting from the corpus compacted as sync compacts it (unless the settings start elsewhere): from the
+            # very cartridge sync made, rather than compacting the document a second time
+            start = {}
+            if settings.get("init", DEFAULT_START) == "compact":
+                start = {"compaction": config.compaction}
+                keep_start(work, store.get(doc.name))
             trained = Cartridge.from_corpus(doc.text, store.model, num_tokens=config.tokens, output_dir=work,
                                             progress=progress, report=config.report, **among, **start, **settings)
         except ConfigError:
@@ -326,6 +331,17 @@ def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str]
         shutil.rmtree(work, ignore_errors=True)
         improved.append(doc.name)
     return tuple(improved)
+
+
+def keep_start(work: Path, compacted: Cartridge) -> None:
+    """Leave `compacted` where self-study keeps its compacted start, so training starts from it. Self-study checks
+    a kept start before using it (size, corpus, compaction settings) and compacts anew when it does not match."""
+    from ..making.selfstudy import COMPACT_START
+
+    kept = work / "train" / COMPACT_START
+    if not kept.exists():
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        compacted.save(kept)
 
 
 def among_others(store: SyncedStore, name: str, work: Path) -> list[Cartridge]:
