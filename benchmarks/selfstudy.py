@@ -29,10 +29,10 @@ from cartridges_sdk.making.evaluation import score
 from cartridges_sdk.making.selfstudy import COMPACT_START
 from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, TRAINING_SETTINGS
 
-START_AND_TRAINING = TRAINING_SETTINGS | {"init", "num_frozen"}  # what the synthesized data does not depend on
-
 from . import provenance
 from .data import DEFAULT_DATA
+
+START_AND_TRAINING = TRAINING_SETTINGS | {"init", "num_frozen"}  # what the synthesized data does not depend on
 
 
 def main() -> None:
@@ -99,17 +99,19 @@ def main() -> None:
         print(f"doc {d} ({row['corpus_tokens']} tokens, {len(qa)} questions, {seconds:.0f} s): closure "
               f"{untrained.gap_closure:.3f} -> {got.gap_closure:.3f}, KL {untrained.kl_icl_cartridge:.3f} -> "
               f"{got.kl_icl_cartridge:.3f}", flush=True)
-    if len(rows) > 1:
-        n = sum(r["questions"] for r in rows)
-        gap = sum(r["questions"] * (r["nll_none"] - r["nll_icl"]) for r in rows)
-        pooled = sum(r["questions"] * (r["nll_none"] - r["trained"]["nll"]) for r in rows) / gap
-        kl = sum(r["questions"] * r["trained"]["kl"] for r in rows) / n
-        print(f"all {len(rows)} documents, {n} questions: trained closure {pooled:.3f}, KL {kl:.3f}", flush=True)
+    pooled = None
+    n = sum(r["questions"] for r in rows)
+    gap = sum(r["questions"] * (r["nll_none"] - r["nll_icl"]) for r in rows)
+    if len(rows) > 1 and gap > 0:  # as benchmarks.vs_rag pools: each question weighs alike
+        pooled = {"questions": n, "closure": sum(r["questions"] * (r["nll_none"] - r["trained"]["nll"]) for r in rows) / gap,
+                  "kl": sum(r["questions"] * r["trained"]["kl"] for r in rows) / n}
+        print(f"all {len(rows)} documents, {n} questions: trained closure {pooled['closure']:.3f}, "
+              f"KL {pooled['kl']:.3f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "data": str(args.data), "tokens": args.tokens, "conversations": args.conversations, "epochs": args.epochs,
         "seed": args.seed, "settings": settings, "compaction": compaction, "model": lm.name, "commit": provenance.commit(), "machine": provenance.machine(),
-        "rows": rows,
+        "rows": rows, "pooled": pooled,
     }, indent=2))
     print(f"wrote {args.out}")
 
@@ -121,7 +123,8 @@ def _tag(named: list) -> str:
 def reuse_synthesis(work: Path, tags: dict[str, str]) -> None:
     """Give `work` the dataset of a sibling folder whose data were made alike (`tags["data"]`), and its compacted
     start if that was made alike too (`tags["start"]`), unless `work` has a dataset of its own. `from_corpus` checks
-    the copied dataset's header against this run's settings, so a wrong copy is refused, never trained on."""
+    the copied dataset's header against this run's settings, so a wrong copy is refused, never trained on; a copy
+    of a synthesis that was stopped midway is completed by this run's."""
     (work / "train").mkdir(parents=True, exist_ok=True)
     (work / "made.json").write_text(json.dumps(tags))
     if (work / "data").exists():

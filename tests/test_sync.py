@@ -462,6 +462,11 @@ def test_self_study_starts_from_the_cartridge_sync_compacted(tmp_path, tiny_llam
     other = CompactionConfig(keep_surprising=0.5)
     assert store.self_study(texts, attrs.evolve(config, compaction=other), STUDY, progress=False) == ("b",)
     assert calls == [other]
+    # the text is read stripped, as self-study reads it: trailing blank lines do not push a document past the size
+    padded = CartridgeStore(tmp_path / "padded", tiny_llama)
+    text = "Tides turn twice daily."
+    assert padded.sync({"p": text + "\n" * 8}, config, progress=False).added == ("p",)
+    assert padded.records()["p"]["method"] == "whole" and padded.records()["p"]["tokens"] == len(tiny_llama.encode(text))
 
 
 def test_a_watching_server_self_studies_in_the_background(tmp_path, tiny_llama):

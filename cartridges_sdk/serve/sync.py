@@ -261,16 +261,16 @@ def _clear_old_work(root: Path, documents: list[SourceDocument], kept: set[str])
 
 def build(lm: Any, doc: SourceDocument, config: SyncConfig) -> Cartridge:
     """One document's cartridge, its record inside: the whole text's KV when it fits in `tokens`, else compacted
-    (per chunk and composed when the document is longer than the model's context)."""
-    ids = lm.encode(doc.text)
+    (per chunk and composed when the document is longer than the model's context). The text is read stripped, as
+    self-study's corpus reads it, so self-study can start from this very cartridge."""
+    ids = lm.encode(doc.text.strip() or doc.text)
     if len(ids) <= config.tokens:
         lm.check_context(len(ids), f"The {len(ids)}-token document {doc.origin!r}", "raise --tokens no further")
         cartridge = Cartridge.from_prefix(lm, ids, len(ids), num_frozen=1 if len(ids) > 1 else 0)
         method = "whole"
     else:
-        # the text as self-study's corpus reads it (stripped), so self-study can start from this very cartridge
-        cartridge = Cartridge.compact(lm, lm.encode(doc.text.strip()), config.tokens, config=config.compaction,
-                                      progress=False, report=config.report)
+        cartridge = Cartridge.compact(lm, ids, config.tokens, config=config.compaction, progress=False,
+                                      report=config.report)
         method = "compact"
     return with_record(lm, cartridge, doc, method, len(ids), config.tokens)
 
@@ -341,7 +341,10 @@ def keep_start(work: Path, compacted: Cartridge) -> None:
     kept = work / "train" / COMPACT_START
     if not kept.exists():
         kept.parent.mkdir(parents=True, exist_ok=True)
-        compacted.save(kept)
+        # how it was made, and nothing the store added (record, subject, quality report): training passes a start's
+        # metadata on to the trained cartridge
+        meta = attrs.evolve(compacted.meta, extra={"compaction": compacted.meta.extra.get("compaction", {})})
+        Cartridge(compacted.keys, compacted.values, meta).save(kept)
 
 
 def among_others(store: SyncedStore, name: str, work: Path) -> list[Cartridge]:
