@@ -103,7 +103,8 @@ def build_store(lm, texts: dict[str, str], folder: Path, tokens: int, selfstudy:
     settings when given), then trained by self-study with `selfstudy`'s settings (`Cartridge.from_corpus` keyword
     arguments) when given, from that compacted start. Made once, resumed when a run is interrupted; returns it and
     its build seconds (None when an earlier run made it)."""
-    config = SyncConfig(tokens=tokens, compaction=CompactionConfig(**(compaction or {})))
+    # no quality report: these questions score every cartridge here, and a report costs as much as a compaction
+    config = SyncConfig(tokens=tokens, compaction=CompactionConfig(**(compaction or {})), report=False)
     store = CartridgeStore(folder, lm)
     start = time.perf_counter()
     report = store.sync(texts, config)

@@ -328,6 +328,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     assert result["build_seconds"]["bm25"] >= 0  # milliseconds on a corpus this small
     studied = vs_rag.CartridgeStore(tmp_path / "work" / "selfstudy-16-document_windows=2-num_conversations=2", lm)
     assert {r["method"] for r in studied.records().values()} == {"self-study"}
+    assert not any("quality" in r for r in studied.records().values())  # the benchmark scores them; no report
     corpus = load_corpora(data, [0])[0]
     store = vs_rag.CartridgeStore(tmp_path / "work" / "compact-16", lm)
     rows = vs_rag.speed(lm, corpus, 16, retriever, store, [1, 2], 2, icl_users=[1])
