@@ -12,7 +12,10 @@ conversations) and one RAG index (passages of every document: `benchmarks/rag.py
   tokens of KV each: the same budget as RAG's prompt, held as KV instead of prompt text.
 
 Quality: gold-answer closure (how much of the none-to-ICL drop in the gold answer's NLL a method recovers) and, on
-multiple-choice sets, the share of questions where the right option's text is the likeliest answer. Cost: prompt
+multiple-choice sets, two accuracies: ``letter``, the share where the letter the reader ranks first (options listed,
+"answer with the letter") is the right one, which needs a reader that can pick (the 1.5B); and ``likeliest``, the
+share where the right option's text is the likeliest answer to the question asked without options, for a reader that
+picks letters at chance (the 0.5B; `--mc letter` skips it, four passes a context per question). Cost: prompt
 tokens, KV bytes per user, time to first token and decode tokens/s at 1 and 32 concurrent users (one document, the
 first of the first set), and seconds to build (an edited document re-makes its own cartridge only: its share of
 the build). Run it alone on the machine.
@@ -49,6 +52,9 @@ LABELS = {"none": "no context", "icl": "whole document in context", "bm25": "RAG
           "multi": "routed cartridges (compacted), as many as fit",
           "default": "SDK default: store.ask(q, budget=TOKENS)"}
 SCOPES = ("store", "document")  # what a question is asked of: the whole corpus, or its own document
+MC_SCORES = ("letter", "likeliest")  # how a multiple-choice answer is read: see the module's docstring
+MC_PANELS = (("mc_letter", "multiple choice: the letter picked"),
+             ("mc_accuracy", "multiple choice: the likeliest option text"))
 STORED = ("cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi")
 RERANK = 8  # BM25's candidates a '+rerank' method ranks again with the question's likelihood (serve/rerank.py)
 _OPTION = re.compile(r"^\s*\(?([A-Z])[).]\s+(.*\S)\s*$", re.MULTILINE)
@@ -172,13 +178,17 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
 
 
 def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Path, methods: Sequence[str],
-                selfstudy: dict | None = None, scope: str = "store", compaction: dict | None = None) -> dict:
+                selfstudy: dict | None = None, scope: str = "store", compaction: dict | None = None,
+                mc: Sequence[str] = MC_SCORES) -> dict:
     """Every method on the set's first `docs` documents. `scope` "store": each question is asked of the whole
     corpus (cartridges routed, RAG over every document's passages); "document": of its own document, as the data
     set poses it and as ICL answers it (its document's cartridge, RAG over its passages only). `compaction`:
-    `CompactionConfig` settings for every stored method's compacted cartridges (and self-study's start)."""
+    `CompactionConfig` settings for every stored method's compacted cartridges (and self-study's start). `mc`: the
+    multiple-choice accuracies scored (`MC_SCORES`; ``letter`` costs nothing beyond the closure's passes)."""
     if scope not in SCOPES:
         raise ConfigError(f"scope={scope!r}: use one of {list(SCOPES)}.")
+    if not mc or set(mc) - set(MC_SCORES):
+        raise ConfigError(f"mc={list(mc)}: use one or more of {list(MC_SCORES)}.")
     corpora = load_corpora(path, list(range(docs)))
     stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {}, compaction)
     chunks = passages([c.text for c in corpora])
@@ -210,13 +220,16 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
                    "context_tokens": {m: len(ctx.document or ()) + (ctx.cartridge.num_tokens if ctx.cartridge else 0)
                                       for m, ctx in contexts.items() if m != "icl"}}
             if q.multiple_choice:
-                gold = q.options.index(q.gold)
-                row["likeliest_right"] = {m: likeliest(lm, q.question, ctx) == gold for m, ctx in contexts.items()}
+                row["letter_right"] = {m: bool(s["correct"][0]) for m, s in scores.items()}
+                if "likeliest" in mc:
+                    gold = q.options.index(q.gold)
+                    row["likeliest_right"] = {m: likeliest(lm, q.question, ctx) == gold for m, ctx in contexts.items()}
             rows.append(row)
             print(row, flush=True)
     used = list(contexts)
     gap = mean([r["nll"]["none"] - r["nll"]["icl"] for r in rows])
     mc = [r for r in rows if "likeliest_right" in r]
+    letter = [r for r in rows if "letter_right" in r]
     return {
         "data": path.name, "scope": scope, "docs": docs, "questions": len(rows), "methods": used,
         "doc_tokens": round(mean([len(lm.encode(c.text)) for c in corpora])),
@@ -225,7 +238,8 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
                     for m in used},
         "kl": {m: round(mean([r["kl"][m] for r in rows]), 4) for m in used},
         "mc_accuracy": {m: round(mean([r["likeliest_right"][m] for r in mc]), 3) for m in used} if mc else None,
-        "mc_questions": len(mc),
+        "mc_letter": {m: round(mean([r["letter_right"][m] for r in letter]), 3) for m in used} if letter else None,
+        "mc_questions": len(letter),
         "routed_right": {k: round(mean([r["routed_right"][k] for r in rows]), 3) for k in stores},
         "build_seconds": {k: round(v, 3) if v is not None else None for k, v in build.items()},
         "rows": rows,
@@ -299,6 +313,9 @@ def main() -> None:
                         "(repeatable), e.g. chunk_questions=8")
     parser.add_argument("--scope", default="store", choices=SCOPES,
                         help="ask each question of the whole corpus (routed) or of its own document, as ICL does")
+    parser.add_argument("--mc", default=",".join(MC_SCORES),
+                        help=f"multiple-choice accuracies to score, of {','.join(MC_SCORES)} (letter: the reader picks "
+                             "a letter, for one that can; likeliest: the likeliest option text, for one that cannot)")
     parser.add_argument("--users", default="1,32", help="concurrent users for the speed figures ('' skips them)")
     parser.add_argument("--icl-users", default="1", help="the --users ICL is timed at (its prefill is the slow part)")
     parser.add_argument("--decode", type=int, default=16, help="new tokens per user in the decode-rate figure")
@@ -318,6 +335,9 @@ def main() -> None:
             method_spec(m, args.tokens)
     except ConfigError as err:
         parser.error(str(err))
+    mc = [m for m in args.mc.split(",") if m]
+    if not mc or set(mc) - set(MC_SCORES):
+        parser.error(f"--mc {args.mc!r}: use one or more of {','.join(MC_SCORES)}")
     bad = [s for s in args.sets.split(",") if s not in DATASETS]
     if bad or not {"none", "icl"} <= set(methods):
         parser.error(f"unknown sets {bad}; --methods must include none and icl (the reference); sets: "
@@ -332,7 +352,7 @@ def main() -> None:
     for name in args.sets.split(","):
         work = args.work / f"{args.model}-{name}-{args.docs}"
         result["sets"][name] = run_dataset(lm, args.data_dir / DATASETS[name], args.docs, args.questions,
-                                           args.tokens, work, methods, selfstudy, args.scope, compaction)
+                                           args.tokens, work, methods, selfstudy, args.scope, compaction, mc)
     if args.users:
         first = args.sets.split(",")[0]
         corpus = load_corpora(args.data_dir / DATASETS[first], [0])[0]
@@ -359,17 +379,17 @@ def plots(result: dict, folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     sets, scope = result["sets"], result.get("scope", "store")
     methods = [m for m in dict.fromkeys(m for s in sets.values() for m in s["methods"]) if m != "icl"]
-    panels = [("closure", "gold-answer closure (ICL = 1)")] + [("mc_accuracy", "multiple-choice accuracy")] * any(
-        s["mc_accuracy"] for s in sets.values())
+    panels = [("closure", "gold-answer closure (ICL = 1)")] + [
+        (key, title) for key, title in MC_PANELS if any(s.get(key) for s in sets.values())]
     rows = -(-len(methods) // 2)  # of the legend, two methods a row under the panels
     fig, axes = plt.subplots(1, len(panels), figsize=(max(5.5 * len(panels), 9), 3.6 + 0.2 * rows), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
-        names = [n for n in sets if sets[n][key]]
+        names = [n for n in sets if sets[n].get(key)]
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
             ax.bar([j + i * width for j in range(len(names))], [_bar(sets[n][key].get(m)) for n in names], width,
                    label=label(m, scope) if key == "closure" else None, color=f"C{i}")
-        if key == "mc_accuracy":
+        if key != "closure":
             ax.axhline(0.25, color="gray", lw=0.8, ls="--")
             ax.axhline(mean([sets[n][key]["icl"] for n in names]), color="black", lw=0.8, label="ICL (mean)")
             ax.legend(fontsize=7)
@@ -404,15 +424,13 @@ def table(result: dict) -> str:
     """The head-to-head as markdown: quality per set, then cost per method."""
     sets = result["sets"]
     methods = list(dict.fromkeys(m for s in sets.values() for m in s["methods"]))
-    lines = ["| method | " + " | ".join(f"{n} closure | {n} MC acc." if sets[n]["mc_accuracy"] else f"{n} closure"
-                                        for n in sets) + " |"]
-    lines.append("|---" * (1 + sum(2 if s["mc_accuracy"] else 1 for s in sets.values())) + "|")
+    columns = {n: [("closure", "closure")] + [(key, f"MC {name} (of {s['mc_questions']})") for key, name in
+                                              (("mc_letter", "letter"), ("mc_accuracy", "likeliest")) if s.get(key)]
+               for n, s in sets.items()}
+    lines = ["| method | " + " | ".join(f"{n} {head}" for n, cols in columns.items() for _, head in cols) + " |"]
+    lines.append("|---" * (1 + sum(len(cols) for cols in columns.values())) + "|")
     for m in methods:
-        cells = []
-        for s in sets.values():
-            cells.append(_f(s["closure"].get(m)))
-            if s["mc_accuracy"]:
-                cells.append(_f(s["mc_accuracy"].get(m)))
+        cells = [_f(sets[n][key].get(m)) for n, cols in columns.items() for key, _ in cols]
         lines.append(f"| {label(m, result.get('scope', 'store'))} | " + " | ".join(cells) + " |")
     if result.get("speed"):
         lines += ["", "| method | users | prompt tokens | KV MiB/user | first token s | decode tokens/s |",

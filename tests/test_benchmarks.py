@@ -279,7 +279,7 @@ def test_codebase_benchmark_on_a_tiny_model(tmp_path, tiny_llama):
 def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     from benchmarks import vs_rag
     from benchmarks.rag import Retriever, passages
-    from cartridges_sdk.making.evaluation import answer_logprobs, nll
+    from cartridges_sdk.making.evaluation import answer_logprobs, choose, nll
 
     lm = tiny_llama
     half = len(TEXT) // 2
@@ -297,6 +297,10 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
         assert set(result["closure"].values()) == {None}
     stored = {"cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default", "cartridge+rerank", "multi:8"}
     assert set(result["mc_accuracy"]) == set(methods_) and set(result["routed_right"]) == stored
+    # the letter the reader picks, options listed: read from the closure's own passes, as measure.choose reads it
+    assert set(result["mc_letter"]) == set(methods_) and result["mc_questions"] == 2
+    mcq = load_corpora(data, [1])[0].questions[0]
+    assert result["rows"][2]["letter_right"]["none"] == (choose(lm, mcq.question, mcq.options) == mcq.gold)
     # every method is held to the budget: cartridge tokens plus passage tokens
     assert all(0 < r["context_tokens"][k] <= 16 for r in result["rows"] for k in ("bm25", "dense"))
     assert all(r["context_tokens"][k] == 16 for r in result["rows"]
@@ -311,7 +315,9 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     assert result["rows"][0]["nll"]["bm25"] == pytest.approx(direct, abs=1e-3)
     # asked of its own document: every stored method answers with that document's cartridge, RAG with its passages
     own = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "bm25", "cartridge", "hybrid:8"],
-                             scope="document")
+                             scope="document", mc=("letter",))
+    assert own["mc_accuracy"] is None and set(own["mc_letter"]) == {"none", "icl", "bm25", "cartridge", "hybrid:8"}
+    assert not any("likeliest_right" in r for r in own["rows"])  # four passes a context saved where letters suffice
     assert own["scope"] == "document" and all(own["routed_right"][k] == 1 for k in ("cartridge", "hybrid:8"))
     first = retriever.context(lm, q[0], 16, among=[i for i, (d, _) in enumerate(passages([TEXT[:half], TEXT[half:]]))
                                                    if d == 0])
@@ -322,6 +328,8 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
                        compaction={"corpus_queries": 32})
     other = vs_rag.CartridgeStore(tmp_path / "work" / "compact-16-corpus_queries=32", lm)
     assert {other.get(n).meta.extra["compaction"]["corpus_queries"] for n in other.names()} == {32}
+    with pytest.raises(vs_rag.ConfigError, match="mc=\\['letters'\\]"):
+        vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl"], mc=("letters",))
     with pytest.raises(vs_rag.ConfigError, match="scope='paper'"):
         vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl"], scope="paper")
     assert all(result["build_seconds"][k] > 0 for k in ("cartridge", "selfstudy", "dense", "hybrid:8"))
@@ -340,6 +348,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     whole = {"model": lm.name, "tokens": 16, "sets": {"set": result}, "speed": rows}
     table = vs_rag.table(whole)
     assert "| RAG, dense (MiniLM) |" in table and "| cartridge | 2 |" in table
+    assert "set MC letter (of 2) | set MC likeliest (of 2)" in table
     assert [p.name for p in vs_rag.plots(whole, tmp_path / "img")] == ["vs-rag-quality.png", "vs-rag-speed.png"]
     asked_of_own = {"model": lm.name, "tokens": 16, "scope": "document", "sets": {"set": own}}
     assert "| its own cartridge (compacted) |" in vs_rag.table(asked_of_own)
