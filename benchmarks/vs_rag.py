@@ -228,7 +228,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
             print(row, flush=True)
     used = list(contexts)
     gap = mean([r["nll"]["none"] - r["nll"]["icl"] for r in rows])
-    mc = [r for r in rows if "likeliest_right" in r]
+    cloze = [r for r in rows if "likeliest_right" in r]
     letter = [r for r in rows if "letter_right" in r]
     return {
         "data": path.name, "scope": scope, "docs": docs, "questions": len(rows), "methods": used,
@@ -237,7 +237,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
         "closure": {m: round(mean([r["nll"]["none"] - r["nll"][m] for r in rows]) / gap, 3) if gap > 0 else None
                     for m in used},
         "kl": {m: round(mean([r["kl"][m] for r in rows]), 4) for m in used},
-        "mc_accuracy": {m: round(mean([r["likeliest_right"][m] for r in mc]), 3) for m in used} if mc else None,
+        "mc_accuracy": {m: round(mean([r["likeliest_right"][m] for r in cloze]), 3) for m in used} if cloze else None,
         "mc_letter": {m: round(mean([r["letter_right"][m] for r in letter]), 3) for m in used} if letter else None,
         "mc_questions": len(letter),
         "routed_right": {k: round(mean([r["routed_right"][k] for r in rows]), 3) for k in stores},
