@@ -52,9 +52,9 @@ LABELS = {"none": "no context", "icl": "whole document in context", "bm25": "RAG
           "multi": "routed cartridges (compacted), as many as fit",
           "default": "SDK default: store.ask(q, budget=TOKENS)"}
 SCOPES = ("store", "document")  # what a question is asked of: the whole corpus, or its own document
-MC_SCORES = ("letter", "likeliest")  # how a multiple-choice answer is read: see the module's docstring
-MC_PANELS = (("mc_letter", "multiple choice: the letter picked"),
-             ("mc_accuracy", "multiple choice: the likeliest option text"))
+# how a multiple-choice answer is read (see the module's docstring): the name, the result's key, the plot's title
+MC_FIELDS = (("letter", "mc_letter", "the letter picked"), ("likeliest", "mc_accuracy", "the likeliest option text"))
+MC_SCORES = tuple(name for name, _, _ in MC_FIELDS)
 STORED = ("cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi")
 RERANK = 8  # BM25's candidates a '+rerank' method ranks again with the question's likelihood (serve/rerank.py)
 _OPTION = re.compile(r"^\s*\(?([A-Z])[).]\s+(.*\S)\s*$", re.MULTILINE)
@@ -177,6 +177,11 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
     return Context(document=plan.prefix_ids or None, cartridge=cartridge), plan.cartridges[0] if parts else None
 
 
+def check_mc(mc: Sequence[str]) -> None:
+    if not mc or set(mc) - set(MC_SCORES):
+        raise ConfigError(f"mc={list(mc)}: use one or more of {list(MC_SCORES)}.")
+
+
 def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Path, methods: Sequence[str],
                 selfstudy: dict | None = None, scope: str = "store", compaction: dict | None = None,
                 mc: Sequence[str] = MC_SCORES) -> dict:
@@ -187,8 +192,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     multiple-choice accuracies scored (`MC_SCORES`; ``letter`` costs nothing beyond the closure's passes)."""
     if scope not in SCOPES:
         raise ConfigError(f"scope={scope!r}: use one of {list(SCOPES)}.")
-    if not mc or set(mc) - set(MC_SCORES):
-        raise ConfigError(f"mc={list(mc)}: use one or more of {list(MC_SCORES)}.")
+    check_mc(mc)
     corpora = load_corpora(path, list(range(docs)))
     stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {}, compaction)
     chunks = passages([c.text for c in corpora])
@@ -330,14 +334,13 @@ def main() -> None:
         print(table(result), *plots(result, args.plots), sep="\n")
         return
     methods = [m for m in args.methods.split(",") if m]
+    mc = [m for m in args.mc.split(",") if m]
     try:
         for m in methods:
             method_spec(m, args.tokens)
+        check_mc(mc)
     except ConfigError as err:
         parser.error(str(err))
-    mc = [m for m in args.mc.split(",") if m]
-    if not mc or set(mc) - set(MC_SCORES):
-        parser.error(f"--mc {args.mc!r}: use one or more of {','.join(MC_SCORES)}")
     bad = [s for s in args.sets.split(",") if s not in DATASETS]
     if bad or not {"none", "icl"} <= set(methods):
         parser.error(f"unknown sets {bad}; --methods must include none and icl (the reference); sets: "
@@ -380,7 +383,7 @@ def plots(result: dict, folder: Path) -> list[Path]:
     sets, scope = result["sets"], result.get("scope", "store")
     methods = [m for m in dict.fromkeys(m for s in sets.values() for m in s["methods"]) if m != "icl"]
     panels = [("closure", "gold-answer closure (ICL = 1)")] + [
-        (key, title) for key, title in MC_PANELS if any(s.get(key) for s in sets.values())]
+        (key, f"multiple choice: {title}") for _, key, title in MC_FIELDS if any(s.get(key) for s in sets.values())]
     rows = -(-len(methods) // 2)  # of the legend, two methods a row under the panels
     fig, axes = plt.subplots(1, len(panels), figsize=(max(5.5 * len(panels), 9), 3.6 + 0.2 * rows), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
@@ -424,9 +427,8 @@ def table(result: dict) -> str:
     """The head-to-head as markdown: quality per set, then cost per method."""
     sets = result["sets"]
     methods = list(dict.fromkeys(m for s in sets.values() for m in s["methods"]))
-    columns = {n: [("closure", "closure")] + [(key, f"MC {name} (of {s['mc_questions']})") for key, name in
-                                              (("mc_letter", "letter"), ("mc_accuracy", "likeliest")) if s.get(key)]
-               for n, s in sets.items()}
+    columns = {n: [("closure", "closure")] + [(key, f"MC {name} (of {s['mc_questions']})")
+                                              for name, key, _ in MC_FIELDS if s.get(key)] for n, s in sets.items()}
     lines = ["| method | " + " | ".join(f"{n} {head}" for n, cols in columns.items() for _, head in cols) + " |"]
     lines.append("|---" * (1 + sum(len(cols) for cols in columns.values())) + "|")
     for m in methods:
