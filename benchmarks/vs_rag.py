@@ -27,7 +27,7 @@ import argparse
 import json
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -129,8 +129,8 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
     use it), and each method's build seconds."""
     texts = {c.name: c.text for c in corpora}
     stores, seconds, made = {}, {}, {}
-    tag = "-".join(f"{k}={v}" for k, v in sorted(selfstudy.items()))
-    compacted = "".join(f"-{k}={v}" for k, v in sorted((compaction or {}).items()))  # other settings, other stores
+    tag = "-".join(f"{k}={_plain(v)}" for k, v in sorted(selfstudy.items()))
+    compacted = "".join(f"-{k}={_plain(v)}" for k, v in sorted((compaction or {}).items()))  # other settings, other stores
     for method in methods:
         kind = method.partition(":")[0].removesuffix("+rerank")
         if kind not in STORED and kind != "default":
@@ -175,6 +175,16 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
     parts = [store.get(n) for n in plan.cartridges]
     cartridge = parts[0] if len(parts) == 1 else Cartridge.compose(parts) if parts else None
     return Context(document=plan.prefix_ids or None, cartridge=cartridge), plan.cartridges[0] if parts else None
+
+
+def _plain(value) -> str:
+    """A setting's value as part of a folder name: a mapping's or list's repr would put quotes, braces and spaces in
+    the path (``seed_weights={'question': 1}``), so its items are joined plainly (``seed_weights=question:1``)."""
+    if isinstance(value, Mapping):
+        return "+".join(f"{k}:{_plain(v)}" for k, v in sorted(value.items()))
+    if isinstance(value, (list, tuple)):
+        return "+".join(_plain(v) for v in value)
+    return str(value)
 
 
 def check_mc(mc: Sequence[str]) -> None:
