@@ -130,7 +130,8 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
     texts = {c.name: c.text for c in corpora}
     stores, seconds, made = {}, {}, {}
     tag = "-".join(f"{k}={_plain(v)}" for k, v in sorted(selfstudy.items()))
-    compacted = "".join(f"-{k}={_plain(v)}" for k, v in sorted((compaction or {}).items()))  # other settings, other stores
+    # other compaction settings, other stores
+    compacted = "".join(f"-{k}={_plain(v)}" for k, v in sorted((compaction or {}).items()))
     for method in methods:
         kind = method.partition(":")[0].removesuffix("+rerank")
         if kind not in STORED and kind != "default":
