@@ -52,6 +52,7 @@ from cartridges_sdk.serve.settings import SyncConfig
 
 from . import provenance
 from .data import EVALDATA, load_corpora
+from .naming import settings_tag
 
 DATA = [EVALDATA / "scientific_qa_dev.jsonl", EVALDATA / "quality_dev.jsonl"]
 ROOM = 512  # positions kept for a question and its answer beside a document in context
@@ -240,7 +241,7 @@ def self_studied(lm, docs, store_dir: Path, per_doc: int, seed: int, tokens: int
 
 def among_name(distractors: int, settings: dict | None) -> str:
     """What names a run among others: its store's folder and its result file."""
-    return f"among-{distractors}" + "".join(f"-{k}={v}" for k, v in sorted((settings or {}).items()))
+    return f"among-{distractors}" + (f"-{settings_tag(settings)}" if settings else "")
 
 
 def _among_store(lm, store_dir: Path, name: str, texts: dict[str, str], config: SyncConfig) -> CartridgeStore:

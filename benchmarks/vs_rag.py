@@ -27,7 +27,7 @@ import argparse
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from cartridges_sdk.kv import prefix_cache
 from . import provenance
 from .data import EVALDATA, Corpus, load_corpora
 from .measure import Context, decode_throughput, kv_bytes_per_token, mean, score_questions, synchronize
+from .naming import settings_tag
 from .rag import Retriever, passages
 
 DATASETS = {"qasper": "scientific_qa_dev.jsonl", "quality": "quality_dev.jsonl", "tpo": "tpo_dev.jsonl"}
@@ -129,9 +130,9 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
     use it), and each method's build seconds."""
     texts = {c.name: c.text for c in corpora}
     stores, seconds, made = {}, {}, {}
-    tag = "-".join(f"{k}={_plain(v)}" for k, v in sorted(selfstudy.items()))
+    tag = settings_tag(selfstudy)
     # other compaction settings, other stores
-    compacted = "".join(f"-{k}={_plain(v)}" for k, v in sorted((compaction or {}).items()))
+    compacted = f"-{settings_tag(compaction)}" if compaction else ""
     for method in methods:
         kind = method.partition(":")[0].removesuffix("+rerank")
         if kind not in STORED and kind != "default":
@@ -176,16 +177,6 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
     parts = [store.get(n) for n in plan.cartridges]
     cartridge = parts[0] if len(parts) == 1 else Cartridge.compose(parts) if parts else None
     return Context(document=plan.prefix_ids or None, cartridge=cartridge), plan.cartridges[0] if parts else None
-
-
-def _plain(value) -> str:
-    """A setting's value as part of a folder name: a mapping's or list's repr would put quotes, braces and spaces in
-    the path (``seed_weights={'question': 1}``), so its items are joined plainly (``seed_weights=question:1``)."""
-    if isinstance(value, Mapping):
-        return "+".join(f"{k}:{_plain(v)}" for k, v in sorted(value.items()))
-    if isinstance(value, (list, tuple)):
-        return "+".join(_plain(v) for v in value)
-    return str(value)
 
 
 def check_mc(mc: Sequence[str]) -> None:

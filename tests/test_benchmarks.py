@@ -355,12 +355,16 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     assert [p.name for p in vs_rag.plots(asked_of_own, tmp_path / "img")] == ["vs-rag-quality-document.png"]
 
 
-def test_vs_rag_store_folders_name_a_mapping_setting_plainly():
-    from benchmarks import vs_rag
+def test_run_folders_name_a_mapping_setting_plainly():
+    from benchmarks.naming import plain, settings_tag
+    from benchmarks.sync import among_name
 
     # --set 'seed_weights={"question": 1}' once made a folder named with quotes, braces and a space
-    assert vs_rag._plain({"question": 1, "creative": 0.5}) == "creative:0.5+question:1"
-    assert vs_rag._plain(("a", "b")) == "a+b" and vs_rag._plain(0.01) == "0.01"
+    assert plain({"question": 1, "creative": 0.5}) == "creative:0.5+question:1"
+    assert plain(("a", "b")) == "a+b" and plain(0.01) == "0.01"
+    assert settings_tag({"lr": 0.01, "seed_weights": {"question": 1}}) == "lr=0.01-seed_weights=question:1"
+    assert settings_tag(None) == "" and among_name(4, None) == "among-4"
+    assert among_name(4, {"seed_weights": {"question": 1}}) == "among-4-seed_weights=question:1"
 
 
 def test_spearman_and_the_sets_the_quality_report_benchmark_reads():
