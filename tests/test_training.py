@@ -207,6 +207,24 @@ def test_a_checkpoint_from_before_ranks_still_resumes(tiny_lm, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(done.keys + done.values, again.keys + again.values))
 
 
+def test_bf16_is_measured_only_where_the_hardware_computes_it(monkeypatch):
+    """An x86 CPU without AVX512-BF16 or AMX emulates bf16, so "fastest" keeps float32 there unmeasured; any other
+    CPU or device, or a torch that cannot say, is measured."""
+    from cartridges_sdk.making import precision
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(precision.platform, "machine", lambda: "x86_64")
+    for avx512_bf16, amx, measured in [(False, False, False), (True, False, True), (False, True, True)]:
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        assert precision.bf16_in_hardware(cpu) is measured, (avx512_bf16, amx)
+    assert precision.bf16_in_hardware(torch.device("cuda"))  # GPUs are measured
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert precision.bf16_in_hardware(cpu)  # this torch cannot tell
+    monkeypatch.setattr(precision.platform, "machine", lambda: "arm64")
+    assert precision.bf16_in_hardware(cpu)
+
+
 def test_the_fastest_work_dtype_is_measured_per_stage_once_per_run(tiny_llama, monkeypatch):
     """work_dtype="fastest" picks bfloat16 for a stage only where that stage's miniature runs clearly faster in it
     (the 135M model trains faster in bf16 and synthesizes slower), and a self-study run measures once, for both
@@ -216,6 +234,10 @@ def test_the_fastest_work_dtype_is_measured_per_stage_once_per_run(tiny_llama, m
     # a toy model is not measured: it computes in its own dtype
     assert precision.resolve_work_dtype(tiny_llama, "fastest") == {"synthesis": None, "training": None}
     monkeypatch.setattr(precision, "SMALLEST_MEASURED", 0)
+    # nor on a CPU that has no bf16 arithmetic (an x86 without AVX512-BF16 or AMX): bf16 cannot win there
+    monkeypatch.setattr(precision, "bf16_in_hardware", lambda device: False)
+    assert precision.resolve_work_dtype(tiny_llama, "fastest") == {"synthesis": None, "training": None}
+    monkeypatch.setattr(precision, "bf16_in_hardware", lambda device: True)
     assert set(precision.resolve_work_dtype(tiny_llama, "fastest").values()) <= {torch.float32, torch.bfloat16}
     assert precision.resolve_work_dtype(tiny_llama, "BF16") == {"synthesis": torch.bfloat16, "training": torch.bfloat16}
     assert precision.resolve_work_dtype(tiny_llama, None) == {"synthesis": None, "training": None}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import platform
 import time
 import weakref
 
@@ -96,6 +97,21 @@ def fastest_dtypes(lm: LM, *, rounds: int = 2, stages: tuple[str, ...] = STAGES)
 
 WorkDtypes = dict[str, torch.dtype | None]
 
+X86 = {"x86_64", "amd64", "i386", "i686", "x86"}
+
+
+def bf16_in_hardware(device: torch.device) -> bool:
+    """Whether `device` may compute bfloat16 faster than float32, so "fastest" is worth measuring there.
+
+    An x86 CPU with neither AVX512-BF16 nor AMX converts every bf16 value to float32 and back: on such a 2-core
+    machine the 135M model trained 2.4x and synthesized 1.1x slower in bf16, and measuring that took a minute of
+    every process that compacts with a report or builds. Other devices and CPUs (and a torch that cannot tell) are
+    measured."""
+    if torch.device(device).type != "cpu" or platform.machine().lower() not in X86:
+        return True
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(check is None or check() for check in checks)
+
 # models smaller than this compute in their own dtype under "fastest", unmeasured: the test models and toys, whose
 # runs take less time than measuring would (and whose tests would then depend on a moment's timing)
 SMALLEST_MEASURED = 50_000_000
@@ -106,8 +122,8 @@ _CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def resolve_work_dtype(lm: LM, dtype: str | torch.dtype | WorkDtypes | None, *,
                        stages: tuple[str, ...] = STAGES) -> WorkDtypes:
     """`dtype` for each of `stages`: "fastest" measured here, once per model, stage and process, so a run's stages
-    are decided together (and the quality report, which only synthesizes, does not time training); a named dtype or
-    None (the model's) for all."""
+    are decided together (and the quality report, which only synthesizes, does not time training), or the model's
+    own unmeasured where bf16 cannot win (`bf16_in_hardware`); a named dtype or None (the model's) for all."""
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ConfigError(f"stages={stages!r}: {unknown[0]!r} is not one of {STAGES}.")
@@ -118,7 +134,8 @@ def resolve_work_dtype(lm: LM, dtype: str | torch.dtype | WorkDtypes | None, *,
 
         # ranks timing alone could choose differently and train one cartridge in two dtypes: under torchrun the
         # model's own dtype, unless work_dtype names one
-        if under_torchrun() or sum(p.numel() for p in lm.model.parameters()) < SMALLEST_MEASURED:
+        if (under_torchrun() or sum(p.numel() for p in lm.model.parameters()) < SMALLEST_MEASURED
+                or not bf16_in_hardware(lm.device)):
             return dict.fromkeys(stages, None)
         chosen = _CHOSEN.setdefault(lm.model, {})
         missing = tuple(s for s in stages if s not in chosen)
