@@ -448,6 +448,7 @@ def test_the_runtimes_benchmark_times_each_runtime_and_says_what_auto_picks(tmp_
     assert json.loads((tmp_path / "runtimes.json").read_text())["rows"][0]["answers"]
 
 
+@pytest.mark.slow  # 70 s; the store's scale paths (routing index, workers) have tests of their own in the default tier
 def test_the_scale_benchmark_measures_a_store_and_its_server(tmp_path):
     """`benchmarks.scale` at one small size: every figure measured from a real sync, server and router, the routed
     questions reaching their documents, and the plot drawn."""

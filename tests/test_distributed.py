@@ -158,6 +158,7 @@ def test_a_killed_rank_fails_the_job_cleanly_and_the_run_resumes_on_one_process(
     assert max_diff(want, resumed) <= 1e-5
 
 
+@pytest.mark.slow  # 35 s: a refusal path under torchrun; the paths that train stay in the default tier
 def test_a_checkpoint_rank_0_refuses_stops_every_rank(tmp_path):
     assert torchrun(tmp_path, tmp_path / "a.safetensors", 1, tmp_path / "work").returncode == 0
     again = torchrun(tmp_path, tmp_path / "b.safetensors", 2, tmp_path / "work")  # another global batch
@@ -166,6 +167,7 @@ def test_a_checkpoint_rank_0_refuses_stops_every_rank(tmp_path):
     assert "Rank 0 failed, so this rank stops too: ConfigError: The checkpoint in" in again.stderr  # rank 1 too
 
 
+@pytest.mark.slow  # 20 s: a refusal path under torchrun; the paths that train stay in the default tier
 def test_ranks_given_other_data_stop_with_the_reason(tmp_path):
     done = torchrun(tmp_path, tmp_path / "a.safetensors", 1, tmp_path / "work", mode="otherdata")
     assert done.returncode != 0
@@ -226,6 +228,7 @@ def test_two_ranks_synthesize_the_one_process_dataset_into_one_folder(tiny_llama
     assert contents(SelfStudyDataset(tmp_path / "data")) == contents(one)
 
 
+@pytest.mark.slow  # 20 s each: refusal paths under torchrun; the paths that synthesize stay in the default tier
 @pytest.mark.parametrize("mode, reason", [
     ("differ", r"rank 1 was given other settings than rank 0 \(config.top_k: 5 -> 3\)"),
     ("apart", r"rank 1 does not see the dataset folder rank 0 prepared.*a shared filesystem"),

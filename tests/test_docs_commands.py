@@ -30,7 +30,8 @@ The rules (what a page author needs to know):
   as ``MODEL_DIR``), each with the reason. Every entry must apply somewhere. Documented values that are cheap here
   (cartridge sizes, questions, file names) run as written.
 - **Tiers.** Pages in `SLOW_PAGES` (vLLM engine starts, about a minute each; five torchrun launches; the long
-  self-study, compaction and sync pages) run in the slow tier (``-m slow``); the others in the default tier.
+  self-study, compaction and sync pages, and pages of 40 s or more whose code has tests of its own) run in the slow
+  tier (``-m slow``); the others in the default tier.
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ SUBSTITUTIONS = [
     Sub(".*", SH, r"--tokens 2048\b", "--tokens 256", "the sample my_repo/ holds about 900 tokens; a compacted "
         "start needs at least p"),
     Sub(".*", SH, r"\bcartridges ask ", "cartridges ask --max-new-tokens 24 ", "short answers"),
+    Sub(r"README\.md", SH, r"\bcartridges (compact|sync) ", r"cartridges \1 --no-report ",
+        "no quality report on the shell lines (about 25 s a cartridge here): the README's Python block keeps it, and "
+        "tests/test_quality_report.py runs the report's commands"),
     Sub(r"docs/(store|openai|sync|vs-rag)\.md", PY | SH, r"\b8000\b", "{port}", "the server listens on a free port"),
     Sub(r"docs/openai\.md", SH, r"\bMODEL_DIR\b", "{model_dir}", "the folder the SDK loads the default model from"),
     Sub(r"examples/codebase_assistant/README\.md", SH, r"^\.venv/bin/python (examples/codebase_assistant/assistant\.py)$",
@@ -181,10 +185,14 @@ SERVERS: dict[tuple[str, str], str] = {
 # the slow tier: pages whose blocks start vLLM engines (about a minute each on 2 CPU cores), the torchrun page (five
 # launches of two ranks; tests/test_distributed.py runs the same paths in the default tier), and the long pages that
 # make cartridges by self-study or sync several documents, or check several with the quality report (a minute or more
-# each: their APIs have tests of their own, tests/test_quality_report.py runs the report's commands)
+# each: their APIs have tests of their own, tests/test_quality_report.py runs the report's commands), and the pages
+# of 40-95 s on 2 cores whose code has tests of its own (the RAG integrations: integrations/*/tests; the codebase
+# assistant: tests/test_codebase_assistant.py; runtimes: tests/test_runtime_choice.py and backends/llamacpp/tests;
+# the store: tests/test_store.py and tests/test_server.py), so that the default tier stays under 35 minutes
 SLOW_PAGES = {"docs/vllm.md", "docs/openai.md", "docs/distributed.md", "docs/sync.md", "docs/getting-started.md",
               "docs/compaction.md", "docs/self-study.md", "docs/plugins.md", "examples/medical_records/README.md",
-              "docs/quality-report.md"}
+              "docs/quality-report.md", "docs/vs-rag.md", "examples/codebase_assistant/README.md", "docs/runtimes.md",
+              "docs/llamacpp.md", "docs/store.md"}
 PAGE_ENV = {"docs/openai.md": {"VLLM_CPU_KVCACHE_SPACE": "1"}, "docs/vllm.md": {"VLLM_CPU_KVCACHE_SPACE": "1"}}
 
 # Run first in every page's interpreter: the small settings, and the checks AROUND uses.

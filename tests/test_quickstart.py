@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.quickstart_texts import summary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +38,7 @@ def test_by_default_the_compacted_cartridge_answers_and_is_reported(tmp_path):
     assert (tmp_path / "work.safetensors").is_file()
 
 
+@pytest.mark.slow  # a minute: self-study in the quick start; the default quick start stays in the default tier
 def test_your_own_text_and_questions_go_through_the_same_steps(tmp_path):
     corpus = tmp_path / "railway.txt"
     corpus.write_text(TEXT, encoding="utf-8")

@@ -311,6 +311,7 @@ def test_the_command(tmp_path, tiny_dir, capsys):
     assert trained.meta.training["distractors"]["most"] == 1
 
 
+@pytest.mark.slow  # a minute; a sync worker killed mid-run (tests/test_sync_workers.py) stays in the default tier
 def test_a_sync_killed_at_random_points_leaves_a_store_that_serves_and_the_next_sync_completes(tmp_path, tiny_dir,
                                                                                               tiny_llama):
     texts = {f"doc{i:02d}.txt": f"Record {i}. " + f"The keeper logged {i} ships passing the point. " * 6

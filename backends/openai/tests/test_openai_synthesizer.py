@@ -109,6 +109,7 @@ def test_self_study_data_matches_the_hf_teacher(synth, lm, tmp_path):
     assert np.abs(want.values.numpy() - conv.topk_logprobs).max() < 1e-4
 
 
+@pytest.mark.slow  # 50 s; the contract and the teacher's equality run on the same server in the default tier
 def test_from_corpus_and_the_cli_by_name(lm, server, tmp_path, capsys, caplog):
     caplog.set_level(logging.DEBUG)  # every logger, the openai client's and httpx's too
     options = {"base_url": server.url, "model": "smol"}
