@@ -112,6 +112,7 @@ def bf16_in_hardware(device: torch.device) -> bool:
     checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
     return any(check is None or check() for check in checks)
 
+
 # models smaller than this compute in their own dtype under "fastest", unmeasured: the test models and toys, whose
 # runs take less time than measuring would (and whose tests would then depend on a moment's timing)
 SMALLEST_MEASURED = 50_000_000
