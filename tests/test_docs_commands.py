@@ -27,8 +27,8 @@ The rules (what a page author needs to know):
   when the page's other blocks have run.
 - **Small settings.** `SUBSTITUTIONS` is the explicit table of what is changed before a block runs (self-study on 4
   conversations with tiny chunks and turns, 2 processes where the docs say 4 or 8, short answers, no quality report
-  on the README's shell lines, placeholders such as ``MODEL_DIR``), each with the reason. Every entry must apply somewhere. Documented values that are cheap here
-  (cartridge sizes, questions, file names) run as written.
+  on the README's shell lines, placeholders such as ``MODEL_DIR``), each with the reason. Every entry must apply
+  somewhere. Documented values that are cheap here (cartridge sizes, questions, file names) run as written.
 - **Tiers.** Pages in `SLOW_PAGES` (vLLM engine starts, about a minute each; five torchrun launches; the long
   self-study, compaction and sync pages, and pages of 40 s or more whose code has tests of its own) run in the slow
   tier (``-m slow``); the others in the default tier.

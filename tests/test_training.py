@@ -208,8 +208,8 @@ def test_a_checkpoint_from_before_ranks_still_resumes(tiny_lm, tmp_path):
 
 
 def test_bf16_is_measured_only_where_the_hardware_computes_it(monkeypatch):
-    """An x86 CPU without AVX512-BF16 or AMX emulates bf16, so "fastest" keeps the model's own dtype there unmeasured; any other
-    CPU or device, or a torch that cannot say, is measured."""
+    """An x86 CPU without AVX512-BF16 or AMX emulates bf16, so "fastest" keeps the model's own dtype there
+    unmeasured; any other CPU or device, or a torch that cannot say, is measured."""
     from cartridges_sdk.making import precision
 
     cpu = torch.device("cpu")
