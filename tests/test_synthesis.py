@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from cartridges_sdk import Cartridge, Completion, ConfigError, Synthesizer, SynthesizerCapabilities
-from cartridges_sdk.making.dataset import SelfStudyDataset, Shard, merge
+from cartridges_sdk.making.dataset import HEADER, SelfStudyDataset, Shard, merge
 from cartridges_sdk.hf import HFSynthesizer
 from cartridges_sdk.generation import SynthesisRequest
 from cartridges_sdk.making.selfstudy import train_cartridge
@@ -96,6 +97,19 @@ def test_killed_synthesis_resumes_without_loss_or_duplicates(tiny_lm, tmp_path):
         assert x.messages == y.messages
 
 
+def test_a_dataset_begun_before_b_context_existed_resumes_as_made_with_chunk(tiny_lm, tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm, fail_after=3),
+                   allow_unverified_model=True, progress=False)
+    header = tmp_path / "d" / HEADER
+    old = json.loads(header.read_text())
+    del old["config"]["b_context"]  # as an older version wrote it
+    header.write_text(json.dumps(old))
+    resumed = synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm),
+                         allow_unverified_model=True, progress=False)
+    assert sorted(c.conv_id for c in resumed.conversations()) == list(range(10))
+
+
 def test_other_settings_on_the_same_path_are_refused(tiny_lm, tmp_path):
     synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=FakeSynthesizer(tiny_lm), allow_unverified_model=True, progress=False)
     with pytest.raises(ConfigError, match="other settings"):
@@ -126,6 +140,58 @@ def test_hf_teacher_topk_is_exact(tiny_lm):
         assert out.top_ids.shape == (len(out.token_ids), 4)
         assert np.array_equal(out.top_ids, want.indices.numpy())
         assert np.abs(out.top_logprobs - want.values.numpy()).max() <= 1e-4
+
+
+class PromptRecorder(FakeSynthesizer):
+    """The fake, also keeping every request's prompt ids, call by call."""
+
+    def __init__(self, lm):
+        super().__init__(lm)
+        self.prompts: list[list[list[int]]] = []
+
+    def complete(self, requests):
+        self.prompts.append([list(r.prompt_ids) for r in requests])
+        return super().complete(requests)
+
+
+def test_b_context_document_has_the_teacher_read_the_whole_corpus(tiny_lm, tmp_path):
+    """A reads its chunk either way; B reads that chunk by default and the whole corpus with b_context='document'."""
+    text = TEXT[:1200]  # 1,200 tokens (the tiny tokenizer reads characters): with a prompt, within its 2,048
+    whole = tiny_lm.encode(text)
+    for b_context in ("chunk", "document"):
+        fake = PromptRecorder(tiny_lm)
+        ds = synthesize(text, tiny_lm, tmp_path / b_context, _config(b_context=b_context), synthesizer=fake,
+                        allow_unverified_model=True, progress=False)
+        a_calls, b_calls = fake.prompts[1::2], fake.prompts[2::2]  # after the same-model probe: A, B per group
+        assert len(a_calls) == len(b_calls) == 3
+        assert max(len(p) for call in a_calls for p in call) < len(whole) // 2  # a chunk (<= 120 tokens) and a seed
+        reads_whole = [p[: len(whole)] == whole for call in b_calls for p in call]
+        assert all(reads_whole) if b_context == "document" else not any(reads_whole)
+        assert len(ds) == 10 and {c.chunk for c in ds.conversations()} != {(0, len(whole))}  # A's chunks are kept
+
+
+def test_b_context_document_refuses_a_corpus_longer_than_the_context(tiny_lm, tmp_path):
+    long_text = TEXT  # 1,765 tokens: with the markup and turns allowed for, more than the tiny model's 2,048
+    with pytest.raises(ConfigError, match="A self-study prompt \\(a document of up to .*b_context='chunk'"):
+        synthesize(long_text, tiny_lm, tmp_path / "d", _config(b_context="document"),
+                   synthesizer=FakeSynthesizer(tiny_lm), allow_unverified_model=True, progress=False)
+    with pytest.raises(ConfigError, match="b_context='whole' must be 'chunk'.*or 'document'"):
+        _config(b_context="whole")
+
+
+def test_hf_synthesizer_keeps_a_and_bs_prefixes(tiny_lm, monkeypatch):
+    """A's and B's shared prompts alternate group after group; each is prefilled once, not once a call."""
+    made = []
+    real = Cartridge.from_prefix
+    monkeypatch.setattr(Cartridge, "from_prefix", lambda *a, **k: made.append(len(a[1])) or real(*a, **k))
+    synth = HFSynthesizer(tiny_lm)
+    doc, chunk = tiny_lm.encode(TEXT[:600]), tiny_lm.encode(TEXT[:200])
+    for group in range(3):
+        for context in (chunk, doc):
+            synth.complete([SynthesisRequest(teacher_prompt(tiny_lm, context, [{"role": "user", "content": q}]),
+                                             max_tokens=2, temperature=0.0, group=group, seed=0)
+                            for q in ("Who built it?", "When?")])
+    assert len(made) == 2
 
 
 def test_synthesizer_for_another_model_is_refused(tiny_llama, tiny_qwen, tmp_path):

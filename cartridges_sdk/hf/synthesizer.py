@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -55,19 +56,23 @@ class HFSynthesizer(Synthesizer):
         self.scorer = lm.in_dtype(resolve_dtype(self.options.score_dtype))
         # it returns top-k up to the whole vocabulary: the class says 1024 (known before the model), the instance more
         self.capabilities = attrs.evolve(self.capabilities, max_top_logprobs=lm.identity.architecture["vocab_size"])
-        self._prefix: tuple[tuple[int, ...], Cartridge] | None = None
+        self._prefixes: OrderedDict[tuple, Cartridge] = OrderedDict()
 
     def identity(self) -> ModelIdentity:
         return self.lm.identity
 
     def _prefix_cartridge(self, ids: Sequence[int], lm: LM | None = None) -> Cartridge:
-        """The KV of a shared prompt as an (unfrozen) cartridge, computed by `lm` (default: the sampling model); the
-        last one is kept, since A and B share the chunk."""
+        """The KV of a shared prompt as an (unfrozen) cartridge, computed by `lm` (default: the sampling model). The
+        last two are kept: A's and B's, which alternate, and with ``b_context="document"`` B's is the same document
+        for every group."""
         lm = lm or self.lm
         key = (tuple(ids), lm.dtype)
-        if self._prefix is None or self._prefix[0] != key:
-            self._prefix = (key, Cartridge.from_prefix(lm, list(ids), len(ids), num_frozen=0))
-        return self._prefix[1]
+        if key not in self._prefixes:
+            self._prefixes[key] = Cartridge.from_prefix(lm, list(ids), len(ids), num_frozen=0)
+            while len(self._prefixes) > 2:
+                self._prefixes.popitem(last=False)
+        self._prefixes.move_to_end(key)
+        return self._prefixes[key]
 
     def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)

@@ -70,21 +70,23 @@ def run_group(
     context: str,
     seeds: list[tuple[str, str]],
     rng: random.Random,
+    teacher_context: str | None = None,
 ) -> list[Conversation | str]:
     """The group's conversations, one per seed ``(kind, prompt)``; a reason string in place of each that cannot
-    be kept."""
+    be kept. B, the teacher, reads `teacher_context` where given (the whole document), else the chunk A reads."""
     context_ids = lm.encode(context)
-    turns, tops = _converse(lm, synthesizer, config, group, context, context_ids, seeds, rng)
-    return [_conversation(lm, synthesizer, config, group, chunk, context_ids, i, kind, turns[i], tops[i])
+    b_ids = lm.encode(teacher_context) if teacher_context is not None else context_ids
+    turns, tops = _converse(lm, synthesizer, config, group, context, context_ids, b_ids, seeds, rng)
+    return [_conversation(lm, synthesizer, config, group, chunk, b_ids, i, kind, turns[i], tops[i])
             for i, (kind, _) in enumerate(seeds)]
 
 
 def _converse(
     lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, group: int, context: str, context_ids: list[int],
-    seeds: list[tuple[str, str]], rng: random.Random,
+    b_ids: list[int], seeds: list[tuple[str, str]], rng: random.Random,
 ) -> tuple[list[Turns], list[TopK]]:
-    """Every conversation's `config.rounds` rounds, batched across the group: A's messages, then B's answers with
-    the teacher's top-k; each conversation's turns and B's top-k."""
+    """Every conversation's `config.rounds` rounds, batched across the group: A's messages (A reads `context`),
+    then B's answers with the teacher's top-k (B reads `b_ids`); each conversation's turns and B's top-k."""
     # A only writes questions, so it may read the chunk however it reads best; small models ignore a chunk placed
     # before the chat but use one inside the message. B is the teacher and reads the chunk where the cartridge sits.
     a_in_message = config.a_context == "message"
@@ -109,7 +111,7 @@ def _converse(
             b_hist[i].append({"role": "user", "content": text})
         b_out = synthesizer.complete(
             [
-                SynthesisRequest(teacher_prompt(lm, context_ids, h), stop_ids, config.max_tokens_b, config.temperature_b,
+                SynthesisRequest(teacher_prompt(lm, b_ids, h), stop_ids, config.max_tokens_b, config.temperature_b,
                                  config.top_k, group, rng.randrange(2**31))
                 for h in b_hist
             ]

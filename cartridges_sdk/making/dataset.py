@@ -113,10 +113,18 @@ def _holds(header: dict[str, Any]) -> str:
     return f"shard {shard['index']} of {shard['count']}" if shard else "the whole dataset"
 
 
+# synthesis settings added since datasets were first written, with the value older datasets were made with, so a
+# dataset begun before the upgrade resumes and merges as made with the same settings
+ADDED_SETTINGS = {"b_context": "chunk"}
+
+
 def dataset_settings(header: dict[str, Any]) -> dict[str, Any]:
     """What makes datasets interchangeable: not when each was made, how its model was checked (a probe's figures
     vary a little) or which shard it holds."""
-    return {k: v for k, v in header.items() if k not in ("created", "model_check", "shard")}
+    settings = {k: v for k, v in header.items() if k not in ("created", "model_check", "shard")}
+    if isinstance(settings.get("config"), dict):
+        settings["config"] = {**ADDED_SETTINGS, **settings["config"]}
+    return settings
 
 
 class SelfStudyDataset:

@@ -58,6 +58,7 @@ class SynthesisConfig:
     top_k: int = attrs.field(default=20, validator=at_least_one)
     targets: str = attrs.field(default="assistant")
     a_context: str = attrs.field(default="message")
+    b_context: str = attrs.field(default="chunk")
     document_windows: int = attrs.field(default=DEFAULT_DOCUMENT_WINDOWS, validator=count)
     window_tokens: int = attrs.field(default=256)
     windows_per_chunk: int = attrs.field(default=4, validator=at_least_one)
@@ -67,6 +68,12 @@ class SynthesisConfig:
     def _check_a_context(self, _attribute, value):
         if value not in ("message", "prefix"):
             raise ConfigError(f"a_context={value!r} must be 'message' (chunk inside A's prompt) or 'prefix' (before the chat).")
+
+    @b_context.validator
+    def _check_b_context(self, _attribute, value):
+        if value not in ("chunk", "document"):
+            raise ConfigError(f"b_context={value!r} must be 'chunk' (the teacher reads A's chunk) or 'document' "
+                              "(the teacher reads the whole corpus, as the document in context would be read).")
 
     @window_tokens.validator
     def _check_window_tokens(self, _attribute, value):

@@ -97,13 +97,16 @@ def check_context(lm: LM, config: SynthesisConfig, corpus_tokens: int, num_token
     if config.document_windows and corpus_tokens < 2:
         raise ConfigError(f"The corpus has {corpus_tokens} token(s), too few for document windows; give a longer "
                           "corpus or document_windows=0.")
-    chunk = min(config.max_chunk, corpus_tokens) + (len(lm.encode(config.description)) if config.description else 0)
+    read = corpus_tokens if config.b_context == "document" else min(config.max_chunk, corpus_tokens)
+    chunk = read + (len(lm.encode(config.description)) if config.description else 0)
     turns = config.rounds * (config.max_tokens_a + config.max_tokens_b)
     lm.check_context(
         chunk + PROMPT_MARKUP + turns,
-        f"A self-study prompt (a chunk of up to {chunk} tokens, {PROMPT_MARKUP} for the seed prompt and chat markup, "
-        f"{turns} for {config.rounds} round(s) of max_tokens_a + max_tokens_b)",
-        "lower max_chunk, max_tokens_a or max_tokens_b",
+        f"A self-study prompt (a {'document' if config.b_context == 'document' else 'chunk'} of up to {chunk} tokens, "
+        f"{PROMPT_MARKUP} for the seed prompt and chat markup, {turns} for {config.rounds} round(s) of max_tokens_a + "
+        "max_tokens_b)",
+        "lower max_tokens_a or max_tokens_b" + (", or b_context='chunk'" if config.b_context == "document"
+                                                 else ", or max_chunk"),
     )
     window_chunk = min(config.windows_per_chunk * config.window_tokens, corpus_tokens)
     if config.document_windows:
@@ -300,9 +303,10 @@ def _conversation_group(lm: LM, synthesizer: Synthesizer, config: SynthesisConfi
     rng = random.Random(f"{config.seed}:{group}")
     start, end = sampler.sample(len(ids), rng)
     context = chunk_context(lm.tokenizer.decode(ids[start:end]), config.description)
+    teacher = chunk_context(lm.tokenizer.decode(ids), config.description) if config.b_context == "document" else None
     seeds = [sample_seed(rng, config.seed_weights) for _ in range(size)]
     kept = []
-    for conv in run_group(lm, synthesizer, config, group, (start, end), context, seeds, rng):
+    for conv in run_group(lm, synthesizer, config, group, (start, end), context, seeds, rng, teacher):
         if isinstance(conv, str):
             skipped.append(conv)
             continue
