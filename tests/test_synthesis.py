@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -159,9 +160,11 @@ def test_b_context_document_has_the_teacher_read_the_whole_corpus(tiny_lm, tmp_p
     text = TEXT[:1200]  # 1,200 tokens (the tiny tokenizer reads characters): with a prompt, within its 2,048
     whole = tiny_lm.encode(text)
     for b_context in ("chunk", "document"):
-        fake = PromptRecorder(tiny_lm)
-        ds = synthesize(text, tiny_lm, tmp_path / b_context, _config(b_context=b_context), synthesizer=fake,
-                        allow_unverified_model=True, progress=False)
+        fake = PromptRecorder(tiny_lm)  # keeps no prefix: with the document, every one of B's requests reads it again
+        warned = pytest.warns(UserWarning, match="reads the whole corpus again")
+        with warned if b_context == "document" else nullcontext():
+            ds = synthesize(text, tiny_lm, tmp_path / b_context, _config(b_context=b_context), synthesizer=fake,
+                            allow_unverified_model=True, progress=False)
         a_calls, b_calls = fake.prompts[1::2], fake.prompts[2::2]  # after the same-model probe: A, B per group
         assert len(a_calls) == len(b_calls) == 3
         assert max(len(p) for call in a_calls for p in call) < len(whole) // 2  # a chunk (<= 120 tokens) and a seed
@@ -174,24 +177,46 @@ def test_b_context_document_refuses_a_corpus_longer_than_the_context(tiny_lm, tm
     long_text = TEXT  # 1,765 tokens: with the markup and turns allowed for, more than the tiny model's 2,048
     with pytest.raises(ConfigError, match="A self-study prompt \\(a document of up to .*b_context='chunk'"):
         synthesize(long_text, tiny_lm, tmp_path / "d", _config(b_context="document"),
-                   synthesizer=FakeSynthesizer(tiny_lm), allow_unverified_model=True, progress=False)
+                   synthesizer=HFSynthesizer(tiny_lm), progress=False)
     with pytest.raises(ConfigError, match="b_context='whole' must be 'chunk'.*or 'document'"):
         _config(b_context="whole")
 
 
 def test_hf_synthesizer_keeps_a_and_bs_prefixes(tiny_lm, monkeypatch):
-    """A's and B's shared prompts alternate group after group; each is prefilled once, not once a call."""
+    """A's and B's shared prompts alternate group after group; each is prefilled once, however a group's questions
+    begin and however many it has, and every answer is the one a fresh synthesizer gives."""
     made = []
     real = Cartridge.from_prefix
     monkeypatch.setattr(Cartridge, "from_prefix", lambda *a, **k: made.append(len(a[1])) or real(*a, **k))
     synth = HFSynthesizer(tiny_lm)
     doc, chunk = tiny_lm.encode(TEXT[:600]), tiny_lm.encode(TEXT[:200])
-    for group in range(3):
+    groups = [("Who built it?", "When?"), ("Where is it?", "Where was it built?"), ("Why?",)]
+    calls = []
+    for group, questions in enumerate(groups):
         for context in (chunk, doc):
-            synth.complete([SynthesisRequest(teacher_prompt(tiny_lm, context, [{"role": "user", "content": q}]),
-                                             max_tokens=2, temperature=0.0, group=group, seed=0)
-                            for q in ("Who built it?", "When?")])
+            requests = [SynthesisRequest(teacher_prompt(tiny_lm, context, [{"role": "user", "content": q}]),
+                                         max_tokens=3, temperature=0.0, top_logprobs=3, group=group, seed=0)
+                        for q in questions]
+            calls.append((requests, synth.complete(requests)))
     assert len(made) == 2
+    monkeypatch.setattr(Cartridge, "from_prefix", real)
+    for requests, outs in calls:
+        for want, got in zip(HFSynthesizer(tiny_lm).complete(requests), outs):
+            assert want.token_ids == got.token_ids
+            assert np.abs(want.top_logprobs - got.top_logprobs).max() <= 1e-4
+    synth.close()
+    assert not synth._prefixes
+
+
+def test_targets_all_with_the_document_scores_after_the_document(tiny_lm, tmp_path, monkeypatch):
+    text = TEXT[:1200]
+    prefixes = []
+    real = HFSynthesizer.score
+    monkeypatch.setattr(HFSynthesizer, "score", lambda self, p, *a: prefixes.append(list(p)) or real(self, p, *a))
+    cfg = _config(num_conversations=4, conversations_per_chunk=4, max_tokens_a=6, max_tokens_b=6, top_k=4,
+                  targets="all", b_context="document")
+    ds = synthesize(text, tiny_lm, tmp_path / "d", cfg, synthesizer=HFSynthesizer(tiny_lm), progress=False)
+    assert len(ds) == 4 and len(prefixes) == 4 and all(p == tiny_lm.encode(text) for p in prefixes)
 
 
 def test_synthesizer_for_another_model_is_refused(tiny_llama, tiny_qwen, tmp_path):

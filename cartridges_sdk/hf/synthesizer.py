@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from ..kit import (autocast, Cartridge, Completion, concat_layers, GenerationParams, ModelIdentity, one_of,
+from ..kit import (autocast, Cartridge, Completion, concat_layers, GenerationParams, Layers, ModelIdentity, one_of,
     prefix_cache, resolve_dtype, SynthesisRequest, Synthesizer, SynthesizerCapabilities)
 from .decode import decode, prefill_rows, row_completion
 
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 # logits scored in one forward pass (4 windows of 256 tokens x a 49k vocabulary; one window of a 152k one): 200 MB
 # in float32, and their log-softmax as much again
 SCORE_LOGITS = 64_000_000
+# shared prompts whose KV is kept between calls: A's, B's and the scorer's
+PREFIXES_KEPT = 3
 
 
 def _dtype_name(value: Any) -> Any:
@@ -62,17 +64,37 @@ class HFSynthesizer(Synthesizer):
         return self.lm.identity
 
     def _prefix_cartridge(self, ids: Sequence[int], lm: LM | None = None) -> Cartridge:
-        """The KV of a shared prompt as an (unfrozen) cartridge, computed by `lm` (default: the sampling model). The
-        last two are kept: A's and B's, which alternate, and with ``b_context="document"`` B's is the same document
-        for every group."""
+        """The KV of exactly `ids` as an (unfrozen) cartridge, computed by `lm` (default: the sampling model). The
+        last `PREFIXES_KEPT` are kept: A's, B's and the scorer's alternate group after group, and with
+        ``b_context="document"`` B's and the scorer's are the same document for every group."""
         lm = lm or self.lm
         key = (tuple(ids), lm.dtype)
         if key not in self._prefixes:
-            self._prefixes[key] = Cartridge.from_prefix(lm, list(ids), len(ids), num_frozen=0)
-            while len(self._prefixes) > 2:
+            while len(self._prefixes) >= PREFIXES_KEPT:  # before computing: never one more than kept in memory
                 self._prefixes.popitem(last=False)
+            self._prefixes[key] = Cartridge.from_prefix(lm, list(ids), len(ids), num_frozen=0)
         self._prefixes.move_to_end(key)
         return self._prefixes[key]
+
+    def _prefix_layers(self, ids: Sequence[int]) -> tuple[Layers, int]:
+        """The KV of the longest start of `ids` a kept prefix holds, when that is most of `ids`, else of all of
+        `ids`; and how many tokens of `ids` it covers. A group's shared prompt is its chunk or document, then the
+        chat's opening and as much of the first message as the group's messages happen to share, so the kept
+        document serves every group however their questions begin."""
+        best, covered = None, 0
+        for key in self._prefixes:
+            common = _common_prefix([key[0], ids]) if key[1] == self.lm.dtype else 0
+            if common > covered:
+                best, covered = key, common
+        if best is None or 2 * covered < len(ids):
+            return concat_layers(self.lm, [self._prefix_cartridge(ids)]), len(ids)
+        self._prefixes.move_to_end(best)
+        layers = concat_layers(self.lm, [self._prefixes[best]])
+        return [(k[:, :covered], v[:, :covered]) for k, v in layers], covered
+
+    def close(self) -> None:
+        """Frees the kept prefixes (a whole document's KV with ``b_context="document"``) before training."""
+        self._prefixes.clear()
 
     def complete(self, requests: Sequence[SynthesisRequest]) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)
@@ -84,8 +106,7 @@ class HFSynthesizer(Synthesizer):
             prompts = [requests[i].prompt_ids for i in idx]
             shared = _common_prefix(prompts)
             shared = min(shared, min(len(p) for p in prompts) - 1)  # every row keeps at least one token to feed
-            prefix = concat_layers(self.lm, [self._prefix_cartridge(prompts[0][:shared])]) if shared > 1 else None
-            cut = shared if prefix else 0
+            prefix, cut = self._prefix_layers(prompts[0][:shared]) if shared > 1 else (None, 0)
             params = GenerationParams(max_new_tokens=max_tokens, temperature=temperature, seed=requests[idx[0]].seed)
             stops = stop_ids or None
             with autocast(self.lm.device, self.autocast_dtype):

@@ -1,8 +1,8 @@
 """One group of self-study conversations on one chunk (the paper's Algorithm 1, for a chunk).
 
-Participant A sees the chunk and a seed prompt and writes a message; participant B, the teacher, sees the chunk and
-answers. B's tokens, with the teacher's top-k log-probabilities, become the distillation targets for a student that
-sees the cartridge instead of the chunk.
+Participant A sees the chunk and a seed prompt and writes a message; participant B, the teacher, sees the chunk (or,
+with ``b_context="document"``, the whole document) and answers. B's tokens, with the teacher's top-k
+log-probabilities, become the distillation targets for a student that sees the cartridge instead of the chunk.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _converse(
     """Every conversation's `config.rounds` rounds, batched across the group: A's messages (A reads `context`),
     then B's answers with the teacher's top-k (B reads `b_ids`); each conversation's turns and B's top-k."""
     # A only writes questions, so it may read the chunk however it reads best; small models ignore a chunk placed
-    # before the chat but use one inside the message. B is the teacher and reads the chunk where the cartridge sits.
+    # before the chat but use one inside the message. B is the teacher and reads its context where the cartridge sits.
     a_in_message = config.a_context == "message"
     a_first = (lambda seed: f"{context}\n\n{seed}") if a_in_message else (lambda seed: seed)
     a_ctx = None if a_in_message else context_ids
@@ -127,7 +127,7 @@ def _converse(
 
 def _conversation(
     lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, group: int, chunk: tuple[int, int],
-    context_ids: list[int], index: int, kind: str, turns: Turns, tops: TopK,
+    b_ids: list[int], index: int, kind: str, turns: Turns, tops: TopK,
 ) -> Conversation | str:
     """The group's `index`-th conversation as the student trains on it, or the reason it cannot be kept."""
     conv_id = group * config.conversations_per_chunk + index
@@ -138,8 +138,8 @@ def _conversation(
         return f"conversation {conv_id}: {seq}"
     ids, roles, targets = seq
     messages = tuple({"role": "user" if j % 2 == 0 else "assistant", "content": t[0]} for j, t in enumerate(turns))
-    if config.targets == "all":  # every token after the first, scored by the teacher with the chunk in context
-        top_ids, top_lps = synthesizer.score(context_ids, [ids], config.top_k)[0]
+    if config.targets == "all":  # every token after the first, scored by the teacher with its context before them
+        top_ids, top_lps = synthesizer.score(b_ids, [ids], config.top_k)[0]
         targets = list(range(1, len(ids)))
     else:
         top_ids = np.concatenate([t[0].reshape(-1, config.top_k) for t in tops])

@@ -1,11 +1,11 @@
 """Self-study data generation (the paper's Algorithm 1) over any `Synthesizer`, engine-neutral.
 
 For each group of conversations: sample a chunk of the corpus; participant A sees the chunk and a seed prompt and
-writes a message; participant B sees the chunk and answers. B's tokens, with the teacher's top-k log-probabilities,
-become the distillation targets for a student that sees the cartridge instead of the chunk. Here: the checks of the
-settings (`SynthesisConfig`, in `settings.py`) against a synthesizer and a model, and the loop over groups (one
-process, a shard, or the ranks under torchrun); one group's conversations are made in `conversations.py`, the document
-windows in `windows.py`.
+writes a message; participant B sees the chunk (or the whole corpus, ``b_context="document"``) and answers. B's
+tokens, with the teacher's top-k log-probabilities, become the distillation targets for a student that sees the
+cartridge instead of the chunk. Here: the checks of the settings (`SynthesisConfig`, in `settings.py`) against a
+synthesizer and a model, and the loop over groups (one process, a shard, or the ranks under torchrun); one group's
+conversations are made in `conversations.py`, the document windows in `windows.py`.
 """
 
 from __future__ import annotations
@@ -57,6 +57,10 @@ def check_capabilities(config: SynthesisConfig, capabilities: SynthesizerCapabil
                             "set targets='assistant'")
     if problems:
         raise ConfigError("; ".join(problems) + ".")
+    if config.b_context == "document" and not capabilities.prefix_reuse:
+        warnings.warn(f"b_context='document' with {name}, which does not keep a shared prompt's KV: each of B's "
+                      "requests reads the whole corpus again; use a synthesizer that does (e.g. 'hf' or 'vllm') or "
+                      "b_context='chunk'.", stacklevel=3)
 
 
 def check_synthesizer(synthesizer: str | Synthesizer, options: dict[str, Any] | None, config: SynthesisConfig) -> None:
