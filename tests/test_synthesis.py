@@ -190,7 +190,10 @@ def test_hf_synthesizer_keeps_a_and_bs_prefixes(tiny_lm, monkeypatch):
     monkeypatch.setattr(Cartridge, "from_prefix", lambda *a, **k: made.append(len(a[1])) or real(*a, **k))
     synth = HFSynthesizer(tiny_lm)
     doc, chunk = tiny_lm.encode(TEXT[:600]), tiny_lm.encode(TEXT[:200])
-    groups = [("Who built it?", "When?"), ("Where is it?", "Where was it built?"), ("Why?",)]
+    # a kept prefix covering all of the next group's shared prompt, one covering all but its tail (a question
+    # beginning with another letter: the kept KV is cut), and a one-request group
+    groups = [("Who built it?", "When?"), ("Where is it?", "Where was it built?"), ("How tall?", "How old?"),
+              ("Why?",)]
     calls = []
     for group, questions in enumerate(groups):
         for context in (chunk, doc):
