@@ -32,6 +32,7 @@ class FakeSynthesizer(Synthesizer):
     def __init__(self, lm, fail_after: int | None = None, spoil: int | None = None):
         self.lm, self.calls, self.fail_after, self.spoil = lm, 0, fail_after, spoil
         self.seen_groups: list[list[int | None]] = []
+        self.prompts: list[list[list[int]]] = []  # each call's requests' prompt ids
 
     def identity(self):
         return self.lm.identity
@@ -41,6 +42,7 @@ class FakeSynthesizer(Synthesizer):
             raise KeyboardInterrupt("killed")
         self.calls += 1
         self.seen_groups.append([r.group for r in requests])
+        self.prompts.append([list(r.prompt_ids) for r in requests])
         out = []
         for i, r in enumerate(requests):
             rng = random.Random(r.seed)
@@ -143,24 +145,12 @@ def test_hf_teacher_topk_is_exact(tiny_lm):
         assert np.abs(out.top_logprobs - want.values.numpy()).max() <= 1e-4
 
 
-class PromptRecorder(FakeSynthesizer):
-    """The fake, also keeping every request's prompt ids, call by call."""
-
-    def __init__(self, lm):
-        super().__init__(lm)
-        self.prompts: list[list[list[int]]] = []
-
-    def complete(self, requests):
-        self.prompts.append([list(r.prompt_ids) for r in requests])
-        return super().complete(requests)
-
-
 def test_b_context_document_has_the_teacher_read_the_whole_corpus(tiny_lm, tmp_path):
     """A reads its chunk either way; B reads that chunk by default and the whole corpus with b_context='document'."""
     text = TEXT[:1200]  # 1,200 tokens (the tiny tokenizer reads characters): with a prompt, within its 2,048
     whole = tiny_lm.encode(text)
     for b_context in ("chunk", "document"):
-        fake = PromptRecorder(tiny_lm)  # keeps no prefix: with the document, every one of B's requests reads it again
+        fake = FakeSynthesizer(tiny_lm)  # keeps no prefix: with the document, every one of B's requests reads it again
         warned = pytest.warns(UserWarning, match="reads the whole corpus again")
         with warned if b_context == "document" else nullcontext():
             ds = synthesize(text, tiny_lm, tmp_path / b_context, _config(b_context=b_context), synthesizer=fake,

@@ -101,16 +101,15 @@ def check_context(lm: LM, config: SynthesisConfig, corpus_tokens: int, num_token
     if config.document_windows and corpus_tokens < 2:
         raise ConfigError(f"The corpus has {corpus_tokens} token(s), too few for document windows; give a longer "
                           "corpus or document_windows=0.")
-    read = corpus_tokens if config.b_context == "document" else min(config.max_chunk, corpus_tokens)
+    whole = config.b_context == "document"  # then B reads the whole corpus, and max_chunk does not bound it
+    read = corpus_tokens if whole else min(config.max_chunk, corpus_tokens)
     chunk = read + (len(lm.encode(config.description)) if config.description else 0)
     turns = config.rounds * (config.max_tokens_a + config.max_tokens_b)
     lm.check_context(
         chunk + PROMPT_MARKUP + turns,
-        f"A self-study prompt (a {'document' if config.b_context == 'document' else 'chunk'} of up to {chunk} tokens, "
-        f"{PROMPT_MARKUP} for the seed prompt and chat markup, {turns} for {config.rounds} round(s) of max_tokens_a + "
-        "max_tokens_b)",
-        "lower max_tokens_a or max_tokens_b" + (", or b_context='chunk'" if config.b_context == "document"
-                                                 else ", or max_chunk"),
+        f"A self-study prompt (a {'document' if whole else 'chunk'} of up to {chunk} tokens, {PROMPT_MARKUP} for the "
+        f"seed prompt and chat markup, {turns} for {config.rounds} round(s) of max_tokens_a + max_tokens_b)",
+        "lower max_tokens_a or max_tokens_b, or " + ("b_context='chunk'" if whole else "max_chunk"),
     )
     window_chunk = min(config.windows_per_chunk * config.window_tokens, corpus_tokens)
     if config.document_windows:
