@@ -161,12 +161,19 @@ def decode_throughput(lm: LM, cache_kv: Cartridge, batch: int, prompt: Sequence[
 
 def synthesis_yardstick(lm: LM, ids: Sequence[int], config: SynthesisConfig) -> float:
     """Raw batched decode tokens/s where synthesis decodes: `conversations_per_chunk` rows, each after its own copy
-    of a chunk of the mean sampled length (and a short chat turn), `max_tokens_b` tokens. Synthesis throughput is
-    quoted against this."""
-    chunk = max(2, min(len(ids), (config.min_chunk + config.max_chunk) // 2))
+    of what B reads (a chunk of the mean sampled length, or with ``b_context="document"`` the whole corpus) and a
+    short chat turn, `max_tokens_b` tokens. Synthesis throughput is quoted against this."""
+    chunk = yardstick_context(len(ids), config)
     prompt = throughput_prompt(lm, "What does this section say?")
     return decode_throughput(lm, Cartridge.from_prefix(lm, list(ids[:chunk]), chunk), config.conversations_per_chunk,
                              prompt, config.max_tokens_b)
+
+
+def yardstick_context(corpus_tokens: int, config: SynthesisConfig) -> int:
+    """The tokens B reads before it answers: decode slows with them, so the yardstick reads as many."""
+    if config.b_context == "document":
+        return max(2, corpus_tokens)
+    return max(2, min(corpus_tokens, (config.min_chunk + config.max_chunk) // 2))
 
 
 def batch_grid(max_batch: int) -> list[int]:

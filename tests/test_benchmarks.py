@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from conftest import TEXT
@@ -118,6 +119,17 @@ def _hand_nll(lm, prefix_ids: list[int], question: str, answer: str) -> float:
         logits = lm.model(torch.tensor([seq + ans])).logits[0].float()
     logp = logits[len(seq) - 1 : len(seq) - 1 + len(ans)].log_softmax(-1)
     return float(-logp.gather(-1, torch.tensor(ans)[:, None]).mean())
+
+
+def test_the_synthesis_yardstick_reads_what_the_teacher_reads():
+    """B decodes after a chunk, or after the whole corpus with b_context='document': the yardstick reads as much."""
+    from cartridges_sdk.making.settings import SynthesisConfig
+
+    chunk = SynthesisConfig(min_chunk=512, max_chunk=1024)
+    assert measure.yardstick_context(5000, chunk) == 768
+    assert measure.yardstick_context(300, chunk) == 300
+    assert measure.yardstick_context(5000, attrs.evolve(chunk, b_context="document")) == 5000
+    assert measure.yardstick_context(1, chunk) == 2
 
 
 def test_whole_run_on_a_tiny_model(tmp_path, tiny_llama):

@@ -264,13 +264,16 @@ def _synthesize(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, ids: 
     bar = _progress_bar(config, shard, mine, todo, num_groups, progress)
     skipped: list[str] = []
     vocab = lm.identity.architecture["vocab_size"]
+    # with b_context="document" every group's teacher reads the same text: decode it once
+    teacher = chunk_context(lm.tokenizer.decode(ids), config.description) if config.b_context == "document" else None
     try:
         for g in range(num_groups + window_groups):
             if g not in todo:
                 continue
             size = _group_size(config, g, num_groups)
             if g < num_groups:
-                sequences = _conversation_group(lm, synthesizer, config, sampler, ids, g, size, vocab, skipped)
+                sequences = _conversation_group(lm, synthesizer, config, sampler, ids, teacher, g, size, vocab,
+                                                skipped)
             else:
                 first_id = (g - num_groups) * config.windows_per_chunk
                 sequences = document_windows(lm, synthesizer, config, g, ids, first_id, size)
@@ -300,13 +303,13 @@ def _progress_bar(config: SynthesisConfig, shard: Shard, mine: list[int], todo: 
 
 
 def _conversation_group(lm: LM, synthesizer: Synthesizer, config: SynthesisConfig, sampler: ChunkSampler,
-                        ids: list[int], group: int, size: int, vocab: int, skipped: list[str]) -> list[Conversation]:
+                        ids: list[int], teacher: str | None, group: int, size: int, vocab: int,
+                        skipped: list[str]) -> list[Conversation]:
     """The conversations of `group` on a chunk drawn for it; those that cannot be kept are left out, their reasons
-    added to `skipped`."""
+    added to `skipped`. `teacher` is B's context where it is not the chunk (the whole corpus)."""
     rng = random.Random(f"{config.seed}:{group}")
     start, end = sampler.sample(len(ids), rng)
     context = chunk_context(lm.tokenizer.decode(ids[start:end]), config.description)
-    teacher = chunk_context(lm.tokenizer.decode(ids), config.description) if config.b_context == "document" else None
     seeds = [sample_seed(rng, config.seed_weights) for _ in range(size)]
     kept = []
     for conv in run_group(lm, synthesizer, config, group, (start, end), context, seeds, rng, teacher):
