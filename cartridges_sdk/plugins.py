@@ -44,6 +44,9 @@ class SynthesizerCapabilities:
     max_top_logprobs: int = attrs.field(default=0, validator=count)  # top-k it returns per sampled token
     score: bool = False  # teacher top-k for given sequences (document windows and targets="all" need it)
     prefix_reuse: bool = False  # a group's shared prompt is prefilled once
+    # the longest sequence (prompt and completion) its engine takes, where the engine is started with less than the
+    # model's context (vLLM's max_model_len); None: the model's
+    max_context: int | None = attrs.field(default=None, validator=attrs.validators.optional(count))
 
 
 @attrs.frozen

@@ -359,13 +359,13 @@ def build_cartridge(
                                                  epochs=epochs, init=init, seed=seed, num_frozen=num_frozen,
                                                  compaction=compaction)
     check_work_dir(output_dir)
-    check_synthesizer(synthesizer, synthesizer_options, synth_cfg)
+    declared = check_synthesizer(synthesizer, synthesizer_options, synth_cfg)
     check_trainer(trainer, trainer_options, distractors)
     lm = model if isinstance(model, LM) else load_model(model)
     distractors = check_distractors(distractors, lm)
     corpus = Corpus.coerce(corpus)
     prefix_ids = corpus_start_ids(lm, corpus, start)
-    check_context(lm, synth_cfg, len(corpus.token_ids(lm)), num_tokens)
+    check_context(lm, synth_cfg, len(corpus.token_ids(lm)), num_tokens, synthesizer=declared)
     check_among(lm, distractors, train_cfg, num_tokens)
     work_dtype = resolve_work_dtype(lm, work_dtype)  # measured once, for both stages
     work = lm.in_dtype(work_dtype["synthesis"])

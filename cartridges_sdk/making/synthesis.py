@@ -63,17 +63,22 @@ def check_capabilities(config: SynthesisConfig, capabilities: SynthesizerCapabil
                       "b_context='chunk'.", stacklevel=3)
 
 
-def check_synthesizer(synthesizer: str | Synthesizer, options: dict[str, Any] | None, config: SynthesisConfig) -> None:
+def check_synthesizer(synthesizer: str | Synthesizer, options: dict[str, Any] | None,
+                      config: SynthesisConfig) -> tuple[SynthesizerCapabilities | None, str]:
     """Refuse, before its engine starts, a synthesizer (a registered name with `options`, or an object) that cannot
-    take its options or serve `config`."""
+    take its options or serve `config`; what it can do, and its name, for `check_context`."""
     if options is not None:
         require("synthesizer_options", options, dict, "a dict of option names to values")
     if isinstance(synthesizer, str):  # what the class can do is known before its engine starts
         cls = synthesizers.get(synthesizer)
         parsed = cls.parse_options(options or {}, f"synthesizer {synthesizer!r}")
-        check_capabilities(config, cls.capabilities_with(parsed), f"synthesizer {synthesizer!r}")
+        found, name = cls.capabilities_with(parsed), f"synthesizer {synthesizer!r}"
     elif isinstance(synthesizer, Synthesizer):
-        check_capabilities(config, synthesizer.capabilities, type(synthesizer).__name__)
+        found, name = synthesizer.capabilities, type(synthesizer).__name__
+    else:
+        return None, ""
+    check_capabilities(config, found, name)
+    return found, name
 
 
 def check_built_synthesizer(built: Synthesizer, owned: bool, asked: str | Synthesizer, config: SynthesisConfig) -> None:
@@ -95,17 +100,28 @@ def check_built_synthesizer(built: Synthesizer, owned: bool, asked: str | Synthe
 PROMPT_MARKUP = 256
 
 
-def check_context(lm: LM, config: SynthesisConfig, corpus_tokens: int, num_tokens: int | None = None) -> None:
-    """Refuse settings whose prompts (or, with `num_tokens`, whose training sequences after the cartridge) could
-    outgrow the model's context, with the numbers, before any work; a corpus too short for document windows too."""
+def check_context(lm: LM, config: SynthesisConfig, corpus_tokens: int, num_tokens: int | None = None,
+                  synthesizer: tuple[SynthesizerCapabilities | None, str] = (None, "")) -> None:
+    """Refuse settings whose prompts could outgrow the model's context, or the `synthesizer`'s engine's where it
+    takes less (its capabilities and name), or, with `num_tokens`, whose training sequences after the cartridge
+    could outgrow the model's, with the numbers, before any work; a corpus too short for document windows too."""
     if config.document_windows and corpus_tokens < 2:
         raise ConfigError(f"The corpus has {corpus_tokens} token(s), too few for document windows; give a longer "
                           "corpus or document_windows=0.")
+    capabilities, name = synthesizer
+    engine = capabilities.max_context if capabilities is not None else None
+
+    def fits(tokens: int, what: str, fix: str) -> None:
+        lm.check_context(tokens, what, fix)
+        if engine is not None and tokens > engine:
+            raise ConfigError(f"{what} needs {tokens} tokens, more than the {engine} that {name} was started with; "
+                              f"{fix}, or start it with a longer context.")
+
     whole = config.b_context == "document"  # then B reads the whole corpus, and max_chunk does not bound it
     read = corpus_tokens if whole else min(config.max_chunk, corpus_tokens)
     chunk = read + (len(lm.encode(config.description)) if config.description else 0)
     turns = config.rounds * (config.max_tokens_a + config.max_tokens_b)
-    lm.check_context(
+    fits(
         chunk + PROMPT_MARKUP + turns,
         f"A self-study prompt (a {'document' if whole else 'chunk'} of up to {chunk} tokens, {PROMPT_MARKUP} for the "
         f"seed prompt and chat markup, {turns} for {config.rounds} round(s) of max_tokens_a + max_tokens_b)",
@@ -113,7 +129,7 @@ def check_context(lm: LM, config: SynthesisConfig, corpus_tokens: int, num_token
     )
     window_chunk = min(config.windows_per_chunk * config.window_tokens, corpus_tokens)
     if config.document_windows:
-        lm.check_context(
+        fits(
             window_chunk + config.window_tokens,
             f"A document window ({window_chunk} chunk tokens re-read as {config.window_tokens}-token windows)",
             "lower windows_per_chunk or window_tokens",
@@ -153,8 +169,9 @@ def synthesize(
     config = config or SynthesisConfig()
     if synthesizer is None:
         synthesizer = synthesizers.create("hf", lm)  # the built-in one, by name like any other
-    check_capabilities(config, synthesizer.capabilities, type(synthesizer).__name__)
-    check_context(lm, config, len(corpus.token_ids(lm)))
+    name = type(synthesizer).__name__
+    check_capabilities(config, synthesizer.capabilities, name)
+    check_context(lm, config, len(corpus.token_ids(lm)), synthesizer=(synthesizer.capabilities, name))
     return synthesize_checked(corpus, lm, output, config, synthesizer, allow_unverified_model=allow_unverified_model,
                               restart=restart, progress=progress, shard=shard)
 

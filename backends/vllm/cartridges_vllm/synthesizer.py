@@ -23,7 +23,7 @@ class VLLMSynthesizer(Synthesizer):
 
     @classmethod
     def capabilities_with(cls, options: Any) -> SynthesizerCapabilities:
-        return attrs.evolve(cls.capabilities, max_top_logprobs=options.max_logprobs)
+        return attrs.evolve(cls.capabilities, max_top_logprobs=options.max_logprobs, max_context=options.max_model_len)
 
     def __init__(self, model, **options: Any):
         super().__init__(model, **options)

@@ -72,3 +72,7 @@ def test_options_are_checked_before_the_engine_starts(lm):
         synthesizers.create("vllm", lm, model_dir="/nowhere")
     with pytest.raises(ConfigError, match="has no local folder.*model_dir"):
         synthesizers.create("vllm", testing.tiny_lm("llama"))
+    # an engine started with less than the model's context: prompts it cannot take are refused before it starts
+    with pytest.raises(ConfigError, match="A self-study prompt .* more than the 512 that synthesizer 'vllm' was started"):
+        Cartridge.from_corpus(TEXT, lm, num_tokens=8, synthesizer="vllm", synthesizer_options={"max_model_len": 512},
+                              max_chunk=1024, min_chunk=512)
