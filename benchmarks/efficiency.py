@@ -4,7 +4,8 @@
   since the model is frozen; `methods.training_flops`) over the measured matmul peak in the same dtype.
 - **Synthesis**: generated tokens/s of self-study synthesis (both participants' tokens) over the model's raw
   batched decode throughput where synthesis decodes (`measure.synthesis_yardstick`: greedy, a batch of
-  `conversations_per_chunk` rows, each after its own copy of a chunk of the mean sampled length).
+  `conversations_per_chunk` rows, each after its own copy of a chunk of the mean sampled length, or of the whole
+  corpus with `b_context="document"`).
 
     python -m benchmarks.efficiency [--doc 3] [--dtype bfloat16] [--train-windows 32] [--conversations 32]
         [--model qwen2.5-coder-0.5b]

@@ -170,7 +170,8 @@ def synthesis_yardstick(lm: LM, ids: Sequence[int], config: SynthesisConfig) -> 
 
 
 def yardstick_context(corpus_tokens: int, config: SynthesisConfig) -> int:
-    """The tokens B reads before it answers: decode slows with them, so the yardstick reads as many."""
+    """The tokens B reads before it answers (its few description tokens aside): decode slows with them, so the
+    yardstick reads as many."""
     if config.b_context == "document":
         return max(2, corpus_tokens)
     return max(2, min(corpus_tokens, (config.min_chunk + config.max_chunk) // 2))

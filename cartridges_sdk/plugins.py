@@ -30,9 +30,8 @@ if TYPE_CHECKING:
     from .identity import ModelIdentity
     from .protocols import KVPrefix, RunningModel
 
-# this repository's backend packages, by plugin name: the command that installs one asked for and missing (the quick
-# start installs the core only; scripts/setup.sh installs them all, and builds llama.cpp without the AMX kernels
-# that crash some VMs)
+# this repository's backend packages by plugin name, with the command that installs a missing one (the quick start
+# installs the core only; scripts/setup.sh all of them, llama.cpp built without the AMX kernels that crash some VMs)
 PROJECT_BACKENDS = {"vllm": "pip install -e 'backends/vllm[cpu]'", "llamacpp": "./scripts/setup.sh --core --llamacpp",
                     "openai": "pip install -e backends/openai", "example": "pip install -e backends/example"}
 
@@ -44,8 +43,7 @@ class SynthesizerCapabilities:
     max_top_logprobs: int = attrs.field(default=0, validator=count)  # top-k it returns per sampled token
     score: bool = False  # teacher top-k for given sequences (document windows and targets="all" need it)
     prefix_reuse: bool = False  # a group's shared prompt is prefilled once
-    # the longest sequence (prompt and completion) its engine takes, where the engine is started with less than the
-    # model's context (vLLM's max_model_len); None: the model's
+    # the longest prompt and completion its engine takes, if less than the model's context (vLLM's max_model_len)
     max_context: int | None = attrs.field(default=None, validator=attrs.validators.optional(count))
 
 
@@ -56,8 +54,7 @@ class TrainerCapabilities:
     # under torchrun it joins the process group and trains data-parallel, every rank starting from the cartridge
     # rank 0 made (`cartridges self-study --nproc N` needs it)
     distributed: bool = False
-    # `fit(distractors=[...])`: it trains the cartridge among frozen cartridges of other documents
-    # (making/distractors.py); the SDK refuses distractors for a trainer without it
+    # `fit(distractors=[...])`: it trains among frozen cartridges of other documents (making/distractors.py)
     distractors: bool = False
 
 

@@ -174,11 +174,12 @@ def test_b_context_document_refuses_a_corpus_longer_than_the_context(tiny_lm, tm
 
 
 def test_a_synthesizer_started_with_less_context_than_the_model_refuses_what_it_cannot_take(tiny_lm, tmp_path):
-    """An engine started with a shorter context (vLLM's max_model_len) would fail mid-run: it is refused first."""
+    """An engine started with a shorter context (vLLM's max_model_len) would fail or cut short mid-run: refused
+    first."""
     synth = HFSynthesizer(tiny_lm)
     synth.capabilities = attrs.evolve(synth.capabilities, max_context=300)
     with pytest.raises(ConfigError, match=r"A self-study prompt .* needs 416 tokens, more than the 300 that "
-                                          r"HFSynthesizer was started with; lower .*max_chunk, or start it with a longer"):
+                                          r"HFSynthesizer was started with; lower .*max_chunk, or start it with"):
         synthesize(TEXT, tiny_lm, tmp_path / "d", _config(), synthesizer=synth, progress=False)
     assert not (tmp_path / "d").exists()
     synth.capabilities = attrs.evolve(synth.capabilities, max_context=416)  # exactly enough

@@ -13,7 +13,8 @@ from ..making.distributed import is_lead, rank_device, under_torchrun
 from ..making.loss import check_shardable
 from ..making.selfstudy import COMPACT_START, check_compact, check_dataset_corpus, check_whole, train_cartridge
 from ..making.settings import SynthesisConfig, check_settings, check_training_settings, split_settings
-from ..making.synthesis import check_synthesizer, synthesize
+from ..making.corpus import Corpus
+from ..making.synthesis import check_context, check_synthesizer, synthesize
 from ..cartridge import Cartridge
 from ..errors import CartridgeError, ConfigError
 from ..plugins import synthesizers, trainers
@@ -85,13 +86,15 @@ def cmd_synthesize(args: argparse.Namespace) -> int:
     synth = _stage_settings(args, "synthesize")
     config = SynthesisConfig(num_conversations=args.conversations, seed=args.seed, **synth)
     options = backend_options(args, {"synthesizer": args.synthesizer})["synthesizer"]
-    check_synthesizer(args.synthesizer, options, config)
+    declared = check_synthesizer(args.synthesizer, options, config)
     ranks_exit = _start_ranks(args)
     if ranks_exit is not None:
         return ranks_exit
     lm = common.model_for(args.model, device=args.device)
+    corpus = Corpus.coerce(read_corpus(args))
+    check_context(lm, config, len(corpus.token_ids(lm)), synthesizer=declared)  # before the engine starts
     with synthesizers.create(args.synthesizer, lm, **options) as sampler:
-        ds = synthesize(read_corpus(args), lm, args.output, config, synthesizer=sampler,
+        ds = synthesize(corpus, lm, args.output, config, synthesizer=sampler,
                         allow_unverified_model=args.allow_unverified_model, restart=args.restart, shard=shard)
     if is_lead():
         what = (f" (shard {shard.index} of {shard.count}; gather the shards with `cartridges merge`)"

@@ -73,6 +73,22 @@ def test_options_are_checked_before_the_engine_starts(lm):
     with pytest.raises(ConfigError, match="has no local folder.*model_dir"):
         synthesizers.create("vllm", testing.tiny_lm("llama"))
     # an engine started with less than the model's context: prompts it cannot take are refused before it starts
-    with pytest.raises(ConfigError, match="A self-study prompt .* more than the 512 that synthesizer 'vllm' was started"):
+    with pytest.raises(ConfigError, match="A self-study prompt .* more than the 512 that synthesizer 'vllm' was "):
         Cartridge.from_corpus(TEXT, lm, num_tokens=8, synthesizer="vllm", synthesizer_options={"max_model_len": 512},
                               max_chunk=1024, min_chunk=512)
+
+
+def test_cartridges_synthesize_refuses_what_the_engine_cannot_take_before_it_starts(lm, tmp_path, capsys, monkeypatch):
+    from cartridges_sdk.cli import main
+    from cartridges_vllm import engine
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("the engine started")
+
+    monkeypatch.setattr(engine, "start", never)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    argv = ["synthesize", str(corpus), "-o", str(tmp_path / "d"), "--synthesizer", "vllm", "--backend-option",
+            "max_model_len=512", "--set", "min_chunk=512", "--set", "max_chunk=1024"]
+    assert main(argv) == 2
+    assert "more than the 512 that synthesizer 'vllm' was started with" in capsys.readouterr().err
