@@ -373,7 +373,7 @@ def build_cartridge(
         # its document windows are scored by forward passes over whole sequences, as training runs them
         synthesizer_options = {"score_dtype": work_dtype["training"], **(synthesizer_options or {})}
     sampler, owned = synthesizers.resolve(synthesizer, work, synthesizer_options)
-    check_built_synthesizer(sampler, owned, synthesizer, synth_cfg)
+    check_built_synthesizer(sampler, owned, synthesizer, synth_cfg, work, len(corpus.token_ids(lm)), num_tokens)
     # one process group for both stages (under torchrun)
     with process_group(work.device), tempfile.TemporaryDirectory(prefix="cartridges-") as tmp:
         root = Path(output_dir) if output_dir is not None else Path(tmp)

@@ -81,14 +81,17 @@ def check_synthesizer(synthesizer: str | Synthesizer, options: dict[str, Any] | 
     return found, name
 
 
-def check_built_synthesizer(built: Synthesizer, owned: bool, asked: str | Synthesizer, config: SynthesisConfig) -> None:
+def check_built_synthesizer(built: Synthesizer, owned: bool, asked: str | Synthesizer, config: SynthesisConfig,
+                            lm: LM, corpus_tokens: int, num_tokens: int | None = None) -> None:
     """Check `config` again against a synthesizer built by name when the instance narrowed what its class declared
-    (the HF one caps top-k at its model's vocabulary), closing it if it refuses: `check_synthesizer` saw the class."""
+    (the HF one caps top-k at its model's vocabulary; the OpenAI one learns its servers' context when it opens),
+    closing it if it refuses: `check_synthesizer` saw the class. The rest as for `check_context`."""
     declared = type(built).capabilities_with(getattr(built, "options", None))
     if not isinstance(asked, str) or built.capabilities == declared:
         return
     try:
         check_capabilities(config, built.capabilities, f"synthesizer {asked!r}")
+        check_context(lm, config, corpus_tokens, num_tokens, synthesizer=(built.capabilities, f"synthesizer {asked!r}"))
     except ConfigError:
         if owned:
             built.close()

@@ -184,15 +184,18 @@ class OpenAISynthesizer(Synthesizer):
 
         return httpx.Timeout(seconds, connect=min(self.options.connect_timeout, seconds))
 
-    async def _models(self, server: Server) -> list[str]:
+    async def _models(self, server: Server) -> dict[str, int | None]:
+        """The models `server` serves, each with the context it was started with where it says (vLLM's model card
+        has `max_model_len`)."""
         try:
             page = await server.client.models.list(timeout=self._timeout(min(self.options.timeout, 30.0)))
         except Exception as err:  # noqa: BLE001 - said with the server's URL below
             raise to_backend_error(err, server.name) from err
-        return [m.id for m in page.data]
+        return {m.id: getattr(m, "max_model_len", None) for m in page.data}
 
-    def _choose_model(self, pool: ServerPool, listed: list[list[str] | BaseException]) -> None:
-        """Settle the model name, and leave out servers that are down now (they rejoin when they come back)."""
+    def _choose_model(self, pool: ServerPool, listed: list[dict[str, int | None] | BaseException]) -> None:
+        """Settle the model name and the shortest context a server says it takes (so prompts longer than that are
+        refused before work), and leave out servers that are down now (they rejoin when they come back)."""
         for server, got in zip(pool.servers, listed):
             if isinstance(got, BaseException) and not isinstance(got, TransientBackendError):
                 raise got  # 401, 404: a mistake to fix, not a server to wait for
@@ -203,12 +206,15 @@ class OpenAISynthesizer(Synthesizer):
         if self.model is None:
             first_name, first = reachable[0][0].name, reachable[0][1]
             if len(first) != 1:
-                raise ConfigError(f"{first_name} serves {first}; choose one with the option model=...")
-            self.model = first[0]
+                raise ConfigError(f"{first_name} serves {list(first)}; choose one with the option model=...")
+            self.model = next(iter(first))
         for server, got in reachable:
             if self.model not in got:
-                raise ConfigError(f"{server.name} serves {got}, not {self.model!r}; give every server the same model "
-                                  "(vLLM: --served-model-name), or set the option model=...")
+                raise ConfigError(f"{server.name} serves {list(got)}, not {self.model!r}; give every server the same "
+                                  "model (vLLM: --served-model-name), or set the option model=...")
+        contexts = [got[self.model] for _, got in reachable if isinstance(got[self.model], int)]
+        if contexts:
+            self.capabilities = attrs.evolve(self.capabilities, max_context=min(contexts))
         for server, got in zip(pool.servers, listed):
             if isinstance(got, BaseException):
                 log.warning("%s is down now (%s); it will be tried again when other servers fail or after %.0f s.",

@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 import pytest
 
-from cartridges_sdk import BackendError, Cartridge, IncompatibleCartridgeError, testing
+from cartridges_sdk import BackendError, Cartridge, ConfigError, IncompatibleCartridgeError, testing
 from cartridges_sdk.cli import main
 from cartridges_sdk.making.dataset import SelfStudyDataset
 from cartridges_sdk.plugins import synthesizers
@@ -128,6 +128,19 @@ def test_from_corpus_and_the_cli_by_name(lm, server, tmp_path, capsys, caplog):
     assert len(list(SelfStudyDataset(out))) + skipped == 8
     assert any(r.name.startswith("openai") for r in caplog.records)  # the client logged its requests
     assert "sk-not-to-be-seen" not in said.out + said.err + caplog.text + (out / "header.json").read_text()
+
+
+def test_the_servers_context_is_read_and_longer_prompts_are_refused_before_work(lm, server, synth, tmp_path):
+    # vLLM's model card says the context it was started with (4,096 here, the model's is 8,192); self-study whose
+    # teacher reads a 4,700-token corpus fits the model and not the server, so it is refused before any request
+    assert synth.capabilities.max_context == server.max_model_len == 4096 < lm.max_context
+    settings = {k: v for k, v in CONFIG.items() if k not in ("seed", "num_conversations")}
+    with pytest.raises(ConfigError, match=r"needs \d+ tokens, more than the 4096 that synthesizer 'openai' was "
+                       r"started with; lower max_tokens_a or max_tokens_b, or b_context='chunk', or start it"):
+        Cartridge.from_corpus(TEXT * 11, lm, num_tokens=16, num_conversations=4, synthesizer="openai",
+                              synthesizer_options={"base_url": server.url}, output_dir=tmp_path / "w",
+                              progress=False, b_context="document", **settings)
+    assert not (tmp_path / "w" / "data" / "header.json").exists()
 
 
 @pytest.mark.slow  # starts a second vLLM server, of another model (over a minute)
