@@ -38,6 +38,7 @@ from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, CompactionConf
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.kv import prefix_cache
+from cartridges_sdk.serve.passages import PassageIndex, passage_ids
 
 from . import provenance
 from .data import EVALDATA, Corpus, load_corpora
@@ -46,34 +47,40 @@ from .naming import settings_tag
 from .rag import Retriever, passages
 
 DATASETS = {"qasper": "scientific_qa_dev.jsonl", "quality": "quality_dev.jsonl", "tpo": "tpo_dev.jsonl"}
-METHODS = ("none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi", "default")
+METHODS = ("none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi", "default",
+           "opening")
 LABELS = {"none": "no context", "icl": "whole document in context", "bm25": "RAG, BM25", "dense": "RAG, dense (MiniLM)",
           "cartridge": "routed cartridge (compacted)", "selfstudy": "routed cartridge (self-studied)",
           "hybrid": "cartridge (compacted) + passages", "hybrid-selfstudy": "cartridge (self-studied) + passages",
           "multi": "routed cartridges (compacted), as many as fit",
-          "default": "SDK default: store.ask(q, budget=TOKENS)"}
+          "default": "SDK default: store.ask(q, budget=TOKENS)",
+          "opening": "its opening (exact KV) + passages"}
 SCOPES = ("store", "document")  # what a question is asked of: the whole corpus, or its own document
 # how a multiple-choice answer is read (see the module's docstring): the name, the result's key, the plot's title
 MC_FIELDS = (("letter", "mc_letter", "the letter picked"), ("likeliest", "mc_accuracy", "the likeliest option text"))
 MC_SCORES = tuple(name for name, _, _ in MC_FIELDS)
 STORED = ("cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi")
+# the document's first tokens as a cartridge (exact KV, no compaction) and passages of it filling the budget
+SIZED = STORED + ("opening",)
 RERANK = 8  # BM25's candidates a '+rerank' method ranks again with the question's likelihood (serve/rerank.py)
 _OPTION = re.compile(r"^\s*\(?([A-Z])[).]\s+(.*\S)\s*$", re.MULTILINE)
 
 
 def method_spec(method: str, tokens: int) -> tuple[str, int]:
     """A method's kind and its cartridges' size: ``hybrid:128`` is 128-token cartridges with passages filling the
-    rest of the budget; a stored method without a size uses the whole budget (a hybrid one, half of it). A stored
-    method's kind may end in ``+rerank``: routing's candidates ranked again (`store.plan(..., rerank=RERANK)`)."""
+    rest of the budget; a stored method without a size uses the whole budget (a hybrid one, half of it; ``opening``,
+    a quarter). A stored method's kind may end in ``+rerank``: routing's candidates ranked again
+    (`store.plan(..., rerank=RERANK)`)."""
     kind, _, size = method.partition(":")
     base = kind.removesuffix("+rerank")
-    if base not in METHODS or (kind != base and base not in STORED) or (size and (base not in STORED
+    if base not in METHODS or (kind != base and base not in STORED) or (size and (base not in SIZED
                                                                                    or not size.isdigit())):
-        raise ConfigError(f"method {method!r}: use one of {list(METHODS)}, with '+rerank' or ':TOKENS' after one of "
-                          f"{list(STORED)}.")
-    default = tokens // 2 if base.startswith("hybrid") else tokens
+        raise ConfigError(f"method {method!r}: use one of {list(METHODS)}, with '+rerank' after one of "
+                          f"{list(STORED)} or ':TOKENS' after one of {list(SIZED)}.")
+    shared = base.startswith("hybrid") or base == "opening"  # passages fill what the cartridge leaves
+    default = tokens // 4 if base == "opening" else tokens // 2 if shared else tokens
     size_ = int(size) if size else default
-    if size_ > tokens or (base.startswith("hybrid") and size_ >= tokens):
+    if size_ > tokens or (shared and size_ >= tokens):
         raise ConfigError(f"method {method!r}: its cartridges must be smaller than the budget of {tokens} tokens.")
     return kind, size_
 
@@ -195,6 +202,10 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     if scope not in SCOPES:
         raise ConfigError(f"scope={scope!r}: use one of {list(SCOPES)}.")
     check_mc(mc)
+    openings = {m: method_spec(m, tokens)[1] for m in methods if m.partition(":")[0] == "opening"}
+    if openings and scope != "document":
+        raise ConfigError(f"{list(openings)} read the opening of the question's own document; use scope='document' "
+                          "(--scope document).")
     corpora = load_corpora(path, list(range(docs)))
     stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {}, compaction)
     chunks = passages([c.text for c in corpora])
@@ -211,10 +222,17 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
                               "model (--model qwen2.5-coder-0.5b) or another set.")
         # the document in context as the KV of all its tokens: the same scores (the exactness property), one prefill
         whole = Context(cartridge=Cartridge.from_prefix(lm, ids, len(ids)))
+        index = PassageIndex.of({c.name: c.text}, "bm25") if openings else None  # its passages, as the store's
+        opened = {m: Cartridge.from_prefix(lm, ids, min(p, len(ids))) for m, p in openings.items()}
         for q in c.questions[:questions]:
             contexts = {"none": Context(), "icl": whole}
             for kind, r in retrievers.items():
                 contexts[kind] = Context(document=tuple(r.context(lm, q.question, tokens, among=own)))
+            for method, cartridge in opened.items():  # as `store.plan` fills a budget after a cartridge
+                room = tokens - cartridge.num_tokens
+                found = index.ranked(q.question, max(8, room // 32))
+                contexts[method] = Context(document=tuple(passage_ids(lm, found, room, after_cartridge=True)[0]),
+                                           cartridge=cartridge)
             routed = {}
             for method, store in stores.items():
                 contexts[method], routed[method] = stored_context(store, method, q.question, tokens, document)

@@ -292,6 +292,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     from benchmarks import vs_rag
     from benchmarks.rag import Retriever, passages
     from cartridges_sdk.making.evaluation import answer_logprobs, choose, nll
+    from cartridges_sdk.serve.passages import PassageIndex, passage_ids
 
     lm = tiny_llama
     half = len(TEXT) // 2
@@ -326,9 +327,19 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     direct = nll(answer_logprobs(lm, q[0], q[1], document=retriever.context(lm, q[0], 16)), lm, q[1])
     assert result["rows"][0]["nll"]["bm25"] == pytest.approx(direct, abs=1e-3)
     # asked of its own document: every stored method answers with that document's cartridge, RAG with its passages
-    own = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "bm25", "cartridge", "hybrid:8"],
-                             scope="document", mc=("letter",))
-    assert own["mc_accuracy"] is None and set(own["mc_letter"]) == {"none", "icl", "bm25", "cartridge", "hybrid:8"}
+    own = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "bm25", "cartridge", "hybrid:8",
+                                                                      "opening:4"], scope="document", mc=("letter",))
+    assert own["mc_accuracy"] is None and set(own["mc_letter"]) == {"none", "icl", "bm25", "cartridge", "hybrid:8",
+                                                                    "opening:4"}
+    # the document's first 4 tokens, exact, then its best passages up to the budget, as store.plan fills one
+    doc = load_corpora(data, [0])[0]
+    ids = lm.encode(doc.text)
+    pre, _ = passage_ids(lm, PassageIndex.of({doc.name: doc.text}).ranked(q[0], 8), 12, after_cartridge=True)
+    assert own["rows"][0]["context_tokens"]["opening:4"] == 4 + len(pre) == 16
+    assert own["rows"][0]["nll"]["opening:4"] == pytest.approx(nll(answer_logprobs(
+        lm, q[0], q[1], document=pre, cartridges=[Cartridge.from_prefix(lm, ids, 4)]), lm, q[1]), abs=1e-3)
+    with pytest.raises(vs_rag.ConfigError, match=r"\['opening:4'\] read the opening .* use scope='document'"):
+        vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "opening:4"])
     assert not any("likeliest_right" in r for r in own["rows"])  # four passes a context saved where letters suffice
     assert own["scope"] == "document" and all(own["routed_right"][k] == 1 for k in ("cartridge", "hybrid:8"))
     first = retriever.context(lm, q[0], 16, among=[i for i, (d, _) in enumerate(passages([TEXT[:half], TEXT[half:]]))
