@@ -9,7 +9,9 @@ conversations) and one RAG index (passages of every document: `benchmarks/rag.py
 - ``none``: the question alone;            ``icl``: its own document in context (the ceiling);
 - ``bm25`` / ``dense``: RAG's best passages, up to `--tokens` prompt tokens;
 - ``cartridge`` / ``selfstudy``: the cartridge the store routes the question to (`store.route`, top 1), `--tokens`
-  tokens of KV each: the same budget as RAG's prompt, held as KV instead of prompt text.
+  tokens of KV each: the same budget as RAG's prompt, held as KV instead of prompt text;
+- ``hybrid:N``: an N-token cartridge, then passages filling the budget; ``default``: `store.ask(q, budget=TOKENS)`;
+  ``opening:N`` (with `--scope document`): the document's first N tokens as exact KV, then its passages.
 
 Quality: gold-answer closure (how much of the none-to-ICL drop in the gold answer's NLL a method recovers) and, on
 multiple-choice sets, two accuracies: ``letter``, the share where the letter the reader ranks first (options listed,
