@@ -11,7 +11,8 @@ conversations) and one RAG index (passages of every document: `benchmarks/rag.py
 - ``cartridge`` / ``selfstudy``: the cartridge the store routes the question to (`store.route`, top 1), `--tokens`
   tokens of KV each: the same budget as RAG's prompt, held as KV instead of prompt text;
 - ``hybrid:N``: an N-token cartridge, then passages filling the budget; ``default``: `store.ask(q, budget=TOKENS)`;
-  ``opening:N`` (with `--scope document`): the document's first N tokens as exact KV, then its passages.
+  ``opening:N`` (with `--scope document`): the document's first N tokens (default: a quarter of the budget) as
+  exact KV, then its passages.
 
 Quality: gold-answer closure (how much of the none-to-ICL drop in the gold answer's NLL a method recovers) and, on
 multiple-choice sets, two accuracies: ``letter``, the share where the letter the reader ranks first (options listed,
@@ -329,7 +330,8 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=4, help="at most this many per document")
     parser.add_argument("--tokens", type=int, default=256, help="cartridge tokens, and RAG's prompt budget")
     parser.add_argument("--methods", default="none,icl,bm25,dense,cartridge",
-                        help=f"of {','.join(METHODS)}; stored ones take a cartridge size, as hybrid:128")
+                        help=f"of {','.join(METHODS)}; stored ones and opening (--scope document only) take a "
+                        "cartridge size, as hybrid:128")
     parser.add_argument("--selfstudy", type=int, default=DEFAULT_CONVERSATIONS,
                         help="self-study conversations, for the self-studied methods (the SDK's default recipe)")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",

@@ -212,7 +212,7 @@ class OpenAISynthesizer(Synthesizer):
             if self.model not in got:
                 raise ConfigError(f"{server.name} serves {list(got)}, not {self.model!r}; give every server the same "
                                   "model (vLLM: --served-model-name), or set the option model=...")
-        contexts = [got[self.model] for _, got in reachable if isinstance(got[self.model], int)]
+        contexts = [got[self.model] for _, got in reachable if type(got[self.model]) is int and got[self.model] > 0]
         if contexts:
             self.capabilities = attrs.evolve(self.capabilities, max_context=min(contexts))
         for server, got in zip(pool.servers, listed):
