@@ -41,7 +41,7 @@ from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, CompactionConf
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.kv import prefix_cache
-from cartridges_sdk.serve.passages import PassageIndex, passage_ids
+from cartridges_sdk.serve.passages import PassageIndex, candidates, passage_ids
 
 from . import provenance
 from .data import EVALDATA, Corpus, load_corpora
@@ -233,7 +233,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
                 contexts[kind] = Context(document=tuple(r.context(lm, q.question, tokens, among=own)))
             for method, cartridge in opened.items():  # as `store.plan` fills a budget after a cartridge
                 room = tokens - cartridge.num_tokens
-                found = index.ranked(q.question, max(8, room // 32))
+                found = index.ranked(q.question, candidates(room))
                 contexts[method] = Context(document=tuple(passage_ids(lm, found, room, after_cartridge=True)[0]),
                                            cartridge=cartridge)
             routed = {}

@@ -155,6 +155,11 @@ class PassageIndex:
         return out
 
 
+def candidates(room: int) -> int:
+    """How many passages to rank to fill `room` prompt tokens: enough if most are cut short, at least 8."""
+    return max(8, room // 32)
+
+
 def passage_ids(lm: Any, passages: Sequence[Passage], tokens: int, *,
                 after_cartridge: bool) -> tuple[list[int], list[Passage]]:
     """The passages as prompt tokens, best first, each after a line naming its document, until `tokens` (the last
@@ -215,7 +220,7 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     used = sum(store.get(n).num_tokens for n in names)
     room = passages if budget is None else max(passages, budget - used)
     pool = list(names) if passages_from == "routed" else among
-    found = store.passages(question, k=max(8, room // 32), retrieval=retrieval, among=pool)
+    found = store.passages(question, k=candidates(room), retrieval=retrieval, among=pool)
     ids, kept = passage_ids(store.model, found, room, after_cartridge=bool(names))
     return Plan(names, tuple(kept), tuple(ids), scores)
 
