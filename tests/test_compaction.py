@@ -74,6 +74,8 @@ def test_a_corpus_longer_than_the_context_is_compacted_per_chunk_within_it():
     finally:
         hook.remove()
     assert seen and max(seen) <= 200
+    with pytest.raises(ConfigError, match="use chunk_questions=0"):  # its own questions need more room than that
+        Cartridge.compact(short, ids, 64, config=CompactionConfig(chunk_questions=2), progress=False, report=False)
     info = c.meta.extra["compaction"]
     assert len(info["chunks"]) == 4 and sum(info["chunk_tokens"]) == 64 == c.num_tokens
     assert [p["offset"] for p in c.meta.parts] == [0, 16, 32, 48]

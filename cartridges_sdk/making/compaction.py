@@ -110,8 +110,9 @@ def _chunk_limit(lm: LM, config: CompactionConfig, total: int) -> int:
     if config.max_chunk_tokens is not None:
         limit = min(limit, config.max_chunk_tokens)
     if limit < 2:
+        fix = "chunk_questions=0 (compaction without its own questions), " if config.chunk_questions else ""
         raise ConfigError(f"The probe questions and answers ({room} tokens) leave no room for the corpus in "
-                          f"{lm.name!r}'s context of {lm.max_context}; use shorter probes or fewer answer_tokens.")
+                          f"{lm.name!r}'s context of {lm.max_context}; use {fix}shorter probes or fewer answer_tokens.")
     return limit
 
 

@@ -7,7 +7,6 @@ what was checked (`synthesis.synthesize_checked`, `train_checked`).
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import warnings
@@ -36,7 +35,7 @@ from .loss import check_shardable
 from .precision import FASTEST, resolve_work_dtype, WorkDtypes
 from .report import check_report, reported
 from .settings import (DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS, CompactionConfig, ReportConfig, StartConfig,
-                       check_settings, check_training_settings)
+                       check_settings, check_training_settings, made_with)
 from .synthesis import check_built_synthesizer, check_context, check_synthesizer, synthesize_checked
 
 COMPACT_START = "start-compact.safetensors"  # kept in the training folder, so a resumed run starts from it
@@ -125,16 +124,9 @@ def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int,
     if init == "compact":
         if saved is not None and saved.is_file():
             kept = Cartridge.load(saved, lm)
-            # made with these settings too (as its file holds them: lists for tuples); a setting the file predates
-            # was that setting's default
-            def as_saved(config: CompactionConfig) -> dict[str, Any]:
-                return json.loads(json.dumps(attrs.asdict(config)))
-
-            wanted, defaults = as_saved(compaction or CompactionConfig()), as_saved(CompactionConfig())
-            made = kept.meta.extra.get("compaction", {})
             same = (kept.num_tokens, kept.num_frozen) == (num_tokens, num_frozen) and (
                 prefix_ids is None or (kept.meta.corpus or {}).get("fingerprint") == token_fingerprint(prefix_ids)) \
-                and all(made.get(k, defaults[k]) == v for k, v in wanted.items())
+                and made_with(kept.meta.extra.get("compaction", {}), compaction or CompactionConfig())
             if same:
                 return kept
         check_compact(prefix_ids, num_tokens)

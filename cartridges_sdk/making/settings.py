@@ -9,6 +9,7 @@ the `Trainer` contract. The names and defaults here are what dataset headers and
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -135,6 +136,17 @@ class CompactionConfig:
         if self.corpus_queries == 0 and not self.probe_questions and not self.chunk_questions:
             raise ConfigError("corpus_queries=0 with no probe_questions or chunk_questions leaves no reference "
                               "queries to fit to.")
+
+
+def made_with(made: Mapping[str, Any], config: CompactionConfig) -> bool:
+    """Whether a compaction whose cartridge records `made` (its ``meta.extra["compaction"]``, tuples saved as lists)
+    used `config`'s settings; a setting it predates had its default (each new setting's default is what it did
+    before the setting existed)."""
+    def as_saved(c: CompactionConfig) -> dict[str, Any]:
+        return json.loads(json.dumps(attrs.asdict(c)))
+
+    defaults = as_saved(CompactionConfig())
+    return all(made.get(k, defaults[k]) == v for k, v in as_saved(config).items())
 
 
 # -- self-study: where training starts, and the flat settings of both stages ---------------------------------------
