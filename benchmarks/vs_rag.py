@@ -37,7 +37,7 @@ import torch
 
 from cartridges_sdk import Cartridge, CartridgeStore, SyncConfig, load_model
 from cartridges_sdk.cli.common import compaction_config, parse_settings
-from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, CompactionConfig, made_with
+from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, CompactionConfig
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.kv import prefix_cache
@@ -126,14 +126,6 @@ def build_store(lm, texts: dict[str, str], folder: Path, tokens: int, selfstudy:
     start = time.perf_counter()
     report = store.sync(texts, config)
     built = bool(report.added or report.updated)
-    # sync keeps a cartridge while its document is unchanged, however it was compacted: a store made by an earlier
-    # run with other settings (say, the defaults of an older SDK) must not be scored as these
-    other = [n for n, r in store.records().items()
-             if r.get("method") == "compact" and not made_with(store.get(n).meta.extra.get("compaction", {}),
-                                                               config.compaction)]
-    if other:
-        raise ConfigError(f"{folder} holds cartridges compacted with other settings than {config.compaction} "
-                          f"({other[:3]}); remove the folder, or pass another --work.")
     if selfstudy is not None:
         built = store.self_study(texts, config, selfstudy) or built
         untrained = [n for n, r in store.records().items() if r.get("method") != "self-study"]

@@ -351,10 +351,12 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
                        compaction={"corpus_queries": 32})
     other = vs_rag.CartridgeStore(tmp_path / "work" / "compact-16-corpus_queries=32", lm)
     assert {other.get(n).meta.extra["compaction"]["corpus_queries"] for n in other.names()} == {32}
-    # a store compacted otherwise than asked (an older SDK's defaults, say) is refused, not scored as these settings
-    with pytest.raises(vs_rag.ConfigError, match="compacted with other settings"):
-        vs_rag.build_store(lm, {d.name: d.text for d in load_corpora(data, [0, 1])},
-                           tmp_path / "work" / "compact-16-corpus_queries=32", 16, None)
+    # a store compacted otherwise than asked (an older SDK's defaults, say) is compacted again, not scored as these
+    _, seconds = vs_rag.build_store(lm, {d.name: d.text for d in load_corpora(data, [0, 1])},
+                                    tmp_path / "work" / "compact-16-corpus_queries=32", 16, None)
+    other.refresh()
+    assert seconds is not None and {other.get(n).meta.extra["compaction"]["corpus_queries"]
+                                    for n in other.names()} == {2048}
     with pytest.raises(vs_rag.ConfigError, match="mc=\\['letters'\\]"):
         vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl"], mc=("letters",))
     with pytest.raises(vs_rag.ConfigError, match="scope='paper'"):

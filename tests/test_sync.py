@@ -152,6 +152,36 @@ def test_changing_the_size_rebuilds_and_a_hand_added_name_is_refused(tmp_path, t
     assert store.sync(folder, SyncConfig(tokens=40), progress=False).updated == ("lighthouse.txt", "railway.txt")
 
 
+def test_changing_the_compaction_rebuilds_the_compacted_cartridges_and_nothing_else(tmp_path, tiny_llama):
+    """Each compacted cartridge records its settings; a sync asked for others compacts it again (a document kept
+    whole has none to change), and a copied document does not reuse a cartridge compacted otherwise."""
+    from cartridges_sdk.making.settings import CompactionConfig
+
+    texts = {"long": TEXTS["lighthouse.txt"], "short": "Tides turn twice daily."}
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    config = SyncConfig(tokens=24)
+    other = attrs.evolve(config, compaction=CompactionConfig(corpus_queries=32))
+    assert store.sync(texts, config, progress=False).added == ("long", "short")
+    assert store.records()["long"]["compaction"] == attrs.asdict(CompactionConfig())  # not where its chunks fell
+    assert "compaction" not in store.records()["short"]
+    report = store.sync(texts, other, progress=False)
+    assert (report.updated, report.skipped) == (("long",), ("short",))
+    assert store.get("long").meta.extra["compaction"]["corpus_queries"] == 32
+    assert store.sync(texts, other, progress=False).skipped == ("long", "short")
+    # a record written before records held the settings: the file's own header says how it was compacted
+    old = store.get("long")
+    record = {k: v for k, v in old.meta.extra["document"].items() if k != "compaction"}
+    store.add("long", Cartridge(old.keys, old.values, attrs.evolve(old.meta, extra={**old.meta.extra,
+                                                                                    "document": record})),
+              corpus=texts["long"], replace=True)
+    assert "compaction" not in store.records()["long"]
+    assert store.sync(texts, other, progress=False).skipped == ("long", "short")
+    # "long" renamed: its cartridge was compacted with 32 corpus queries, so the defaults compact it again
+    report = store.sync({"copy": texts["long"], "short": texts["short"]}, config, progress=False)
+    assert (report.added, report.deleted) == (("copy",), ("long",))
+    assert store.get("copy").meta.extra["compaction"]["corpus_queries"] == 2048
+
+
 def test_bad_files_are_skipped_with_one_line_each_and_nothing_is_lost(tmp_path, tiny_llama, caplog, monkeypatch):
     folder = _write(tmp_path / "docs", TEXTS)
     store = CartridgeStore(tmp_path / "store", tiny_llama)

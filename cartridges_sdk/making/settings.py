@@ -146,6 +146,7 @@ def made_with(made: Mapping[str, Any], config: CompactionConfig) -> bool:
         return json.loads(json.dumps(attrs.asdict(c)))
 
     defaults = as_saved(CompactionConfig())
+    made = json.loads(json.dumps(made))  # as saved, also when read from a cartridge not yet saved
     return all(made.get(k, defaults[k]) == v for k, v in as_saved(config).items())
 
 

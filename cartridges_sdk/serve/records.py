@@ -3,7 +3,9 @@ and the integrations.
 
 The record travels inside the cartridge file (``meta.extra["document"]``): ``name``, ``origin``, ``sha256`` (of the
 document's text), ``tokens`` (its length), ``method`` (``whole``, ``compact`` or ``self-study``) and ``size`` (the
-cartridge's tokens). Stores written by earlier versions hold the same keys, so they load as they are. Read back, a
+cartridge's tokens), and for a compacted one ``compaction`` (its `CompactionConfig`'s settings, so a sync asked for
+other settings rebuilds it without reading the file). Stores written by earlier versions hold the same keys but the
+last, so they load as they are. Read back, a
 record also holds the cartridge's quality report when it has one (``quality``, read from ``meta.extra["quality"]``,
 docs/quality-report.md), so a later `cartridges eval` of the file shows there too. Beside it,
 ``meta.extra["subject"]`` says who or what the cartridge is about (`subjects`), for any cartridge, synced or not.
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ..cartridge import Cartridge
+from ..making.settings import CompactionConfig
 
 if TYPE_CHECKING:
     from .documents import SourceDocument
@@ -56,6 +59,9 @@ def with_record(lm: Any, cartridge: Cartridge, doc: SourceDocument, method: str,
     from a document of `tokens` tokens."""
     record = {"name": doc.name, "origin": doc.origin, "sha256": doc.sha256, "tokens": tokens, "method": method,
               "size": size}
+    if method == "compact":  # its settings, not where its chunks fell: a store's catalog holds every record
+        made = cartridge.meta.extra.get("compaction", {})
+        record["compaction"] = {k: v for k, v in made.items() if k in attrs.fields_dict(CompactionConfig)}
     meta = attrs.evolve(cartridge.meta, extra={**cartridge.meta.extra, "document": record})
     # the subject from the document's front matter: the document says who it is about (None: no one)
     return with_subject(Cartridge(cartridge.keys, cartridge.values, meta, lm=lm), doc.subject)

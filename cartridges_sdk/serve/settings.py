@@ -151,7 +151,8 @@ def _patterns(_: object, __: object, patterns: tuple) -> None:
 
 @attrs.frozen
 class SyncConfig:
-    """How each document becomes a cartridge. Changing `tokens` rebuilds every document at the next sync."""
+    """How each document becomes a cartridge. Changing `tokens` rebuilds every document at the next sync; changing
+    `compaction` rebuilds the compacted ones (a self-studied cartridge keeps its training)."""
 
     # cartridge tokens per document; a document no longer than this is kept whole (its exact KV, no compaction)
     tokens: int = attrs.field(default=256, validator=at_least_one)

@@ -43,7 +43,8 @@ from .records import document_record, subject_of, versions, with_subject
 from .subjects import check_subject
 from .settings import SyncConfig
 from .forget import forget
-from .sync import SyncReport, self_study, sync
+from .store_selfstudy import self_study
+from .sync import SyncReport, sync
 from .words import STOPWORDS, routing_text
 
 log = logging.getLogger("cartridges_sdk.store")  # the name operators configure, kept from before serve/ existed

@@ -13,16 +13,14 @@ the store's folder (the operating system's lock, released when its holder dies);
 Under torchrun (``cartridges sync --workers N``, or ranks on several machines sharing the folder) the ranks share one
 sync's building: the one writer is the job, whose rank 0 holds the lock (`_ranks`, docs/scale.md).
 
-`self_study` then trains, one document at a time, the cartridges sync compacted, and swaps each in when it is done
-if its document has not changed meanwhile. Training runs without the lock (it takes minutes to hours); only the swap
-takes it. Its work (the dataset and checkpoints) is kept in ``.work/NAME-HASH``, so a killed run resumes.
+`store_selfstudy.self_study` then trains the cartridges sync compacted, in ``.work/NAME-HASH`` (`WORK`), and swaps
+each in under the lock.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 import time
 from collections.abc import Mapping
@@ -32,10 +30,11 @@ from typing import Any, Protocol
 import attrs
 
 from ..cartridge import Cartridge
-from ..errors import ConfigError, StoreBusyError
+from ..errors import CartridgeFormatError, ConfigError, StoreBusyError
 from ..files import folder_lock
 from ..lm import LM
-from ..making.settings import DEFAULT_START
+from ..fileformat import read_file
+from ..making.settings import made_with
 from .documents import SUFFIX, NotADocument, SourceDocument, content_hash, read_documents, store_name
 from .records import with_record
 from .settings import SyncConfig
@@ -45,7 +44,6 @@ log = logging.getLogger("cartridges_sdk.store")
 LOCK = ".sync.lock"
 STALE_SECONDS = 60  # a temporary file this old was left by a writer that died
 WORK = ".work"  # self-study's work folders, one per document version
-DISTRACTOR_POOL = 16  # the other cartridges one document's self-study draws its distractors from
 
 
 class SyncedStore(Protocol):
@@ -213,12 +211,13 @@ def _plan(store: SyncedStore, documents: list[SourceDocument], records: dict[str
         if doc.name in store and record is None:
             rejected.append(NotADocument(doc.origin, f"the store holds a cartridge {doc.name!r} that sync did not "
                                                      "make; remove it from the store or rename the document"))
-        elif record is not None and _current(store, doc, record, config):
+        elif record is not None and current(store, doc, record, config):
             skipped.append(doc.name)
         else:  # a file the store left out (another model's, say) is replaced too
             changed.append((doc, doc.name in records or (store.root / f"{doc.name}{SUFFIX}").exists()))
     rewritten = {doc.name for doc, _ in changed}
-    by_content = {(r["sha256"], r.get("size")): name for name, r in records.items() if name not in rewritten}
+    by_content = {(r["sha256"], r.get("size")): name for name, r in records.items()
+                  if name not in rewritten and _compacted_as(store, name, r, config)}
     todo: list[Todo] = []
     for doc, replaces in changed:
         same = by_content.get((doc.sha256, config.tokens))
@@ -275,104 +274,35 @@ def build(lm: Any, doc: SourceDocument, config: SyncConfig) -> Cartridge:
     return with_record(lm, cartridge, doc, method, len(ids), config.tokens)
 
 
-def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str], config: SyncConfig | None = None,
-               settings: Mapping[str, Any] | None = None, *, limit: int | None = None, distractors: int = 0,
-               progress: bool = True) -> tuple[str, ...]:
-    """Train by self-study the cartridge of each document that sync compacted (at most `limit` of them), replacing
-    the compacted one when its training ends, unless the document changed meanwhile. `settings` go to
-    `Cartridge.from_corpus` (``num_conversations``, ``lr``, ...). With `distractors` N > 0, each trains among up to N
-    of the store's other cartridges at a time (`among_others`). Returns the names replaced."""
-    config = config or SyncConfig()
-    settings = dict(settings or {})
-    taken = {"num_tokens", "output_dir", "progress", "distractors", "max_distractors", "report",
-             "compaction"} & set(settings)
-    if taken:
-        raise ConfigError(f"self-study settings {sorted(taken)} are set by sync (the size is SyncConfig.tokens, the "
-                          "distractors its distractors= argument, the report SyncConfig.report, the compacted start "
-                          "SyncConfig.compaction).")
-    if isinstance(distractors, bool) or not isinstance(distractors, int) or distractors < 0:
-        raise ConfigError(f"distractors={distractors!r} must be a whole number >= 0 (0 trains each cartridge alone).")
-    documents, _ = read_documents(source, unit=config.unit, max_bytes=config.max_bytes, include=config.include)
-    improved: list[str] = []
-    for doc in documents:
-        if limit is not None and len(improved) >= limit:
-            break
-        store.refresh()
-        record = store.records().get(doc.name)
-        if record is None or record.get("method") != "compact" or not _current(store, doc, record, config):
-            continue
-        work = store.root / WORK / f"{doc.name}-{doc.sha256[:16]}"
-        among = ({"distractors": among_others(store, doc.name, work), "max_distractors": distractors}
-                 if distractors else {})
-        try:
-            # starting from the corpus compacted as sync compacts it (unless the settings start elsewhere): from the
-            # very cartridge sync made, rather than compacting the document a second time
-            start = {}
-            if settings.get("init", DEFAULT_START) == "compact":
-                start = {"compaction": config.compaction}
-                keep_start(work, store.get(doc.name))
-            trained = Cartridge.from_corpus(doc.text, store.model, num_tokens=config.tokens, output_dir=work,
-                                            progress=progress, report=config.report, **among, **start, **settings)
-        except ConfigError:
-            raise  # a bad setting fails every document alike: say it once
-        except Exception as err:  # noqa: BLE001 - one document that fails to train must not stop the others
-            log.warning("self-study %s: %s failed to train (%s: %s); it keeps its compacted cartridge", store.root,
-                        doc.name, type(err).__name__, err)
-            continue
-        with folder_lock(store.root, name=LOCK, timeout=-1):  # waits for a running sync: the swap is quick
-            store.refresh()
-            now = store.records().get(doc.name)
-            if now is None or now.get("sha256") != doc.sha256 or now.get("size") != config.tokens:
-                log.warning("self-study %s: %s changed while it trained; its result is dropped", store.root, doc.name)
-                continue
-            tokens = int(record.get("tokens", 0))
-            store.add(doc.name, with_record(store.model, trained, doc, "self-study", tokens, config.tokens),
-                      corpus=doc.text, replace=True)
-        shutil.rmtree(work, ignore_errors=True)
-        improved.append(doc.name)
-    return tuple(improved)
-
-
-def keep_start(work: Path, compacted: Cartridge) -> None:
-    """Leave `compacted` where self-study keeps its compacted start, so training starts from it. Self-study checks
-    a kept start before using it (size, corpus, compaction settings) and compacts anew when it does not match."""
-    from ..making.selfstudy import COMPACT_START
-
-    kept = work / "train" / COMPACT_START
-    if not kept.exists():
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        # how it was made, and nothing the store added (record, subject, quality report): training passes a start's
-        # metadata on to the trained cartridge
-        meta = attrs.evolve(compacted.meta, extra={"compaction": compacted.meta.extra.get("compaction", {})})
-        Cartridge(compacted.keys, compacted.values, meta).save(kept)
-
-
-def among_others(store: SyncedStore, name: str, work: Path) -> list[Cartridge]:
-    """The distractors `name` trains among: up to ``DISTRACTOR_POOL`` of the store's other cartridges, drawn once
-    and kept in its work folder, so a resumed training meets the same ones whatever the store became meanwhile."""
-    kept = work / "distractors"
-    if not kept.is_dir():
-        others = [n for n in store.names() if n != name]
-        chosen = sorted(random.Random(f"distractors:{name}").sample(others, min(DISTRACTOR_POOL, len(others))))
-        staging = work / "distractors.partial"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        for n in chosen:
-            store.get(n).save(staging / f"{n}{SUFFIX}")
-        staging.rename(kept)  # all of them or none: a kill while copying leaves no half set
-    return [Cartridge.load(p, store.model) for p in sorted(kept.glob(f"*{SUFFIX}"))]
-
-
-def _current(store: SyncedStore, doc: SourceDocument, record: dict[str, Any], config: SyncConfig) -> bool:
+def current(store: SyncedStore, doc: SourceDocument, record: dict[str, Any], config: SyncConfig, *,
+            compaction: bool = True) -> bool:
     """Whether the stored cartridge stands for this version of the document, built at this size, and its corpus
-    text (what routing reads) is this version too."""
+    text (what routing reads) is this version too; with `compaction`, a compacted one was also compacted with
+    `config`'s settings (self-study, which compacts anew for a start made otherwise, asks without)."""
     if record.get("sha256") != doc.sha256 or record.get("size") != config.tokens:
+        return False
+    if compaction and not _compacted_as(store, doc.name, record, config):
         return False
     corpus = store.corpus_path(doc.name)
     try:
         return corpus is not None and content_hash(corpus.read_text("utf-8")) == doc.sha256
     except (OSError, UnicodeDecodeError):
         return False
+
+
+def _compacted_as(store: SyncedStore, name: str, record: dict[str, Any], config: SyncConfig) -> bool:
+    """Whether a cartridge sync compacted used `config.compaction`'s settings (one kept whole or self-studied is not
+    rebuilt for them: training is not thrown away for a setting of its start). A record from before records held
+    the settings is checked against the file's own header."""
+    if record.get("method") != "compact":
+        return True
+    made = record.get("compaction")
+    if not isinstance(made, dict):
+        try:
+            made = read_file(store.root / f"{name}{SUFFIX}", data=False)[2].extra.get("compaction", {})
+        except CartridgeFormatError:  # a file that cannot be read is rebuilt
+            return False
+    return made_with(made, config.compaction)
 
 
 def _clear_stale(root: Path) -> None:
