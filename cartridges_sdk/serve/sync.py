@@ -216,11 +216,12 @@ def _plan(store: SyncedStore, documents: list[SourceDocument], records: dict[str
         else:  # a file the store left out (another model's, say) is replaced too
             changed.append((doc, doc.name in records or (store.root / f"{doc.name}{SUFFIX}").exists()))
     rewritten = {doc.name for doc, _ in changed}
-    by_content = {(r["sha256"], r.get("size")): name for name, r in records.items()
-                  if name not in rewritten and _compacted_as(store, name, r, config)}
+    by_content = {(r["sha256"], r.get("size")): name for name, r in records.items() if name not in rewritten}
     todo: list[Todo] = []
     for doc, replaces in changed:
         same = by_content.get((doc.sha256, config.tokens))
+        if same is not None and not _compacted_as(store, same, records[same], config):
+            same = None  # compacted otherwise than asked: built anew (checked only for a match, not every record)
         todo.append((doc, replaces, same, records[same] if same is not None else None))
     return todo, skipped
 
