@@ -115,11 +115,11 @@ def likeliest(lm, question: str, context: Context) -> int:
 
 
 def build_store(lm, texts: dict[str, str], folder: Path, tokens: int, selfstudy: dict | None,
-                compaction: dict | None = None) -> tuple:
+                compaction: dict | None = None, train: Sequence[str] | None = None) -> tuple:
     """A store of one cartridge per text: compacted by sync to `tokens` (with `compaction`'s `CompactionConfig`
     settings when given), then trained by self-study with `selfstudy`'s settings (`Cartridge.from_corpus` keyword
-    arguments) when given, from that compacted start. Made once, resumed when a run is interrupted; returns it and
-    its build seconds (None when an earlier run made it)."""
+    arguments) when given, from that compacted start: every text's cartridge, or those named in `train`. Made once,
+    resumed when a run is interrupted; returns it and its build seconds (None when an earlier run made it)."""
     # no quality report: these questions score every cartridge here, and a report costs as much as a compaction
     config = SyncConfig(tokens=tokens, compaction=CompactionConfig(**(compaction or {})), report=False)
     store = CartridgeStore(folder, lm)
@@ -127,17 +127,19 @@ def build_store(lm, texts: dict[str, str], folder: Path, tokens: int, selfstudy:
     report = store.sync(texts, config)
     built = bool(report.added or report.updated)
     if selfstudy is not None:
-        built = store.self_study(texts, config, selfstudy) or built
-        untrained = [n for n, r in store.records().items() if r.get("method") != "self-study"]
+        chosen = texts if train is None else {n: texts[n] for n in train}
+        built = store.self_study(chosen, config, selfstudy) or built
+        untrained = [n for n, r in store.records().items() if n in chosen and r.get("method") != "self-study"]
         if untrained:  # sync keeps a compacted cartridge when training fails: it must not be scored as trained
             raise ConfigError(f"self-study did not finish for {untrained} (see the log above); run again to resume.")
     return store, (time.perf_counter() - start if built else None)
 
 
 def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods: Sequence[str],
-                 selfstudy: dict, compaction: dict | None = None) -> tuple[dict, dict]:
+                 selfstudy: dict, compaction: dict | None = None,
+                 train: Sequence[str] | None = None) -> tuple[dict, dict]:
     """The store each stored method answers from (one per kind of cartridge and size, shared by the methods that
-    use it), and each method's build seconds."""
+    use it), and each method's build seconds. Self-study trains the cartridges of `train` (None: all)."""
     texts = {c.name: c.text for c in corpora}
     stores, seconds, made = {}, {}, {}
     tag = settings_tag(selfstudy)
@@ -157,7 +159,7 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
             folder = work / (f"selfstudy-{size}-{tag}{compacted}" if trained else f"compact-{size}{compacted}")
         if key not in made:
             made[key] = build_store(lm, texts, folder, key[1], selfstudy if key[0] == "selfstudy" else None,
-                                    compaction)
+                                    compaction, train)
         stores[method], seconds[method] = made[key]
     return stores, seconds
 
@@ -196,12 +198,14 @@ def check_mc(mc: Sequence[str]) -> None:
 
 def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Path, methods: Sequence[str],
                 selfstudy: dict | None = None, scope: str = "store", compaction: dict | None = None,
-                mc: Sequence[str] = MC_SCORES) -> dict:
+                mc: Sequence[str] = MC_SCORES, only: Sequence[int] | None = None) -> dict:
     """Every method on the set's first `docs` documents. `scope` "store": each question is asked of the whole
     corpus (cartridges routed, RAG over every document's passages); "document": of its own document, as the data
     set poses it and as ICL answers it (its document's cartridge, RAG over its passages only). `compaction`:
     `CompactionConfig` settings for every stored method's compacted cartridges (and self-study's start). `mc`: the
-    multiple-choice accuracies scored (`MC_SCORES`; ``letter`` costs nothing beyond the closure's passes)."""
+    multiple-choice accuracies scored (`MC_SCORES`; ``letter`` costs nothing beyond the closure's passes). `only`:
+    the documents (numbers below `docs`) whose questions are scored and whose cartridges are self-studied; the stores
+    and RAG's index still hold all `docs`, so each row is the one a run over all of them gives."""
     if scope not in SCOPES:
         raise ConfigError(f"scope={scope!r}: use one of {list(SCOPES)}.")
     check_mc(mc)
@@ -209,13 +213,20 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     if openings and scope != "document":
         raise ConfigError(f"{list(openings)} read the opening of the question's own document; use scope='document' "
                           "(--scope document).")
+    if only is not None and (not only or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < docs
+                                             for d in only)):
+        raise ConfigError(f"only={list(only)}: give document numbers from 0 to {docs - 1} (the first docs={docs}).")
     corpora = load_corpora(path, list(range(docs)))
-    stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {}, compaction)
+    scored = [c for d, c in enumerate(corpora) if only is None or d in only]
+    stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {}, compaction,
+                                 None if only is None else [c.name for c in scored])
     chunks = passages([c.text for c in corpora])
     retrievers = {kind: Retriever(kind, [p for _, p in chunks], work) for kind in ("bm25", "dense") if kind in methods}
     build.update({kind: r.seconds for kind, r in retrievers.items()})
     rows = []
     for d, c in enumerate(corpora):
+        if only is not None and d not in only:
+            continue
         ids = lm.encode(c.text)
         own = [i for i, (doc, _) in enumerate(chunks) if doc == d] if scope == "document" else None
         document = c.name if scope == "document" else None
@@ -258,8 +269,9 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     cloze = [r for r in rows if "likeliest_right" in r]
     letter = [r for r in rows if "letter_right" in r]
     return {
-        "data": path.name, "scope": scope, "docs": docs, "questions": len(rows), "methods": used,
-        "doc_tokens": round(mean([len(lm.encode(c.text)) for c in corpora])),
+        "data": path.name, "scope": scope, "docs": docs, "only": None if only is None else sorted(only),
+        "questions": len(rows), "methods": used,
+        "doc_tokens": round(mean([len(lm.encode(c.text)) for c in scored])),
         "nll": {m: round(mean([r["nll"][m] for r in rows]), 4) for m in used},
         "closure": {m: round(mean([r["nll"]["none"] - r["nll"][m] for r in rows]) / gap, 3) if gap > 0 else None
                     for m in used},
@@ -327,6 +339,9 @@ def main() -> None:
     parser.add_argument("--sets", default="qasper,quality,tpo", help=f"comma-separated, of {sorted(DATASETS)}")
     parser.add_argument("--data-dir", type=Path, default=EVALDATA)
     parser.add_argument("--docs", type=int, default=3, help="documents per set: one corpus, one store, one RAG index")
+    parser.add_argument("--only", default=None, help="comma-separated document numbers (0-based) of the first --docs "
+                        "whose questions are scored and cartridges self-studied; the stores and RAG index still hold "
+                        "all --docs, so each row is a full run's (e.g. --docs 10 --only 5,6,7,8,9)")
     parser.add_argument("--questions", type=int, default=4, help="at most this many per document")
     parser.add_argument("--tokens", type=int, default=256, help="cartridge tokens, and RAG's prompt budget")
     parser.add_argument("--methods", default="none,icl,bm25,dense,cartridge",
@@ -370,6 +385,12 @@ def main() -> None:
         parser.error(f"unknown sets {bad}; --methods must include none and icl (the reference); sets: "
                      f"{sorted(DATASETS)}")
     selfstudy = {"num_conversations": args.selfstudy, **parse_settings(args.set)}
+    try:
+        only = None if args.only is None else [int(d) for d in args.only.split(",")]
+    except ValueError:
+        parser.error(f"--only {args.only!r}: give comma-separated document numbers, e.g. 5,6,7,8,9")
+    if only is not None and any(not 0 <= d < args.docs for d in only):
+        parser.error(f"--only {args.only}: give document numbers from 0 to {args.docs - 1} (the first --docs).")
     compaction_config(args.compaction)  # a name CompactionConfig lacks is refused before the model loads
     compaction = parse_settings(args.compaction)
     lm = load_model(None if args.model == "default" else args.model)
@@ -379,7 +400,7 @@ def main() -> None:
     for name in args.sets.split(","):
         work = args.work / f"{args.model}-{name}-{args.docs}"
         result["sets"][name] = run_dataset(lm, args.data_dir / DATASETS[name], args.docs, args.questions,
-                                           args.tokens, work, methods, selfstudy, args.scope, compaction, mc)
+                                           args.tokens, work, methods, selfstudy, args.scope, compaction, mc, only)
     if args.users:
         first = args.sets.split(",")[0]
         corpus = load_corpora(args.data_dir / DATASETS[first], [0])[0]

@@ -357,6 +357,19 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     other.refresh()
     assert seconds is not None and {other.get(n).meta.extra["compaction"]["corpus_queries"]
                                     for n in other.names()} == {2048}
+    # --only: one document's questions, scored as the full run scored them (same stores, same RAG index), and
+    # self-study trains that document's cartridge alone
+    one = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "bm25", "cartridge", "selfstudy"],
+                             {"num_conversations": 2, "document_windows": 1}, only=[1])
+    assert one["only"] == [1] and [r["doc"] for r in one["rows"]] == [r["doc"] for r in result["rows"][2:]]
+    assert all(r["nll"][m] == full["nll"][m] for r, full in zip(one["rows"], result["rows"][2:])
+               for m in ("none", "icl", "bm25", "cartridge"))
+    partly = vs_rag.CartridgeStore(tmp_path / "work" / "selfstudy-16-document_windows=1-num_conversations=2", lm)
+    names = load_corpora(data, [0, 1])
+    assert {n: r["method"] for n, r in partly.records().items()} == {names[0].name: "compact",
+                                                                    names[1].name: "self-study"}
+    with pytest.raises(vs_rag.ConfigError, match=r"only=\[2\]: give document numbers from 0 to 1"):
+        vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl"], only=[2])
     with pytest.raises(vs_rag.ConfigError, match="mc=\\['letters'\\]"):
         vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl"], mc=("letters",))
     with pytest.raises(vs_rag.ConfigError, match="scope='paper'"):
