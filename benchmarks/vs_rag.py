@@ -191,6 +191,12 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
     return Context(document=plan.prefix_ids or None, cartridge=cartridge), plan.cartridges[0] if parts else None
 
 
+def check_only(only: Sequence[int] | None, docs: int) -> None:
+    if only is not None and (not only or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < docs
+                                             for d in only)):
+        raise ConfigError(f"only={list(only)}: give document numbers from 0 to {docs - 1} (the first docs={docs}).")
+
+
 def check_mc(mc: Sequence[str]) -> None:
     if not mc or set(mc) - set(MC_SCORES):
         raise ConfigError(f"mc={list(mc)}: use one or more of {list(MC_SCORES)}.")
@@ -209,24 +215,20 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     if scope not in SCOPES:
         raise ConfigError(f"scope={scope!r}: use one of {list(SCOPES)}.")
     check_mc(mc)
+    check_only(only, docs)
     openings = {m: method_spec(m, tokens)[1] for m in methods if m.partition(":")[0] == "opening"}
     if openings and scope != "document":
         raise ConfigError(f"{list(openings)} read the opening of the question's own document; use scope='document' "
                           "(--scope document).")
-    if only is not None and (not only or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < docs
-                                             for d in only)):
-        raise ConfigError(f"only={list(only)}: give document numbers from 0 to {docs - 1} (the first docs={docs}).")
     corpora = load_corpora(path, list(range(docs)))
-    scored = [c for d, c in enumerate(corpora) if only is None or d in only]
+    scored = {d: c for d, c in enumerate(corpora) if only is None or d in only}
     stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {}, compaction,
-                                 None if only is None else [c.name for c in scored])
+                                 None if only is None else [c.name for c in scored.values()])
     chunks = passages([c.text for c in corpora])
     retrievers = {kind: Retriever(kind, [p for _, p in chunks], work) for kind in ("bm25", "dense") if kind in methods}
     build.update({kind: r.seconds for kind, r in retrievers.items()})
     rows = []
-    for d, c in enumerate(corpora):
-        if only is not None and d not in only:
-            continue
+    for d, c in scored.items():
         ids = lm.encode(c.text)
         own = [i for i, (doc, _) in enumerate(chunks) if doc == d] if scope == "document" else None
         document = c.name if scope == "document" else None
@@ -271,7 +273,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     return {
         "data": path.name, "scope": scope, "docs": docs, "only": None if only is None else sorted(only),
         "questions": len(rows), "methods": used,
-        "doc_tokens": round(mean([len(lm.encode(c.text)) for c in scored])),
+        "doc_tokens": round(mean([len(lm.encode(c.text)) for c in scored.values()])),
         "nll": {m: round(mean([r["nll"][m] for r in rows]), 4) for m in used},
         "closure": {m: round(mean([r["nll"]["none"] - r["nll"][m] for r in rows]) / gap, 3) if gap > 0 else None
                     for m in used},
@@ -389,8 +391,10 @@ def main() -> None:
         only = None if args.only is None else [int(d) for d in args.only.split(",")]
     except ValueError:
         parser.error(f"--only {args.only!r}: give comma-separated document numbers, e.g. 5,6,7,8,9")
-    if only is not None and any(not 0 <= d < args.docs for d in only):
-        parser.error(f"--only {args.only}: give document numbers from 0 to {args.docs - 1} (the first --docs).")
+    try:
+        check_only(only, args.docs)
+    except ConfigError as err:
+        parser.error(str(err))
     compaction_config(args.compaction)  # a name CompactionConfig lacks is refused before the model loads
     compaction = parse_settings(args.compaction)
     lm = load_model(None if args.model == "default" else args.model)
