@@ -252,10 +252,12 @@ class Cartridge:
 
     @classmethod
     def from_corpus(cls, corpus: Any, model: Any = None, **settings: Any) -> Cartridge:
-        """Train a cartridge on `corpus` by self-study; see `cartridges_sdk.making.selfstudy.build_cartridge` for settings."""
-        from .making.selfstudy import build_cartridge  # the facade: the making layer, imported here (docs/architecture.md)
+        """Train a cartridge on `corpus` by self-study; `cartridges_sdk.making.selfstudy.build_cartridge` has the
+        settings. ``recipe="reader"`` takes those measured best for a reader that asks useful questions (the 0.5B and
+        up; `making.settings.RECIPES`); settings given beside it win over the recipe's."""
+        from .making.selfstudy import build_with_recipe  # the facade: the making layer, imported here (docs/architecture.md)
 
-        return build_cartridge(corpus, model, **settings)
+        return build_with_recipe(corpus, model, **settings)
 
     # -- file format -----------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:

@@ -270,6 +270,8 @@ def _api_cases(lm):
         (lambda: Cartridge.from_corpus(corpus, lm, num_tokens=8, output_dir=5), "output_dir=5 must be a folder path"),
         (lambda: Cartridge.from_corpus(corpus, lm, num_tokens=8, synthesizer_options="x"), "synthesizer_options='x' must be a dict"),
         (lambda: Cartridge.from_corpus(corpus, lm, num_tokens=8, synthesizer=5), "synthesizer=5 must be a registered name"),
+        (lambda: Cartridge.from_corpus(corpus, lm, num_tokens=8, recipe="readr"),
+         r"recipe='readr' is not a recipe; use one of \['reader'\]"),
         (lambda: Cartridge.from_prefix(lm, TEXT, 8, num_frozen="1"), "num_frozen='1' must be an int"),
         (lambda: Cartridge.from_prefix(lm, 5, 8), "from_prefix takes a text or a list of token ids"),
         (lambda: Cartridge.from_prefix(lm, [1.5, 2.0], 1), "token ids must all be integers"),

@@ -189,17 +189,27 @@ def test_shards_made_apart_then_merged(tmp_path, capsys):
 def test_build(tmp_path, capsys):
     out = tmp_path / "b.safetensors"
     args = ["build", str(DATA / "harrow_point.txt"), "-o", str(out), "--tokens", "16", "--conversations", "4", *TINY]
-    # the compacted start made as --compaction says (here with the text's own questions as references)
-    assert main([*args, "--compaction", "chunk_questions=1", "--compaction", "answer_tokens=4"]) == 0
-    assert Cartridge.load(out).num_tokens == 16
+    # the reader's recipe, with each flag over it: --conversations, --epochs and --set (TINY) win, and the compacted
+    # start is made as --compaction says key by key over the recipe's (here with the text's own questions)
+    assert main([*args, "--recipe", "reader", "--epochs", "1", "--compaction", "chunk_questions=1",
+                 "--compaction", "answer_tokens=4"]) == 0
+    built = Cartridge.load(out)
+    assert built.num_tokens == 16
+    synthesis, training = built.meta.training["synthesis"], built.meta.training["config"]
+    assert (synthesis["num_conversations"], synthesis["document_windows"], training["epochs"]) == (4, 2, 1)
+    assert (synthesis["b_context"], synthesis["seed_weights"], training["lr"], training["conversation_weight"]) == (
+        "document", {"question": 1}, 0.01, 2.0)  # the recipe's
     assert (tmp_path / "b.safetensors.work" / "data" / "header.json").is_file()
-    start = Cartridge.load(tmp_path / "b.safetensors.work" / "train" / COMPACT_START)
-    assert (start.meta.extra["compaction"]["chunk_questions"], start.meta.extra["compaction"]["answer_tokens"]) == (1, 4)
+    made = Cartridge.load(tmp_path / "b.safetensors.work" / "train" / COMPACT_START).meta.extra["compaction"]
+    assert (made["chunk_questions"], made["answer_tokens"], made["keep_surprising"]) == (1, 4, 0.45)
     # refused before any model work: a name CompactionConfig lacks, and a compaction for a start that is not one
     assert main([*args, "--compaction", "selection=max"]) == 2
     assert "--compaction 'selection' is not a compaction setting" in capsys.readouterr().err
     assert main([*args, "--init", "prefix", "--compaction", "chunk_questions=1"]) == 2
     assert "compaction= says how init='compact' compacts" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        main([*args, "--recipe", "nope"])
+    assert "argument --recipe: invalid choice: 'nope' (choose from 'reader')" in capsys.readouterr().err
 
 
 def test_compact_then_ask(tmp_path, capsys):

@@ -325,6 +325,8 @@ def test_the_command(tmp_path, tiny_dir, capsys):
     assert "--compaction 'queries' is not a compaction setting" in capsys.readouterr().err
     assert main([*args, "--set", "lr=0.1"]) == 2
     assert "--set gives self-study settings; add --self-study" in capsys.readouterr().err
+    assert main([*args, "--recipe", "reader"]) == 2
+    assert "--recipe reader names self-study settings; add --self-study, or drop --recipe" in capsys.readouterr().err
     serve = ["serve", "--store", str(tmp_path / "store"), "--model", str(tmp_path / "no-model"), "--watch", str(folder)]
     assert main([*serve, "--watch-every", "0"]) == 2  # refused before the model (there is none there) loads
     assert "--watch-every=0.0 must be a positive number of seconds" in capsys.readouterr().err
@@ -479,7 +481,7 @@ def test_self_study_starts_from_the_cartridge_sync_compacted(tmp_path, tiny_llam
     """Sync's compacted cartridge is self-study's start (the document is not compacted twice), unless the start
     asked for is another compaction."""
     from cartridges_sdk.making import selfstudy
-    from cartridges_sdk.making.settings import CompactionConfig
+    from cartridges_sdk.making.settings import RECIPES, CompactionConfig
 
     texts = {"a": TEXTS["lighthouse.txt"], "b": TEXTS["railway.txt"]}
     store = CartridgeStore(tmp_path / "store", tiny_llama)
@@ -493,6 +495,15 @@ def test_self_study_starts_from_the_cartridge_sync_compacted(tmp_path, tiny_llam
     other = CompactionConfig(keep_surprising=0.5)
     assert store.self_study(texts, attrs.evolve(config, compaction=other), STUDY, progress=False) == ("b",)
     assert calls == [other]
+    # a recipe's own start, which the store's cartridge is not: compacted anew as the recipe says, its settings
+    # under those given beside it
+    texts["c"] = TEXTS["orchard.md"]
+    store.sync(texts, config, progress=False)
+    assert store.self_study(texts, config, {**STUDY, "recipe": "reader", "epochs": 1}, progress=False) == ("c",)
+    assert calls[-1] == RECIPES["reader"]["compaction"]
+    training = store.get("c").meta.training
+    assert (training["synthesis"]["b_context"], training["synthesis"]["num_conversations"]) == ("document", 2)
+    assert (training["config"]["lr"], training["config"]["epochs"]) == (0.01, 1)
     # the text is read stripped, as self-study reads it: trailing blank lines do not push a document past the size
     padded = CartridgeStore(tmp_path / "padded", tiny_llama)
     text = "Tides turn twice daily."

@@ -12,23 +12,38 @@ import attrs
 
 from .. import models
 from ..making.corpus import Corpus, read_text
-from ..making.settings import CompactionConfig
+from ..making.settings import CompactionConfig, split_settings, with_recipe
 from ..errors import CartridgeError, IncompatibleCartridgeError
 from ..plugins import REGISTRIES
 from ..runtime_choice import AUTO
 
 
-def compaction_config(pairs: list[str] | None, flag: str = "--compaction") -> CompactionConfig | None:
-    """``KEY=VALUE`` pairs as a `CompactionConfig` (None when there are none); a name it lacks is refused, listing
-    the ones it has."""
+def compaction_config(pairs: list[str] | None, flag: str = "--compaction",
+                      base: CompactionConfig | None = None) -> CompactionConfig | None:
+    """``KEY=VALUE`` pairs as a `CompactionConfig`, over `base` where one is given (a recipe's); `base` (None
+    without one) when there are none. A name it lacks is refused, listing the ones it has."""
     settings = parse_settings(pairs, flag, "chunk_questions=8")
     if not settings:
-        return None
+        return base
     known = {f.name for f in attrs.fields(CompactionConfig)}
     unknown = sorted(set(settings) - known)
     if unknown:
         raise CartridgeError(f"{flag} {unknown[0]!r} is not a compaction setting; known: {sorted(known)}.")
-    return CompactionConfig(**settings)
+    return attrs.evolve(base, **settings) if base is not None else CompactionConfig(**settings)
+
+
+def study_keywords(args: argparse.Namespace) -> dict[str, Any]:
+    """A self-study command's `Cartridge.from_corpus` keywords: its ``--recipe`` spelled out (`RECIPES`), with
+    ``--set``, ``--conversations``, ``--epochs`` and ``--compaction`` over it (the last key by key)."""
+    given = parse_settings(args.set)
+    split_settings(given)  # an unknown name, or one with a flag of its own (--set epochs=2), is refused as such
+    for key, value in (("num_conversations", args.conversations), ("epochs", args.epochs)):
+        if value is not None:
+            given[key] = value
+    keywords = with_recipe({"recipe": args.recipe, "init": args.init, **given})
+    del keywords["init"]  # an argument of its own
+    keywords["compaction"] = compaction_config(args.compaction, base=keywords.get("compaction"))
+    return keywords
 
 
 def model_for(spec: str | None, device: str = "cpu"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from ..making.settings import DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS
+from ..making.settings import DEFAULT_CONVERSATIONS, DEFAULT_START, RECIPES, STARTS
 from .files import cmd_compact, cmd_compose, cmd_eval, cmd_init, cmd_inspect
 from .selfstudy import cmd_build, cmd_merge, cmd_synthesize, cmd_train
 from .access import cmd_forget, cmd_keys
@@ -95,12 +95,18 @@ def _compact(p: argparse.ArgumentParser) -> None:
     _report_arg(p)
     _model_args(p)
 
+def _recipe_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", choices=sorted(RECIPES),
+                   help="the settings measured best for a kind of model, which the other flags override: reader, "
+                        "for a model that asks useful questions (qwen2.5-coder-0.5b and up; docs/self-study.md)")
+
 def _build(p: argparse.ArgumentParser) -> None:
     _corpus_args(p)
     _cartridge_output(p, "cartridge file to write")
-    p.add_argument("--conversations", type=int, default=DEFAULT_CONVERSATIONS,
-                   help=f"conversations to synthesize (default {DEFAULT_CONVERSATIONS})")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--conversations", type=int,
+                   help=f"conversations to synthesize (default {DEFAULT_CONVERSATIONS}, or the recipe's)")
+    p.add_argument("--epochs", type=int, help="passes over the data (default 1, or the recipe's)")
+    _recipe_arg(p)
     p.add_argument("--init", choices=STARTS, default=DEFAULT_START, help=INIT_HELP)
     _compaction_arg(p, "the compacted start")
     p.add_argument("--work-dir", help="where data and checkpoints go (default OUTPUT.work); a re-run resumes")
@@ -235,6 +241,7 @@ def _sync_settings(p: argparse.ArgumentParser) -> None:
                         "when done (minutes to hours per document; a re-run resumes)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="a self-study setting, e.g. --set num_conversations=256 (repeatable)")
+    _recipe_arg(p)
     p.add_argument("--distractors", type=int, default=0, metavar="N",
                    help="with --self-study: train each cartridge among up to N of the store's other cartridges, so "
                         "it holds up when routing composes several (docs/sync.md; default 0: alone)")

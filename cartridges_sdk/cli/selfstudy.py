@@ -12,7 +12,8 @@ from ..making.dataset import SelfStudyDataset, Shard, merge
 from ..making.distributed import is_lead, rank_device, under_torchrun
 from ..making.loss import check_shardable
 from ..making.selfstudy import COMPACT_START, check_compact, check_dataset_corpus, check_whole, train_cartridge
-from ..making.settings import SynthesisConfig, check_settings, check_training_settings, split_settings
+from ..making.settings import (DEFAULT_CONVERSATIONS, SynthesisConfig, check_settings, check_training_settings,
+                               split_settings)
 from ..making.corpus import Corpus
 from ..making.synthesis import check_context, check_synthesizer, synthesize
 from ..cartridge import Cartridge
@@ -21,7 +22,7 @@ from ..plugins import synthesizers, trainers
 from ..trainer_inputs import SEED_KIND_DOCUMENT
 from . import common  # common.model_for is looked up at each call, so tests can replace it
 from .common import (as_ranks, backend_options, bind_all, compaction_config, human_bytes, output_file, parse_settings,
-                     read_corpus)
+                     read_corpus, study_keywords)
 
 
 def _start_ranks(args: argparse.Namespace, trainer_options: dict[str, Any] | None = None) -> int | None:
@@ -44,9 +45,10 @@ def _start_ranks(args: argparse.Namespace, trainer_options: dict[str, Any] | Non
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    settings = parse_settings(args.set)
-    compaction = compaction_config(args.compaction)
-    check_settings(settings, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
+    settings = study_keywords(args)
+    conversations = settings.pop("num_conversations", DEFAULT_CONVERSATIONS)
+    epochs, compaction = settings.pop("epochs", 1), settings.pop("compaction")
+    check_settings(settings, num_tokens=args.tokens, num_conversations=conversations, epochs=epochs,
                    init=args.init, seed=args.seed, compaction=compaction)
     options = backend_options(args, {"synthesizer": args.synthesizer, "trainer": args.trainer})
     output_file(args.output)
@@ -57,7 +59,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     lm = common.model_for(args.model, device=args.device)
     work = Path(args.work_dir) if args.work_dir else Path(str(args.output) + ".work")
     c = Cartridge.from_corpus(
-        read_corpus(args), lm, num_tokens=args.tokens, num_conversations=args.conversations, epochs=args.epochs,
+        read_corpus(args), lm, num_tokens=args.tokens, num_conversations=conversations, epochs=epochs,
         init=args.init, seed=args.seed, output_dir=work, synthesizer=args.synthesizer,
         synthesizer_options=options["synthesizer"], trainer=args.trainer, trainer_options=options["trainer"],
         allow_unverified_model=args.allow_unverified_model, restart=args.restart,

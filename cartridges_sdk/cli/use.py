@@ -14,6 +14,7 @@ from ..cartridge import Cartridge
 from ..checks import is_loopback
 from ..errors import ConfigError
 from ..making.distributed import is_lead, rank_device, under_torchrun
+from ..making.settings import RECIPES
 from ..plugins import REGISTRIES
 from ..runtime_choice import runtime_name
 from ..serve.store import CartridgeStore
@@ -123,7 +124,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _sync_config(args: argparse.Namespace):
     from ..serve.settings import SyncConfig
 
-    compaction = common.compaction_config(args.compaction)
+    # a recipe's compacted start is what sync compacts with, so self-study starts from the store's own cartridges
+    recipe_start = RECIPES[args.recipe]["compaction"] if args.recipe else None
+    compaction = common.compaction_config(args.compaction, base=recipe_start)
     return SyncConfig(tokens=args.tokens, unit=args.unit, max_bytes=args.max_bytes, include=args.include,
                       report=not args.no_report, **({"compaction": compaction} if compaction else {}))
 
@@ -131,11 +134,16 @@ def _sync_config(args: argparse.Namespace):
 def _study_settings(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.set and not args.self_study:
         raise ConfigError("--set gives self-study settings; add --self-study, or drop --set.")
+    if args.recipe and not args.self_study:
+        raise ConfigError(f"--recipe {args.recipe} names self-study settings; add --self-study, or drop --recipe.")
     if args.distractors and not args.self_study:
         raise ConfigError("--distractors trains self-studied cartridges among others; add --self-study, or drop it.")
     if args.distractors < 0:
         raise ConfigError(f"--distractors {args.distractors} must be 0 or more (0 trains each cartridge alone).")
-    return common.parse_settings(args.set, example="num_conversations=256") if args.self_study else None
+    if not args.self_study:
+        return None
+    return {**({"recipe": args.recipe} if args.recipe else {}),
+            **common.parse_settings(args.set, example="num_conversations=256")}
 
 
 def cmd_sync(args: argparse.Namespace) -> int:

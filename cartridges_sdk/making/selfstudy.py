@@ -35,7 +35,7 @@ from .loss import check_shardable
 from .precision import FASTEST, resolve_work_dtype, WorkDtypes
 from .report import check_report, reported
 from .settings import (DEFAULT_CONVERSATIONS, DEFAULT_START, STARTS, CompactionConfig, ReportConfig, StartConfig,
-                       check_settings, check_training_settings, made_with)
+                       check_settings, check_training_settings, made_with, with_recipe)
 from .synthesis import check_built_synthesizer, check_context, check_synthesizer, synthesize_checked
 
 COMPACT_START = "start-compact.safetensors"  # kept in the training folder, so a resumed run starts from it
@@ -315,6 +315,11 @@ def corpus_start_ids(lm: LM, corpus: Corpus, start: StartConfig) -> list[int] | 
     else:
         check_compact(ids, start.num_tokens)
     return ids
+
+
+def build_with_recipe(corpus: Any, model: Any = None, **settings: Any) -> Cartridge:
+    """`build_cartridge` with a ``recipe`` among `settings` spelled out (`with_recipe`): `Cartridge.from_corpus`."""
+    return build_cartridge(corpus, model, **with_recipe(settings))
 
 
 def build_cartridge(

@@ -20,7 +20,7 @@ import attrs
 from ..cartridge import Cartridge
 from ..errors import ConfigError
 from ..files import folder_lock
-from ..making.settings import DEFAULT_START
+from ..making.settings import DEFAULT_START, with_recipe
 from .documents import SUFFIX, read_documents
 from .records import with_record
 from .settings import SyncConfig
@@ -36,8 +36,8 @@ def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str]
                progress: bool = True) -> tuple[str, ...]:
     """Train by self-study the cartridge of each document that sync compacted (at most `limit` of them), replacing
     the compacted one when its training ends, unless the document changed meanwhile. `settings` go to
-    `Cartridge.from_corpus` (``num_conversations``, ``lr``, ...). With `distractors` N > 0, each trains among up to N
-    of the store's other cartridges at a time (`among_others`). Returns the names replaced."""
+    `Cartridge.from_corpus` (``num_conversations``, ``lr``, ``recipe``, ...). With `distractors` N > 0, each trains
+    among up to N of the store's other cartridges at a time (`among_others`). Returns the names replaced."""
     config = config or SyncConfig()
     settings = dict(settings or {})
     taken = {"num_tokens", "output_dir", "progress", "distractors", "max_distractors", "report",
@@ -48,6 +48,9 @@ def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str]
                           "SyncConfig.compaction).")
     if isinstance(distractors, bool) or not isinstance(distractors, int) or distractors < 0:
         raise ConfigError(f"distractors={distractors!r} must be a whole number >= 0 (0 trains each cartridge alone).")
+    # a recipe's own start, where it has one (its name is checked here, before any document): then the store's
+    # cartridge is the start only if sync compacted alike (as `cartridges sync --recipe` does); else one is made anew
+    start_compaction = with_recipe(settings).get("compaction", config.compaction)
     documents, _ = read_documents(source, unit=config.unit, max_bytes=config.max_bytes, include=config.include)
     improved: list[str] = []
     for doc in documents:
@@ -66,7 +69,7 @@ def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str]
             # very cartridge sync made, rather than compacting the document a second time
             start = {}
             if settings.get("init", DEFAULT_START) == "compact":
-                start = {"compaction": config.compaction}
+                start = {"compaction": start_compaction}
                 keep_start(work, store.get(doc.name))
             trained = Cartridge.from_corpus(doc.text, store.model, num_tokens=config.tokens, output_dir=work,
                                             progress=progress, report=config.report, **among, **start, **settings)
