@@ -341,6 +341,16 @@ def test_the_command(tmp_path, tiny_dir, capsys):
     # each trained among up to one of the store's other cartridges at a time
     trained = Cartridge.load(tmp_path / "store" / "orchard.md.safetensors")
     assert trained.meta.training["distractors"]["most"] == 1
+    # with the reader's recipe: sync compacts as the recipe starts, --compaction key by key over it, and self-study
+    # starts from that very cartridge (not from the recipe's own start, compacted again)
+    recipe = ["sync", str(folder), "--store", str(tmp_path / "store-r"), "--model", str(tiny_dir), "--tokens", "48",
+              "--json", "--self-study", "--recipe", "reader", "--compaction", "chunk_questions=1", "--set", "epochs=1"]
+    assert main([*recipe, *study]) == 0
+    assert json.loads(capsys.readouterr().out)["self_studied"] == ["lighthouse.txt", "orchard.md"]
+    trained = Cartridge.load(tmp_path / "store-r" / "orchard.md.safetensors")
+    started = trained.meta.extra["compaction"]
+    assert (started["chunk_questions"], started["keep_surprising"]) == (1, 0.45)
+    assert (trained.meta.training["synthesis"]["b_context"], trained.meta.training["config"]["lr"]) == ("document", 0.01)
 
 
 @pytest.mark.slow  # a minute; a sync worker killed mid-run (tests/test_sync_workers.py) stays in the default tier

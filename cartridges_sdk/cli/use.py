@@ -14,7 +14,7 @@ from ..cartridge import Cartridge
 from ..checks import is_loopback
 from ..errors import ConfigError
 from ..making.distributed import is_lead, rank_device, under_torchrun
-from ..making.settings import RECIPES
+from ..making.settings import RECIPES, with_recipe
 from ..plugins import REGISTRIES
 from ..runtime_choice import runtime_name
 from ..serve.store import CartridgeStore
@@ -142,8 +142,9 @@ def _study_settings(args: argparse.Namespace) -> dict[str, Any] | None:
         raise ConfigError(f"--distractors {args.distractors} must be 0 or more (0 trains each cartridge alone).")
     if not args.self_study:
         return None
-    return {**({"recipe": args.recipe} if args.recipe else {}),
-            **common.parse_settings(args.set, example="num_conversations=256")}
+    study = with_recipe({"recipe": args.recipe, **common.parse_settings(args.set, example="num_conversations=256")})
+    study.pop("compaction", None)  # the start is SyncConfig.compaction: the recipe's with --compaction over it
+    return study
 
 
 def cmd_sync(args: argparse.Namespace) -> int:
