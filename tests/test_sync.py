@@ -350,7 +350,8 @@ def test_the_command(tmp_path, tiny_dir, capsys):
     trained = Cartridge.load(tmp_path / "store-r" / "orchard.md.safetensors")
     started = trained.meta.extra["compaction"]
     assert (started["chunk_questions"], started["keep_surprising"]) == (1, 0.45)
-    assert (trained.meta.training["synthesis"]["b_context"], trained.meta.training["config"]["lr"]) == ("document", 0.01)
+    training = trained.meta.training
+    assert (training["synthesis"]["b_context"], training["config"]["lr"]) == ("document", 0.01)
 
 
 @pytest.mark.slow  # a minute; a sync worker killed mid-run (tests/test_sync_workers.py) stays in the default tier
