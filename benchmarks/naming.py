@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
+from cartridges_sdk.making.settings import CompactionConfig, with_recipe
+
 
 def settings_tag(settings: Mapping[str, Any] | None) -> str:
     """``k=v`` for each setting, sorted by name and joined with ``-`` ("" for none)."""
@@ -19,3 +23,16 @@ def plain(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "+".join(plain(v) for v in value)
     return str(value)
+
+
+def recipe_flags(name: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``--set`` settings and ``--compaction`` keys a recipe (`making.settings.RECIPES`) stands for, as those
+    flags parse, so a run with ``--recipe`` names its folders and results as the run with the flags spelled out
+    does, and reuses its work. An unknown name raises the SDK's `ConfigError`, naming the recipes."""
+    if name is None:
+        return {}, {}
+    settings = with_recipe({"recipe": name})
+    start = settings.pop("compaction", None) or CompactionConfig()
+    compaction = {f.name: getattr(start, f.name) for f in attrs.fields(CompactionConfig)
+                  if getattr(start, f.name) != f.default}
+    return settings, compaction

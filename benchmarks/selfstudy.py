@@ -10,7 +10,10 @@ With several documents it also prints the closure pooled over all their question
 document's first N, as `benchmarks.vs_rag` asks them).
 
     python -m benchmarks.selfstudy [--docs 1] [--questions N] [--tokens 256] [--conversations 16] [--epochs 1]
-        [--set lr=0.01 ...] [--compaction chunk_questions=8 ...] [--model qwen2.5-coder-0.5b]
+        [--recipe reader] [--set lr=0.01 ...] [--compaction chunk_questions=8 ...] [--model qwen2.5-coder-0.5b]
+
+``--recipe`` stands for the flags its recipe spells out (`RECIPES`), with the given flags over them, and names its
+work folder as those flags would: a run with ``--recipe reader`` resumes or reuses one with the flags written out.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from cartridges_sdk.cli.common import compaction_config, parse_settings
 from cartridges_sdk.making.checkpoint import RUN_LOG
 from cartridges_sdk.making.evaluation import score
 from cartridges_sdk.making.selfstudy import COMPACT_START
-from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, TRAINING_SETTINGS
+from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, RECIPES, TRAINING_SETTINGS, CompactionConfig
 
 from . import provenance
 from .data import DEFAULT_DATA
+from .naming import recipe_flags
 
 START_AND_TRAINING = TRAINING_SETTINGS | {"init", "num_frozen"}  # what the synthesized data does not depend on
 
@@ -41,8 +45,11 @@ def main() -> None:
     parser.add_argument("--docs", default="1", help="comma-separated document indices")
     parser.add_argument("--questions", type=int, default=None, help="each document's first N questions (default: all)")
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--conversations", type=int, default=DEFAULT_CONVERSATIONS)
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--conversations", type=int, default=None, help=f"default: the recipe's, else "
+                        f"{DEFAULT_CONVERSATIONS}")
+    parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's, else 1")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                        help="a named recipe's settings (docs/self-study.md, \"Recipes\"), the other flags over them")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="any from_corpus setting (repeatable)")
     parser.add_argument("--compaction", action="append", metavar="KEY=VALUE",
@@ -53,9 +60,16 @@ def main() -> None:
                         "embedded one)")
     args = parser.parse_args()
 
-    settings = parse_settings(args.set)
-    start_config = compaction_config(args.compaction)  # checked before the model loads
-    compaction = parse_settings(args.compaction)  # as given, for the work folder's name and the result
+    settings, start = recipe_flags(args.recipe)
+    conversations, epochs = settings.pop("num_conversations", DEFAULT_CONVERSATIONS), settings.pop("epochs", 1)
+    if args.conversations is None:  # the flags given win over the recipe
+        args.conversations = conversations
+    if args.epochs is None:
+        args.epochs = epochs
+    settings |= parse_settings(args.set)
+    # checked before the model loads
+    start_config = compaction_config(args.compaction, base=CompactionConfig(**start) if start else None)
+    compaction = start | parse_settings(args.compaction)  # as given, for the work folder's name and the result
     lm = load_model(args.model) if args.model else load_model()
     lines = args.data.read_text(encoding="utf-8").splitlines()
     rows = []

@@ -4,7 +4,7 @@
 
 Per data set (QASPER, QuALITY, TPO from ../shared/evaldata), `--docs` documents make one corpus: one store of
 cartridges (one per document, compacted by the store's sync; `--selfstudy N` also trains each by self-study on N
-conversations) and one RAG index (passages of every document: `benchmarks/rag.py`). Each question is answered with:
+conversations, `--recipe reader` by a named recipe) and one RAG index (passages of every document: `benchmarks/rag.py`). Each question is answered with:
 
 - ``none``: the question alone;            ``icl``: its own document in context (the ceiling);
 - ``bm25`` / ``dense``: RAG's best passages, up to `--tokens` prompt tokens;
@@ -37,7 +37,7 @@ import torch
 
 from cartridges_sdk import Cartridge, CartridgeStore, SyncConfig, load_model
 from cartridges_sdk.cli.common import compaction_config, parse_settings
-from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, CompactionConfig
+from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, RECIPES, CompactionConfig
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.kv import prefix_cache
@@ -46,7 +46,7 @@ from cartridges_sdk.serve.passages import PassageIndex, candidates, passage_ids
 from . import provenance
 from .data import EVALDATA, Corpus, load_corpora
 from .measure import Context, decode_throughput, kv_bytes_per_token, mean, score_questions, synchronize
-from .naming import settings_tag
+from .naming import recipe_flags, settings_tag
 from .rag import Retriever, passages
 
 DATASETS = {"qasper": "scientific_qa_dev.jsonl", "quality": "quality_dev.jsonl", "tpo": "tpo_dev.jsonl"}
@@ -349,8 +349,12 @@ def main() -> None:
     parser.add_argument("--methods", default="none,icl,bm25,dense,cartridge",
                         help=f"of {','.join(METHODS)}; stored ones and opening (--scope document only) take a "
                         "cartridge size, as hybrid:128")
-    parser.add_argument("--selfstudy", type=int, default=DEFAULT_CONVERSATIONS,
-                        help="self-study conversations, for the self-studied methods (the SDK's default recipe)")
+    parser.add_argument("--selfstudy", type=int, default=None,
+                        help=f"self-study conversations, for the self-studied methods (default: the recipe's, else "
+                        f"{DEFAULT_CONVERSATIONS})")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default=None,
+                        help="a named recipe's settings for the self-studied methods and its start for every stored "
+                        "one (docs/self-study.md, \"Recipes\"), --selfstudy, --set and --compaction over them")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE",
                         help="any other from_corpus setting for the self-studied methods (repeatable)")
     parser.add_argument("--compaction", action="append", metavar="KEY=VALUE",
@@ -386,7 +390,12 @@ def main() -> None:
     if bad or not {"none", "icl"} <= set(methods):
         parser.error(f"unknown sets {bad}; --methods must include none and icl (the reference); sets: "
                      f"{sorted(DATASETS)}")
-    selfstudy = {"num_conversations": args.selfstudy, **parse_settings(args.set)}
+    recipe, start = recipe_flags(args.recipe)  # spelled out, so its stores are the ones the flags would name
+    if args.selfstudy is not None:
+        recipe["num_conversations"] = args.selfstudy
+    elif not args.recipe:
+        recipe["num_conversations"] = DEFAULT_CONVERSATIONS
+    selfstudy = {**recipe, **parse_settings(args.set)}
     try:
         only = None if args.only is None else [int(d) for d in args.only.split(",")]
     except ValueError:
@@ -396,7 +405,7 @@ def main() -> None:
     except ConfigError as err:
         parser.error(str(err))
     compaction_config(args.compaction)  # a name CompactionConfig lacks is refused before the model loads
-    compaction = parse_settings(args.compaction)
+    compaction = start | parse_settings(args.compaction)
     lm = load_model(None if args.model == "default" else args.model)
     start = time.perf_counter()
     result = {"model": lm.name, "tokens": args.tokens, "scope": args.scope, "kv_bytes_per_token": kv_bytes_per_token(lm),

@@ -530,3 +530,25 @@ def test_selfstudy_variants_of_training_train_on_the_same_data(tmp_path):
     (lr / "data" / "header.json").write_text('{"own": 1}')
     reuse_synthesis(lr, {"data": "d1", "start": "s1"})  # a folder with data of its own keeps them
     assert (lr / "data" / "header.json").read_text() == '{"own": 1}'
+
+
+def test_a_recipe_stands_for_the_flags_docs_spell_out():
+    """benchmarks' --recipe gives the settings and compaction keys of the long command docs/self-study.md says it
+    stands for, as those flags parse, so its runs name (and reuse) the folders of runs with the flags written out."""
+    import re
+    import shlex
+
+    from benchmarks.naming import recipe_flags
+    from cartridges_sdk.cli.common import parse_settings
+
+    doc = (Path(__file__).parents[1] / "docs" / "self-study.md").read_text()
+    block = re.search(r"`--recipe reader` stands for these flags\.\n\n<!--.*?-->\n```bash\n(.*?)```", doc, re.S)
+    words = shlex.split(block.group(1).replace("\\\n", " "))
+    flag = lambda name: [words[i + 1] for i, w in enumerate(words) if w == name]
+    settings, compaction = recipe_flags("reader")
+    assert settings == {"num_conversations": int(flag("--conversations")[0]), "epochs": int(flag("--epochs")[0]),
+                        **parse_settings(flag("--set"))}
+    assert compaction == parse_settings(flag("--compaction")) and compaction
+    assert recipe_flags(None) == ({}, {})
+    with pytest.raises(ConfigError, match="not a recipe"):
+        recipe_flags("readr")
