@@ -33,6 +33,4 @@ def recipe_flags(name: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         return {}, {}
     settings = with_recipe({"recipe": name})
     start = settings.pop("compaction", None) or CompactionConfig()
-    compaction = {f.name: getattr(start, f.name) for f in attrs.fields(CompactionConfig)
-                  if getattr(start, f.name) != f.default}
-    return settings, compaction
+    return settings, attrs.asdict(start, filter=lambda field, value: value != field.default)

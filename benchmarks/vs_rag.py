@@ -4,7 +4,8 @@
 
 Per data set (QASPER, QuALITY, TPO from ../shared/evaldata), `--docs` documents make one corpus: one store of
 cartridges (one per document, compacted by the store's sync; `--selfstudy N` also trains each by self-study on N
-conversations, `--recipe reader` by a named recipe) and one RAG index (passages of every document: `benchmarks/rag.py`). Each question is answered with:
+conversations, `--recipe reader` by a named recipe) and one RAG index (passages of every document:
+`benchmarks/rag.py`). Each question is answered with:
 
 - ``none``: the question alone;            ``icl``: its own document in context (the ceiling);
 - ``bm25`` / ``dense``: RAG's best passages, up to `--tokens` prompt tokens;
