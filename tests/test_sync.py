@@ -162,7 +162,8 @@ def test_changing_the_compaction_rebuilds_the_compacted_cartridges_and_nothing_e
     config = SyncConfig(tokens=24)
     other = attrs.evolve(config, compaction=CompactionConfig(corpus_queries=32))
     assert store.sync(texts, config, progress=False).added == ("long", "short")
-    assert store.records()["long"]["compaction"] == attrs.asdict(CompactionConfig())  # not where its chunks fell
+    # not where its chunks fell; the settings that follow the model as this model filled them in
+    assert store.records()["long"]["compaction"] == attrs.asdict(CompactionConfig().for_model(tiny_llama))
     assert "compaction" not in store.records()["short"]
     report = store.sync(texts, other, progress=False)
     assert (report.updated, report.skipped) == (("long",), ("short",))
@@ -180,6 +181,39 @@ def test_changing_the_compaction_rebuilds_the_compacted_cartridges_and_nothing_e
     report = store.sync({"copy": texts["long"], "short": texts["short"]}, config, progress=False)
     assert (report.added, report.deleted) == (("copy",), ("long",))
     assert store.get("copy").meta.extra["compaction"]["corpus_queries"] == 2048
+
+
+def test_the_question_settings_follow_the_model_and_a_store_recompacts_when_the_model_counts_as_a_reader(
+        tiny_llama, tmp_path, monkeypatch):
+    """`chunk_questions` and `keep_surprising` left at None are the reader's pair for a model whose parameters are in
+    READER_PARAMETERS' span and off outside it; what is given stays. A cartridge records what ran, so a store
+    compacted as a small model's is compacted again once the same settings mean the reader's (and one from before
+    the settings existed is taken as made with them off)."""
+    from cartridges_sdk.making import settings
+    from cartridges_sdk.making.settings import CompactionConfig
+
+    small = CompactionConfig(ridge=0.5).for_model(tiny_llama)
+    assert (small.chunk_questions, small.keep_surprising, small.ridge) == (0, 0.0, 0.5)
+    assert settings.made_with({}, CompactionConfig(), tiny_llama)  # a record older than both settings: both off
+    texts = {"long": TEXTS["lighthouse.txt"]}
+    store = CartridgeStore(tmp_path / "store", tiny_llama)
+    config = SyncConfig(tokens=24, report=False)
+    assert store.sync(texts, config, progress=False).added == ("long",)
+    made = store.get("long").meta.extra["compaction"]
+    assert (made["chunk_questions"], made["keep_surprising"]) == (0, 0.0)
+    count = settings.parameter_count(tiny_llama)
+    monkeypatch.setattr(settings, "READER_PARAMETERS", (count + 1, count + 2))
+    assert CompactionConfig().for_model(tiny_llama).chunk_questions == 0  # below the span
+    monkeypatch.setattr(settings, "READER_PARAMETERS", (count - 1, count))
+    assert CompactionConfig().for_model(tiny_llama).chunk_questions == 0  # above it
+    monkeypatch.setattr(settings, "READER_PARAMETERS", (count, count + 1))
+    reader = CompactionConfig(chunk_questions=0).for_model(tiny_llama)
+    assert (reader.chunk_questions, reader.keep_surprising) == (0, 0.45)  # the one given stays
+    assert not settings.made_with({}, CompactionConfig(), tiny_llama)
+    assert store.sync(texts, attrs.evolve(config, compaction=CompactionConfig(chunk_questions=2)),
+                      progress=False).updated == ("long",)
+    made = store.get("long").meta.extra["compaction"]
+    assert (made["chunk_questions"], made["keep_surprising"]) == (2, 0.45)
 
 
 def test_bad_files_are_skipped_with_one_line_each_and_nothing_is_lost(tmp_path, tiny_llama, caplog, monkeypatch):

@@ -46,7 +46,9 @@ def cmd_compact(args: argparse.Namespace) -> int:
     info = c.meta.extra["compaction"]
     print(f"wrote {args.output}: {c.num_tokens} tokens standing in for {info['corpus_tokens']} "
           f"({info['corpus_tokens'] / c.num_tokens:.1f}x fewer, {len(info['chunks'])} chunk(s)), "
-          f"{human_bytes(c.nbytes)}, in {seconds:.0f} s")
+          f"{human_bytes(c.nbytes)}, in {seconds:.0f} s; {info['chunk_questions']} own questions a chunk, "
+          f"{info['keep_surprising']:.0%} of it kept for the least expected words (defaults follow the model: "
+          "docs/compaction.md)")
     return 0
 
 

@@ -83,15 +83,16 @@ def _init(p: argparse.ArgumentParser) -> None:
 
 def _compaction_arg(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--compaction", action="append", metavar="KEY=VALUE",
-                   help=f"a CompactionConfig setting for {what}, e.g. --compaction chunk_questions=8 (repeatable; "
-                        "docs/compaction.md)")
+                   help=f"a CompactionConfig setting for {what} over the model's defaults, e.g. --compaction "
+                        "chunk_questions=8 (repeatable; docs/compaction.md)")
 
 def _compact(p: argparse.ArgumentParser) -> None:
     _corpus_args(p)
     _cartridge_output(p)
     p.add_argument("--num-frozen", type=int, default=1, help="leading tokens that never train later (default 1)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="a CompactionConfig setting, e.g. --set corpus_queries=2048 (repeatable)")
+                   help="a CompactionConfig setting over the model's defaults, e.g. --set corpus_queries=2048 "
+                        "(repeatable)")
     _report_arg(p)
     _model_args(p)
 

@@ -75,7 +75,7 @@ def compact_corpus(lm: LM, corpus: Any, num_tokens: int, *, num_frozen: int = 1,
 def compact(lm: LM, ids: Sequence[int], num_tokens: int, *, num_frozen: int = 1,
             config: CompactionConfig | None = None, progress: bool = False) -> Cartridge:
     """A `num_tokens` cartridge standing in for the corpus token ids `ids` (see the module docstring)."""
-    config = config or CompactionConfig()
+    config = (config or CompactionConfig()).for_model(lm)
     ids = [int(t) for t in ids]
     Cartridge.check_size(num_tokens, num_frozen, len(ids))
     if num_frozen > 1:
@@ -158,6 +158,7 @@ def _read(lm: LM, ids: list[int], config: CompactionConfig):
     positions ``>= T`` (the corpus's own, rotated there, then the probes')."""
     from transformers import DynamicCache
 
+    config = config.for_model(lm)  # the settings that follow the model, filled in (a no-op once they are)
     model, device, n = lm.model, lm.device, len(ids)
     inv_freq = rope_inv_freq(lm)
     cache = DynamicCache(config=model.config)
@@ -365,7 +366,7 @@ def attention_error(lm: LM, ids: Sequence[int], cartridge: Cartridge, config: Co
     if len(cartridge.meta.parts) > 1:
         raise ConfigError("attention_error compares one chunk's cartridge with its text; this one was composed "
                           f"from {len(cartridge.meta.parts)} chunks.")
-    config = config or CompactionConfig()
+    config = (config or CompactionConfig()).for_model(lm)
     ids = [int(t) for t in ids]
     n = len(ids)
     kv, queries, scaling, _ = _read(lm, ids, config)

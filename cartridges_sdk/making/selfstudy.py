@@ -126,7 +126,7 @@ def initial_cartridge(lm: LM, prefix_ids: Sequence[int] | None, num_tokens: int,
             kept = Cartridge.load(saved, lm)
             same = (kept.num_tokens, kept.num_frozen) == (num_tokens, num_frozen) and (
                 prefix_ids is None or (kept.meta.corpus or {}).get("fingerprint") == token_fingerprint(prefix_ids)) \
-                and made_with(kept.meta.extra.get("compaction", {}), compaction or CompactionConfig())
+                and made_with(kept.meta.extra.get("compaction", {}), compaction or CompactionConfig(), lm)
             if same:
                 return kept
         check_compact(prefix_ids, num_tokens)

@@ -303,7 +303,7 @@ def _compacted_as(store: SyncedStore, name: str, record: dict[str, Any], config:
             made = read_file(store.root / f"{name}{SUFFIX}", data=False)[2].extra.get("compaction", {})
         except CartridgeFormatError:  # a file that cannot be read is rebuilt
             return False
-    return made_with(made, config.compaction)
+    return made_with(made, config.compaction, store.model)
 
 
 def _clear_stale(root: Path) -> None:
