@@ -565,7 +565,7 @@ def run(args: argparse.Namespace) -> int:
                 if "lm" not in locals():
                     tok = tokenizer_of(args.assets, args.shape)
                     (lm, build_s) = timed(torch.device(device), lambda: random_lm(args.shape, tok, device, dtype))
-                    log(f"built a random {args.shape} ({sum(p.numel() for p in lm.model.parameters()) / 1e9:.2f}B "
+                    log(f"built a random {args.shape} ({lm.num_parameters / 1e9:.2f}B "
                         f"parameters, {args.dtype}) on {device} in {build_s:.1f} s")
                 if part == "profile":
                     shapes = [tuple(int(x) for x in pair.split("x")) for pair in args.profile.split(",")]

@@ -35,7 +35,7 @@ def child(name: str, cache: Path, dtype: str, prefill: int, decode: int) -> dict
     start = time.perf_counter()
     lm = load_model(None if name == "default" else name, cache_dir=cache, dtype=dtype)
     out = {"load_seconds": round(time.perf_counter() - start, 1), "model": lm.name,
-           "parameters": sum(p.numel() for p in lm.model.parameters()), "max_context": lm.max_context}
+           "parameters": lm.num_parameters, "max_context": lm.max_context}
     if prefill:
         text = json.loads(DEFAULT_DATA.read_text(encoding="utf-8").splitlines()[0])["input"]
         ids = lm.encode(text)[:prefill]

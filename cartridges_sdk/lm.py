@@ -9,6 +9,7 @@ made from an `LM`, so cartridges are named here by what is read of them (`protoc
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import numbers
 import os
@@ -118,6 +119,11 @@ class LM:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @functools.cached_property
+    def num_parameters(self) -> int:
+        """Each shared tensor once (tied embeddings count once); counted once, as sync asks for every document."""
+        return sum(p.numel() for p in self.model.parameters())
 
     @property
     def num_layers(self) -> int:

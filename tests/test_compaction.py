@@ -265,7 +265,7 @@ def test_the_least_expected_words_are_chosen_whole(default_lm):
     from cartridges_sdk.making import compaction
 
     ids = default_lm.encode(TEXT)
-    _, _, _, surprisal = compaction._read(default_lm, ids, CompactionConfig(keep_surprising=0.5))
+    _, _, _, surprisal = compaction._read(default_lm, ids, CompactionConfig(keep_surprising=0.5).for_model(default_lm))
     assert surprisal.shape == (len(ids),) and surprisal[0] == 0 and bool((surprisal[1:] > 0).all())
     kept = compaction.surprising_words(default_lm, ids, surprisal, 40).tolist()
     assert 0 < len(kept) <= 40 and 0 not in kept

@@ -201,7 +201,7 @@ def test_the_question_settings_follow_the_model_and_a_store_recompacts_when_the_
     assert store.sync(texts, config, progress=False).added == ("long",)
     made = store.get("long").meta.extra["compaction"]
     assert (made["chunk_questions"], made["keep_surprising"]) == (0, 0.0)
-    count = settings.parameter_count(tiny_llama)
+    count = tiny_llama.num_parameters
     monkeypatch.setattr(settings, "READER_PARAMETERS", (count + 1, count + 2))
     assert CompactionConfig().for_model(tiny_llama).chunk_questions == 0  # below the span
     monkeypatch.setattr(settings, "READER_PARAMETERS", (count - 1, count))

@@ -155,10 +155,10 @@ def _shares(num_tokens: int, lengths: list[int]) -> list[int]:
 @torch.inference_mode()
 def _read(lm: LM, ids: list[int], config: CompactionConfig):
     """The chunk's per-layer keys and values, and per-layer reference queries ``[heads, m, head_dim]`` placed at
-    positions ``>= T`` (the corpus's own, rotated there, then the probes')."""
+    positions ``>= T`` (the corpus's own, rotated there, then the probes'). `config` has the model's settings filled
+    in (`CompactionConfig.for_model`), as `compact` and `attention_error` pass it."""
     from transformers import DynamicCache
 
-    config = config.for_model(lm)  # the settings that follow the model, filled in (a no-op once they are)
     model, device, n = lm.model, lm.device, len(ids)
     inv_freq = rope_inv_freq(lm)
     cache = DynamicCache(config=model.config)

@@ -135,7 +135,7 @@ def resolve_work_dtype(lm: LM, dtype: str | torch.dtype | WorkDtypes | None, *,
 
         # ranks timing alone could choose differently and train one cartridge in two dtypes: under torchrun the
         # model's own dtype, unless work_dtype names one
-        if (under_torchrun() or sum(p.numel() for p in lm.model.parameters()) < SMALLEST_MEASURED
+        if (under_torchrun() or lm.num_parameters < SMALLEST_MEASURED
                 or not bf16_in_hardware(lm.device)):
             return dict.fromkeys(stages, None)
         chosen = _CHOSEN.setdefault(lm.model, {})

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -146,7 +145,7 @@ class CompactionConfig:
     def for_model(self, lm: Any) -> CompactionConfig:
         """These settings with the model's defaults filled in: what a compaction with `lm` runs and records."""
         low, high = READER_PARAMETERS
-        reader = low <= parameter_count(lm) < high
+        reader = low <= lm.num_parameters < high
         auto = READER_COMPACTION if reader else PLAIN_COMPACTION
         return attrs.evolve(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})
 
@@ -159,17 +158,6 @@ class CompactionConfig:
 READER_PARAMETERS = (300_000_000, 1_000_000_000)
 READER_COMPACTION = {"chunk_questions": 8, "keep_surprising": 0.45}
 PLAIN_COMPACTION = {"chunk_questions": 0, "keep_surprising": 0.0}
-
-
-def parameter_count(lm: Any) -> int:
-    """The model's parameters, each shared tensor once (tied embeddings count once); counted once per model, as a
-    store's sync asks for every document."""
-    if lm.model not in _PARAMETERS:
-        _PARAMETERS[lm.model] = sum(p.numel() for p in lm.model.parameters())
-    return _PARAMETERS[lm.model]
-
-
-_PARAMETERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def made_with(made: Mapping[str, Any], config: CompactionConfig, lm: Any) -> bool:
