@@ -42,7 +42,7 @@ from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, RECIPES, Compa
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.kv import prefix_cache
-from cartridges_sdk.serve.passages import PassageIndex, candidates, passage_ids
+from cartridges_sdk.serve.passages import PassageIndex, candidates, passage_ids, read_apart
 
 from . import provenance
 from .data import EVALDATA, Corpus, load_corpora
@@ -187,7 +187,7 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
             plan = store.plan(question, k=1, rerank=rerank, **named)
     except ConfigError:
         return Context(), None
-    parts = [store.get(n) for n in plan.cartridges]
+    parts = plan.parts(store)  # the cartridges, then the passages' KV read apart (when there are both)
     cartridge = parts[0] if len(parts) == 1 else Cartridge.compose(parts) if parts else None
     return Context(document=plan.prefix_ids or None, cartridge=cartridge), plan.cartridges[0] if parts else None
 
@@ -248,8 +248,8 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
             for method, cartridge in opened.items():  # as `store.plan` fills a budget after a cartridge
                 room = tokens - cartridge.num_tokens
                 found = index.ranked(q.question, candidates(room))
-                contexts[method] = Context(document=tuple(passage_ids(lm, found, room, after_cartridge=True)[0]),
-                                           cartridge=cartridge)
+                apart = read_apart(lm, passage_ids(lm, found, room, after_cartridge=False)[0], cartridge.num_tokens)
+                contexts[method] = Context(cartridge=Cartridge.compose([cartridge, apart]))
             routed = {}
             for method, store in stores.items():
                 contexts[method], routed[method] = stored_context(store, method, q.question, tokens, document)

@@ -331,13 +331,16 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
                                                                       "opening:4"], scope="document", mc=("letter",))
     assert own["mc_accuracy"] is None and set(own["mc_letter"]) == {"none", "icl", "bm25", "cartridge", "hybrid:8",
                                                                     "opening:4"}
-    # the document's first 4 tokens, exact, then its best passages up to the budget, as store.plan fills one
+    # the document's first 4 tokens, exact, then its best passages up to the budget read apart, as store.plan
+    # fills one
     doc = load_corpora(data, [0])[0]
     ids = lm.encode(doc.text)
-    pre, _ = passage_ids(lm, PassageIndex.of({doc.name: doc.text}).ranked(q[0], 8), 12, after_cartridge=True)
+    pre, _ = passage_ids(lm, PassageIndex.of({doc.name: doc.text}).ranked(q[0], 8), 12, after_cartridge=False)
     assert own["rows"][0]["context_tokens"]["opening:4"] == 4 + len(pre) == 16
+    opened = Cartridge.compose([Cartridge.from_prefix(lm, ids, 4), Cartridge.from_prefix(lm, pre, len(pre))],
+                               reposition=True, model=lm)
     assert own["rows"][0]["nll"]["opening:4"] == pytest.approx(nll(answer_logprobs(
-        lm, q[0], q[1], document=pre, cartridges=[Cartridge.from_prefix(lm, ids, 4)]), lm, q[1]), abs=1e-3)
+        lm, q[0], q[1], cartridges=[opened]), lm, q[1]), abs=1e-3)
     with pytest.raises(vs_rag.ConfigError, match=r"\['opening:4'\] read the opening .* use scope='document'"):
         vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "opening:4"])
     assert not any("likeliest_right" in r for r in own["rows"])  # four passes a context saved where letters suffice

@@ -77,9 +77,12 @@ def test_resolve_names_routes_and_refuses_a_barred_name_as_a_missing_one(state):
 def test_passages_fill_the_budget_after_the_routed_cartridge_and_stay_within_what_the_key_opens(state):
     params = GenerationParams(max_new_tokens=4)
     got = resolve(state, {"budget": 30, "passages": 10}, None, QUESTION, params, None)
-    assert got.names == ["tides"] and len(got.prefix_ids) == 30 - 6 and got.passages[0].name == "tides"
+    # behind the cartridge the passages are KV read apart (`passages.read_apart`), answered after it
+    assert got.names == ["tides"] and got.prefix_ids == () and got.passages[0].name == "tides"
+    assert [c.num_tokens for c in got.cartridges] == [6, 30 - 6] and got.cartridge_tokens == 6
     bare = resolve(state, {"budget": 30, "passages": 10}, None, QUESTION, params, None)
-    assert got.prompt_tokens == bare.prompt_tokens == len(state.lm.prompt_ids(QUESTION, prefix_ids=got.prefix_ids))
+    # the passages count as prompt tokens, as they would before the question in the prompt
+    assert got.prompt_tokens == bare.prompt_tokens == len(state.lm.prompt_ids(QUESTION, after_cartridge=True)) + 24
     # the whole store's passages by default; a key's passages come only from the cartridges it opens
     wide = resolve(state, {"passages": 400}, ["bees"], QUESTION, params, None)
     assert {p.name for p in wide.passages} == {"tides"}  # the only passage sharing a word with the question

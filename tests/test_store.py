@@ -7,10 +7,12 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from benchmarks.data import DEFAULT_DATA, EVALDATA, load_corpora, only_own_words
 from cartridges_sdk import Cartridge, ConfigError, IncompatibleCartridgeError
 from cartridges_sdk.generation import GenerationParams, GenerationRequest
+from cartridges_sdk.serve.passages import passage_ids
 from cartridges_sdk.serve.store import CartridgeStore, NotInStoreError
 
 CORPORA = {
@@ -108,10 +110,17 @@ def test_passages_fill_what_the_cartridges_leave_of_the_budget(store, tiny_llama
     q = "When did the railway to Colby close?"
     plan = store.plan(q, budget=40, passages=20)
     assert plan.cartridges == ("railway",)  # 12 tokens each: one fits in 40 - 20, then ...
-    assert len(plan.prefix_ids) == 40 - 12  # ... passages fill the rest
+    assert plan.passages_kv.num_tokens == 40 - 12 and plan.prefix_ids == ()  # ... passages fill the rest
     assert plan.passages[0].name == "railway" and "closed in 1962" in plan.passages[0].text
-    text = tiny_llama.tokenizer.decode(plan.prefix_ids)
-    assert text.startswith("From railway:\nThe branch")
+    ids, kept = passage_ids(tiny_llama, plan.passages, 40 - 12, after_cartridge=False)
+    assert kept == list(plan.passages) and len(ids) == 40 - 12
+    assert tiny_llama.tokenizer.decode(ids, skip_special_tokens=True).startswith("From railway:\nThe branch")
+    # read apart: the passages' own KV, placed after the cartridge as if computed there (never reading it)
+    apart = Cartridge.compose([store.get("railway"), Cartridge.from_prefix(tiny_llama, ids, len(ids))],
+                              reposition=True, model=tiny_llama)
+    for k, v, k2, v2 in zip(plan.passages_kv.keys, plan.passages_kv.values, apart.keys, apart.values):
+        torch.testing.assert_close(k, k2[:, 12:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v, v2[:, 12:], rtol=1e-4, atol=1e-4)
     # passages of the routed documents only, or of the whole store (within `among`)
     assert {p.name for p in store.plan("railway and lighthouse", k=1, passages=200, passages_from="routed")
             .passages} == {store.route("railway and lighthouse")[0].name}
@@ -124,10 +133,13 @@ def test_passages_fill_what_the_cartridges_leave_of_the_budget(store, tiny_llama
     answer = store.ask(q, budget=40, passages=20, max_new_tokens=5)
     assert answer.cartridges == ("railway",) and answer.passages == plan.passages
     runtime = tiny_llama._runtime("hf", None)
-    same = runtime.generate([GenerationRequest([{"role": "user", "content": q}], [store.get("railway")],
-                                               GenerationParams(max_new_tokens=5), prefix_ids=plan.prefix_ids)])[0]
+    same = runtime.generate([GenerationRequest([{"role": "user", "content": q}], [apart],
+                                               GenerationParams(max_new_tokens=5))])[0]
     assert answer.text == same.text
-    assert store.plan(q, k=1).passages == () and store.plan(q, k=1, passages=0).prefix_ids == ()
+    assert store.plan(q, k=1).passages == () and store.plan(q, k=1, passages=0).passages_kv is None
+    # with no cartridge in front (RAG alone), the passages are the prompt's first tokens
+    rag = store.plan(q, cartridges=[], passages=20)
+    assert rag.passages_kv is None and len(rag.prefix_ids) == 20
     # dense retrieval (all-MiniLM-L6-v2) ranks every passage, by meaning: the railway's first
     dense = store.plan("When did the trains to Colby stop running?", k=1, passages=1000, retrieval="dense")
     assert dense.passages[0].name == "railway" and len(dense.passages) == 3

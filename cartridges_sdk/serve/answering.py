@@ -116,12 +116,18 @@ class Chosen:
 @attrs.frozen
 class Selection:
     """What answers a conversation: the cartridges picked (composed in order), then the passages of the store's
-    corpora put after them as prompt tokens (`prefix_ids`, each after a line naming its document). Iterating it
-    (and `len`) gives the cartridges, as the list of `Chosen` it replaced did."""
+    corpora after them, each after a line naming its document: their KV read apart (`passages_kv`, see
+    `passages.read_apart`), or prompt tokens (`prefix_ids`) with no cartridge in front. Iterating it (and `len`)
+    gives the cartridges, as the list of `Chosen` it replaced did."""
 
     cartridges: tuple[Chosen, ...]
     passages: tuple[Passage, ...] = ()
     prefix_ids: tuple[int, ...] = ()
+    passages_kv: Any = attrs.field(default=None, eq=False)
+
+    def kv(self) -> list[Cartridge]:
+        """What goes before the prompt: the cartridges, then the passages' KV (if read apart)."""
+        return [c.cartridge for c in self.cartridges] + ([self.passages_kv] if self.passages_kv is not None else [])
 
     def __iter__(self):
         return iter(self.cartridges)
@@ -203,7 +209,7 @@ class Answerer:
             record = document_record(cartridge) or {}
             out.append(Chosen(name, cartridge, score, record.get("sha256"), record.get("origin"),
                               self.store.corpus_path(name)))
-        return Selection(tuple(out), plan.passages, plan.prefix_ids)
+        return Selection(tuple(out), plan.passages, plan.prefix_ids, plan.passages_kv)
 
     def plan(self, turns: Sequence[Message], names: Sequence[str] | None, call: dict[str, Any],
              defaults: dict[str, Any], stop: Sequence[str] = ()) -> tuple[Selection, dict[str, Any]]:
@@ -220,7 +226,7 @@ class Answerer:
     def request(self, messages: Sequence[Message], chosen: Selection, **gen: Any) -> GenerationRequest:
         if not messages:
             raise ConfigError("No messages to answer; send at least one user message.")
-        return GenerationRequest(list(messages), [c.cartridge for c in chosen], GenerationParams.from_kwargs(gen),
+        return GenerationRequest(list(messages), chosen.kv(), GenerationParams.from_kwargs(gen),
                                  prefix_ids=chosen.prefix_ids)
 
     def answer(self, messages: Sequence[Message], chosen: Selection, **gen: Any) -> tuple[str, Usage]:
@@ -230,7 +236,7 @@ class Answerer:
         runtime = self._runtime()
         with engine_lock(runtime):
             completion = runtime.generate([request])[0]
-        return completion.text, self._usage(request, completion)
+        return completion.text, self._usage(request, completion, chosen)
 
     def stream(self, messages: Sequence[Message], chosen: Selection, **gen: Any) -> Generator[str, None, Usage]:
         """Yield the answer's text as it comes; return its token counts when read to the end."""
@@ -240,15 +246,16 @@ class Answerer:
             completion = yield from _stepped(runtime.stream(request), engine_lock(runtime))
         else:  # one sequence (llama.cpp): a stream holds the engine from its first step to its last
             completion = yield from _held(runtime.stream(request), engine_lock(runtime))
-        return self._usage(request, completion)
+        return self._usage(request, completion, chosen)
 
     def _runtime(self) -> Any:
         return self.model._runtime(self.runtime, self.runtime_options)
 
-    def _usage(self, request: GenerationRequest, completion: Completion) -> Usage:
+    def _usage(self, request: GenerationRequest, completion: Completion, chosen: Selection) -> Usage:
         prompt = len(self.model.prompt_ids(list(request.messages), prefix_ids=request.prefix_ids,
                                            after_cartridge=bool(request.cartridges)))
-        return Usage(prompt, len(completion.token_ids), sum(c.num_tokens for c in request.cartridges),
+        read = chosen.passages_kv.num_tokens if chosen.passages_kv is not None else 0  # passages count as prompt
+        return Usage(prompt + read, len(completion.token_ids), sum(c.num_tokens for c in request.cartridges) - read,
                      completion.finish_reason)
 
 

@@ -96,14 +96,19 @@ def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, m
     if names is None:
         names, scope = routed(state, body, messages, grant)
     cartridges = cartridges_for(state, names, grant)
-    found, prefix = passages_for(state, body, messages, names, scope) if body.get("passages") else ((), ())
-    prompt_tokens, used = check_fits(state.lm, messages, cartridges, params, prefix)
-    return Resolved(names, cartridges, found, prefix, prompt_tokens, used)
+    found, prefix, apart = (passages_for(state, body, messages, names, scope) if body.get("passages")
+                            else ((), (), None))
+    answering = cartridges + ([apart] if apart is not None else [])  # the passages' KV, read apart, after them
+    prompt_tokens, used = check_fits(state.lm, messages, answering, params, prefix)
+    read = apart.num_tokens if apart is not None else 0  # passages count as prompt tokens however they are read
+    return Resolved(names, answering, found, prefix, prompt_tokens + read, used - read)
 
 
 @attrs.frozen
 class Resolved:
-    """What answers a request: cartridges by name, passages as prompt tokens after them, and the token counts."""
+    """What answers a request: cartridges by name (`cartridges` ends with the passages' KV when they are read apart
+    behind cartridges), passages as prompt tokens when no cartridge is in front, and the token counts (the passages
+    among the prompt's, however they are read)."""
 
     names: list[str]
     cartridges: list[Cartridge]
@@ -138,10 +143,11 @@ def routed(state: ServerState, body: dict[str, Any], messages: list[dict[str, st
 
 
 def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[str, str]], names: list[str],
-                 scope: list[str] | None) -> tuple[tuple[Passage, ...], tuple[int, ...]]:
-    """The passages best matching the last user turn, as prompt tokens after the cartridges: of the documents the
-    request may see (`scope`), or only the answering cartridges' own. In a store whose cartridges say whom they are
-    about (records), always only their own: a passage of someone else's record never reaches the answer."""
+                 scope: list[str] | None) -> tuple[tuple[Passage, ...], tuple[int, ...], Cartridge | None]:
+    """The passages best matching the last user turn: as prompt tokens, or, behind cartridges, their KV read apart
+    (`passages.read_apart`). Of the documents the request may see (`scope`), or only the answering cartridges' own;
+    in a store whose cartridges say whom they are about (records), always only their own: a passage of someone
+    else's record never reaches the answer."""
     source = body.get("passages_from", "store")
     records = bool(state.store.subjects())
     if records:
@@ -157,7 +163,7 @@ def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[s
                                 passages_from=source, among=scope)
     except ConfigError as err:
         raise BadRequest(400, str(err), "passages") from None
-    return plan.passages, plan.prefix_ids
+    return plan.passages, plan.prefix_ids, plan.passages_kv
 
 
 def about(state: ServerState, asked: tuple[str, ...], among: list[str] | None) -> list[str] | None:
@@ -274,7 +280,7 @@ async def chat(request: Request):
     rid = f"chatcmpl-{next(state.ids)}-{int(time.time())}"
     # which cartridges answered, and the version (SHA-256) of the document each stands for, if sync made it; and
     # the passages put after them, by document, best first
-    sources = {"cartridges": names, "versions": list(versions(got.cartridges))}
+    sources = {"cartridges": names, "versions": list(versions(got.cartridges[:len(names)]))}
     if body.get("passages"):
         sources["passages"] = [{"source": p.name, "score": round(p.score, 4)} for p in got.passages]
     usage = {"prompt_tokens": got.prompt_tokens, "cartridge_tokens": got.cartridge_tokens}

@@ -521,7 +521,8 @@ class CartridgeStore:
         stored corpora after them, the budget shared (`plan`)."""
         plan = self.plan(question, k=k, budget=budget, passages=passages, retrieval=retrieval,
                          passages_from=passages_from, cartridges=cartridges)
-        parts = [self.get(n) for n in plan.cartridges]
+        parts = plan.parts(self)
         text = self.model.ask(question, cartridges=parts, document=list(plan.prefix_ids) or None, runtime=runtime,
                               runtime_options=runtime_options, **gen)
-        return StoreAnswer(text=text, cartridges=plan.cartridges, versions=versions(parts), passages=plan.passages)
+        return StoreAnswer(text=text, cartridges=plan.cartridges, versions=versions(parts[:len(plan.cartridges)]),
+                           passages=plan.passages)

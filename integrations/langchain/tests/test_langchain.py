@@ -98,7 +98,7 @@ def test_passages_after_the_cartridge_give_the_sdks_answer_and_are_named(store):
     meta = answer.response_metadata
     assert meta["cartridges"] == ["harrow"] and [p["source"] for p in meta["passages"]] == \
         [p.name for p in expected.passages]
-    # the passages are prompt tokens: 128 - 64 of them, on top of the question's
+    # the passages count as prompt tokens (read apart behind the cartridge): 128 - 64 of them, on top of the question's
     plain = ChatCartridges(store=store, budget=128, max_tokens=8).invoke(QUESTION)
     assert answer.usage_metadata["input_tokens"] == plain.usage_metadata["input_tokens"] + 128 - 64
     assert "".join(c.content for c in llm.stream(QUESTION)) == expected.text
