@@ -151,7 +151,7 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
         if kind not in STORED and kind != "default":
             continue
         if kind == "default":  # sync's default size: the same store as a compacted method of that size
-            key = ("compact", SyncConfig().tokens)
+            key = ("compact", SyncConfig().for_model(lm).tokens)
             folder = work / f"compact-{key[1]}{compacted}"
         else:
             trained = kind.endswith("selfstudy")
@@ -182,7 +182,7 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
             size = method_spec(method, tokens)[1]
             plan = store.plan(question, budget=tokens, passages=tokens - size, rerank=rerank, **named)
         elif base == "multi":
-            plan = store.plan(question, budget=tokens, rerank=rerank, **named)
+            plan = store.plan(question, budget=tokens, passages=0, rerank=rerank, **named)  # cartridges alone
         else:
             plan = store.plan(question, k=1, rerank=rerank, **named)
     except ConfigError:

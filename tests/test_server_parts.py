@@ -97,6 +97,21 @@ def test_passages_fill_the_budget_after_the_routed_cartridge_and_stay_within_wha
                    None).param == "passages_from"
 
 
+def test_a_readers_budget_is_filled_with_passages_when_the_request_names_none(state, monkeypatch):
+    from cartridges_sdk.making import settings
+
+    params = GenerationParams(max_new_tokens=4)
+    plain = resolve(state, {"budget": 30}, None, QUESTION, params, None)
+    assert plain.names == ["tides"] and plain.passages == () and [c.num_tokens for c in plain.cartridges] == [6]
+    n = state.lm.num_parameters
+    monkeypatch.setattr(settings, "READER_PARAMETERS", (n, n + 1))  # counted a reader, as the 0.5B is
+    got = resolve(state, {"budget": 30}, None, QUESTION, params, None)
+    assert got.names == ["tides"] and got.passages[0].name == "tides"
+    assert [c.num_tokens for c in got.cartridges] == [6, 30 - 6] and got.cartridge_tokens == 6
+    off = resolve(state, {"budget": 30, "passages": 0}, None, QUESTION, params, None)
+    assert off.passages == () and [c.num_tokens for c in off.cartridges] == [6]
+
+
 def test_check_fits_refuses_a_conversation_the_context_cannot_hold(state):
     lm = state.lm
     assert lm.max_context is not None

@@ -152,6 +152,33 @@ def test_passages_fill_what_the_cartridges_leave_of_the_budget(store, tiny_llama
             store.plan(q, **bad)
 
 
+def test_a_readers_budget_is_shared_with_passages_by_default(store, tiny_llama, monkeypatch):
+    from cartridges_sdk.making import settings
+    from cartridges_sdk.serve.settings import PLAIN_TOKENS, READER_TOKENS, SyncConfig
+
+    q = "When did the railway to Colby close, and who built the lighthouse?"
+    # not a reader: a budget holds as many cartridges as fit, and no passage unless asked for (as before the rule)
+    plain = store.plan(q, budget=40)
+    assert len(plain.cartridges) == 2 and plain.passages == () and plain.passages_kv is None
+    assert SyncConfig().for_model(tiny_llama).tokens == PLAIN_TOKENS
+    n = tiny_llama.num_parameters
+    monkeypatch.setattr(settings, "READER_PARAMETERS", (n, n + 1))  # counted a reader, as the 0.5B is
+    assert SyncConfig().for_model(tiny_llama).tokens == READER_TOKENS
+    assert SyncConfig(tokens=300).for_model(tiny_llama).tokens == 300
+    # a reader: the best k that fit, then passages filling what they leave; the same plan as asking for them
+    auto = store.plan(q, budget=40)
+    asked = store.plan(q, budget=40, passages=40 - 12, k=1)
+    assert auto.cartridges == asked.cartridges == plain.cartridges[:1] and auto.passages == asked.passages
+    assert auto.passages_kv.num_tokens == 40 - 12
+    assert store.plan(q, budget=40, k=2).cartridges == plain.cartridges
+    assert store.plan(q, budget=40, k=2).passages_kv.num_tokens == 40 - 24
+    # passages=0 turns it off; no budget, nothing to fill; cartridges that fill the budget leave no passage
+    assert store.plan(q, budget=40, passages=0) == plain
+    assert store.plan(q).passages == () and store.plan(q, budget=12).passages == ()
+    answer = store.ask(q, budget=40, max_new_tokens=3)
+    assert answer.passages == auto.passages and answer.cartridges == plain.cartridges[:1]
+
+
 def test_rerank_adds_the_questions_calibrated_likelihood_to_bm25(store, tiny_llama):
     from cartridges_sdk.serve.rerank import NEUTRAL, lift, question_logprob, rerank
 

@@ -214,6 +214,11 @@ def test_the_question_settings_follow_the_model_and_a_store_recompacts_when_the_
                       progress=False).updated == ("long",)
     made = store.get("long").meta.extra["compaction"]
     assert (made["chunk_questions"], made["keep_surprising"]) == (2, 0.45)
+    # the size follows the model too: a reader's cartridges are small, its answers fill a budget with passages
+    from cartridges_sdk.serve.settings import READER_TOKENS
+
+    assert store.sync(texts, SyncConfig(report=False), progress=False).updated == ("long",)
+    assert store.records()["long"]["size"] == READER_TOKENS
 
 
 def test_bad_files_are_skipped_with_one_line_each_and_nothing_is_lost(tmp_path, tiny_llama, caplog, monkeypatch):

@@ -186,8 +186,9 @@ def _ask(p: argparse.ArgumentParser) -> None:
                    "as fit --budget tokens")
     p.add_argument("--k", type=int, default=1, help="with --store: cartridges routed to (default 1)")
     p.add_argument("--budget", type=int, help="with --store: context tokens in all, cartridges plus --passages")
-    p.add_argument("--passages", type=int, default=0, help="with --store: at least this many prompt tokens of the "
-                   "store's passages best matching the question, after the cartridges (default 0: none)")
+    p.add_argument("--passages", type=int, default=None, help="with --store: at least this many prompt tokens of the "
+                   "store's passages best matching the question, after the cartridges (default: with --budget and a "
+                   "reader of 300M-1B parameters, what the best --k cartridges leave of it; else none)")
     p.add_argument("--retrieval", default="bm25", choices=["bm25", "dense"], help="how passages are ranked")
     p.add_argument("--passages-from", default="store", choices=["store", "routed"],
                    help="passages of the whole store, or only of the routed cartridges' documents")
@@ -229,8 +230,9 @@ def _serve(p: argparse.ArgumentParser) -> None:
     _backend_args(p, "runtime")
 
 def _sync_settings(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=256,
-                   help="cartridge tokens per document; shorter documents are kept whole (default 256)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="cartridge tokens per document; shorter documents are kept whole (default: 64 for a reader "
+                        "of 300M-1B parameters, whose answers fill a --budget with passages, else 256)")
     p.add_argument("--unit", choices=["file", "folder"], default="file",
                    help="one cartridge per file, or per entry at the top of the folder (a patient, a module)")
     p.add_argument("--max-bytes", type=int, default=8 * 2**20, help="larger files are skipped (default 8 MiB)")

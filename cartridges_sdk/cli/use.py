@@ -26,7 +26,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if bool(args.cartridge) == bool(args.store):
         raise ConfigError("Give cartridge files to answer with, or --store FOLDER to route the question to its "
                           "cartridges; not both, not neither.")
-    routing = {"--k": args.k != 1, "--budget": args.budget is not None, "--passages": args.passages != 0,
+    routing = {"--k": args.k != 1, "--budget": args.budget is not None, "--passages": args.passages is not None,
                "--retrieval": args.retrieval != "bm25", "--passages-from": args.passages_from != "store"}
     stray = [flag for flag, given in routing.items() if given and not args.store]
     if stray:

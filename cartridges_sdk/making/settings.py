@@ -144,9 +144,7 @@ class CompactionConfig:
 
     def for_model(self, lm: Any) -> CompactionConfig:
         """These settings with the model's defaults filled in: what a compaction with `lm` runs and records."""
-        low, high = READER_PARAMETERS
-        reader = low <= lm.num_parameters < high
-        auto = READER_COMPACTION if reader else PLAIN_COMPACTION
+        auto = READER_COMPACTION if is_reader(lm) else PLAIN_COMPACTION
         return attrs.evolve(self, **{k: v for k, v in auto.items() if getattr(self, k) is None})
 
 
@@ -158,6 +156,12 @@ class CompactionConfig:
 READER_PARAMETERS = (300_000_000, 1_000_000_000)
 READER_COMPACTION = {"chunk_questions": 8, "keep_surprising": 0.45}
 PLAIN_COMPACTION = {"chunk_questions": 0, "keep_surprising": 0.0}
+
+
+def is_reader(lm: Any) -> bool:
+    """Whether `lm` is a reader (`READER_PARAMETERS`): the model the settings that follow the model were measured for."""
+    low, high = READER_PARAMETERS
+    return low <= lm.num_parameters < high
 
 
 def made_with(made: Mapping[str, Any], config: CompactionConfig, lm: Any) -> bool:

@@ -168,7 +168,7 @@ class Answerer:
     names: tuple[str, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
     runtime: Any = "auto"
     runtime_options: dict[str, Any] | None = None
-    passages: int = 0
+    passages: int | None = None  # None: a reader with a budget fills what the cartridges leave (`passages.fills`)
     retrieval: str = "bm25"
     passages_from: str = "store"
 

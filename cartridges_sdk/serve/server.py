@@ -40,7 +40,7 @@ from .engine import Engine, Job
 from .guard import BadRequest, Guard
 from .answering import last_user_text
 from .parse import parse_request, read_json
-from .passages import Passage
+from .passages import Passage, fills
 from .records import versions
 from .replies import answer, completion_body, error_response, stream_events
 from .settings import ServeConfig
@@ -96,8 +96,8 @@ def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, m
     if names is None:
         names, scope = routed(state, body, messages, grant)
     cartridges = cartridges_for(state, names, grant)
-    found, prefix, apart = (passages_for(state, body, messages, names, scope) if body.get("passages")
-                            else ((), (), None))
+    wanted = body.get("passages") or fills(state.lm, body.get("passages"), body.get("budget"))
+    found, prefix, apart = passages_for(state, body, messages, names, scope) if wanted else ((), (), None)
     answering = cartridges + ([apart] if apart is not None else [])  # the passages' KV, read apart, after them
     prompt_tokens, used = check_fits(state.lm, messages, answering, params, prefix)
     read = apart.num_tokens if apart is not None else 0  # passages count as prompt tokens however they are read
@@ -130,10 +130,12 @@ def routed(state: ServerState, body: dict[str, Any], messages: list[dict[str, st
     asked = (turns[-1], "\n".join(turns)) if len(turns) > 1 else (turns[-1],)
     subject = about(state, asked, among)
     budget = body["budget"] - (body.get("passages") or 0) if body.get("budget") else None
+    auto = fills(state.lm, body.get("passages"), budget)  # the best k that fit, then passages fill the rest
     for question in asked:
         try:
             routes = state.store.within(question, budget, among=subject or among) if budget \
                 else state.store.route(question, k=body.get("k", 1), among=subject or among)
+            routes = routes[:body.get("k", 1)] if auto else routes
             return [r.name for r in routes], subject or among
         except ConfigError as err:
             refused = err
@@ -159,7 +161,7 @@ def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[s
                          f"this request has none ({fix}).", "passages_from")
     try:
         plan = state.store.plan(last_user_text(messages), cartridges=names, budget=body.get("budget"),
-                                passages=body["passages"], retrieval=body.get("retrieval", "bm25"),
+                                passages=body.get("passages"), retrieval=body.get("retrieval", "bm25"),
                                 passages_from=source, among=scope)
     except ConfigError as err:
         raise BadRequest(400, str(err), "passages") from None
@@ -272,7 +274,7 @@ async def chat(request: Request):
     got = await asyncio.to_thread(resolve, state, body, names, messages, params, grant)
     names = got.names
     record["cartridges"] = names
-    if body.get("passages"):
+    if got.passages:
         record["passages"] = sorted({p.name for p in got.passages})
     job = request.scope[JOB] = submit(state, GenerationRequest(messages, got.cartridges, params,
                                                                prefix_ids=got.prefix_ids), stream)

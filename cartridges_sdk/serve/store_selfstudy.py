@@ -38,7 +38,7 @@ def self_study(store: SyncedStore, source: str | os.PathLike | Mapping[str, str]
     the compacted one when its training ends, unless the document changed meanwhile. `settings` go to
     `Cartridge.from_corpus` (``num_conversations``, ``lr``, ``recipe``, ...). With `distractors` N > 0, each trains
     among up to N of the store's other cartridges at a time (`among_others`). Returns the names replaced."""
-    config = config or SyncConfig()
+    config = (config or SyncConfig()).for_model(store.model)
     settings = dict(settings or {})
     taken = {"num_tokens", "output_dir", "progress", "distractors", "max_distractors", "report",
              "compaction"} & set(settings)

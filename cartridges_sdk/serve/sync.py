@@ -88,7 +88,7 @@ def sync(store: SyncedStore, source: str | os.PathLike | Mapping[str, str], conf
          timeout: float = 0, progress: bool = True, ranks: bool = False) -> SyncReport:
     """`CartridgeStore.sync`: see the module docstring. With `ranks`, every rank of the torchrun job calls it and
     they share the building (`_ranks`); without, this process syncs alone, whatever job it is part of."""
-    config = config or SyncConfig()
+    config = (config or SyncConfig()).for_model(store.model)
     store.model.check_context(config.tokens, f"A {config.tokens}-token cartridge per document", "pass a smaller tokens")
     if ranks:
         import torch

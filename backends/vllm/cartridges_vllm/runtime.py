@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import tempfile
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,16 @@ from .engine import EngineOptions
 PLACEHOLDER_ID = 0  # the ids the cartridge's positions carry in the prompt; the connector's KV replaces their work
 # families whose vLLM attention stores keys post-RoPE in the neox (rotate-half) pairing, as cartridges hold them
 FAMILIES = ("llama", "qwen2")
+# cartridge files kept in the store once no request in the engine reads them: a composition with passages read apart
+# is new for every question (1-3 MB each with the 0.5B), so the store would otherwise grow for as long as it serves
+KEPT_FILES = 64
 
 
 class VLLMRuntime(ContinuousRuntime):
     """Answers heterogeneous batches in one vLLM engine. A cartridge (or a composition) is written to the store once,
-    by content fingerprint, and keyed in vLLM's prefix cache by a ``cache_salt`` of the same fingerprint."""
+    by content fingerprint, and keyed in vLLM's prefix cache by a ``cache_salt`` of the same fingerprint. The store
+    keeps the `kept` most recently used files no request in the engine reads (a preempted request reads its file
+    again when it resumes, so a live request's file always stays); older ones are deleted."""
 
     Options = EngineOptions
 
@@ -38,9 +44,12 @@ class VLLMRuntime(ContinuousRuntime):
             )
         super().__init__(model, **options)
         self._store = tempfile.TemporaryDirectory(prefix="cartridges-vllm-")
-        self.installs = 0  # cartridge contents written to the store (each once)
+        self.installs = 0  # cartridge contents written to the store (each once while it stays there)
+        self.kept = KEPT_FILES
+        self._files: OrderedDict[str, None] = OrderedDict()  # fingerprints in the store, least recently used first
+        self._reading: Counter[str] = Counter()  # live requests per fingerprint: their files must stay
         self._ids = itertools.count()  # request ids of our own, unique in the engine
-        self._live: dict[str, Any] = {}  # handle -> generation params of each request in the engine
+        self._live: dict[str, Any] = {}  # handle -> (generation params, cartridge fingerprint) of each live request
         self._composed: Recent[Cartridge] = Recent(64)  # recent compositions
         connector = KVTransferConfig(
             kv_connector="CartridgeConnector", kv_connector_module_path="cartridges_vllm.connector",
@@ -65,7 +74,23 @@ class VLLMRuntime(ContinuousRuntime):
             tensors = layer_tensors(whole.keys, whole.values)
             atomic_write(path, lambda tmp: save_file(tensors, tmp))
             self.installs += 1
+        self._files[whole.fingerprint] = None
+        self._files.move_to_end(whole.fingerprint)
         return whole
+
+    def _forget(self) -> None:
+        """Delete the least recently used files beyond `kept` that no live request reads."""
+        for fingerprint in [f for f in self._files if not self._reading[f]][:max(len(self._files) - self.kept, 0)]:
+            (Path(self._store.name) / f"{fingerprint}.safetensors").unlink(missing_ok=True)
+            del self._files[fingerprint]
+
+    def _done(self, handle: str) -> None:
+        _, fingerprint = self._live.pop(handle)
+        if fingerprint is not None:
+            self._reading[fingerprint] -= 1
+            if not self._reading[fingerprint]:
+                del self._reading[fingerprint]
+                self._forget()
 
     def _prompt(self, request: GenerationRequest) -> tuple[dict[str, Any], dict[str, Any]]:
         from vllm.inputs import TokensPrompt
@@ -94,8 +119,16 @@ class VLLMRuntime(ContinuousRuntime):
             detokenize=False, extra_args=extra or None,
         )
         handle = f"cartridges-{next(self._ids)}"  # outputs and aborts use this id (add_request returns another)
-        self.llm.llm_engine.add_request(handle, prompt, params)
-        self._live[handle] = request.params
+        fingerprint = prompt.get("cache_salt")
+        if fingerprint is not None:
+            self._reading[fingerprint] += 1
+        self._live[handle] = (request.params, fingerprint)
+        try:
+            self.llm.llm_engine.add_request(handle, prompt, params)
+        except BaseException:
+            self._done(handle)  # not in the engine: its file need not stay for it
+            raise
+        self._forget()
         return handle
 
     def step(self) -> list[tuple[str, Completion, bool]]:
@@ -103,21 +136,24 @@ class VLLMRuntime(ContinuousRuntime):
         if not core.has_unfinished_requests():
             if self._live:
                 lost, self._live = len(self._live), {}
+                self._reading.clear()
                 raise BackendError(f"vLLM's engine holds none of the {lost} requests still awaited.")
             return []
         progress = []
         for out in core.step():
-            params = self._live.get(out.request_id)
-            if params is None:  # one aborted meanwhile, whose last output still arrived
+            live = self._live.get(out.request_id)
+            if live is None:  # one aborted meanwhile, whose last output still arrived
                 continue
+            params = live[0]
             if out.finished:
-                del self._live[out.request_id]
+                self._done(out.request_id)
             progress.append((out.request_id, engine.completion(self.lm, out.outputs[0], sorted(self.lm.eos_token_ids),
                                                                params.top_logprobs, params.stop), out.finished))
         return progress
 
     def abort(self, handle: str) -> None:
-        if self._live.pop(handle, None) is not None:
+        if handle in self._live:
+            self._done(handle)
             self.llm.llm_engine.abort_request([handle])
 
     def close(self) -> None:

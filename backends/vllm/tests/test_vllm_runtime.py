@@ -88,7 +88,10 @@ def test_an_unsupported_family_is_refused_before_the_engine_starts(monkeypatch):
 def test_answers_stay_exact_when_the_engine_runs_out_of_kv_memory(lm):
     """Ten 128-token blocks for six ~520-token requests: vLLM preempts running requests and resumes them later, and
     the connector writes their cartridges again (seen once by logging the resume in the connector while writing this
-    test); every answer still equals the HF runtime's. A request longer than the engine's limit is refused."""
+    test); every answer still equals the HF runtime's, though the store keeps one file no request reads (a live
+    request's file stays until it finishes). A request longer than the engine's limit is refused."""
+    from pathlib import Path
+
     from cartridges_sdk import ConfigError
     from cartridges_sdk.plugins import runtimes
 
@@ -97,7 +100,9 @@ def test_answers_stay_exact_when_the_engine_runs_out_of_kv_memory(lm):
                                 "section by section."}], [Cartridge.from_prefix(lm, ids[7 * i :], 250 + i)],
                               GenerationParams(max_new_tokens=240)) for i in range(6)]
     with runtimes.create("vllm", lm, max_kv_blocks=10, max_model_len=1024) as tight:
+        tight.kept = 1
         squeezed = tight.generate(asks)
+        assert tight.installs == 6 and len(list(Path(tight._store.name).glob("*.safetensors"))) == 1
         too_long = GenerationRequest(asks[0].messages, asks[0].cartridges, GenerationParams(max_new_tokens=900))
         with pytest.raises(ConfigError, match=r"needs \d+ tokens, more than the engine's max_model_len=1024"):
             tight.generate([too_long])

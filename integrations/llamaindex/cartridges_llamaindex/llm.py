@@ -32,7 +32,8 @@ class CartridgeLLM(CustomLLM):
     k: int = Field(default=1, description="routed cartridges per question")
     budget: int | None = Field(default=None, description="route as many as fit this many context tokens (cartridges, "
                                "plus passages if any)")
-    passages: int = Field(default=0, description="prompt tokens of the store's best passages after the cartridges")
+    passages: int | None = Field(default=None, description="prompt tokens of the store's best passages after the "
+                                 "cartridges (None: with a budget, a reader's fill what the cartridges leave)")
     retrieval: str = Field(default="bm25", description="how passages are ranked: bm25 or dense")
     passages_from: str = Field(default="store", description="passages of the whole store, or 'routed': only of the "
                                "answering cartridges' documents")

@@ -21,7 +21,7 @@ class CartridgeQueryEngine(BaseQueryEngine):
     `passages` tokens of the store's best passages after them (the budget shared; both kinds are source nodes).
     `streaming=True` returns a `StreamingResponse`; `gen` are generation settings (max_tokens, temperature, ...)."""
 
-    def __init__(self, store: Any, *, k: int = 1, budget: int | None = None, passages: int = 0,
+    def __init__(self, store: Any, *, k: int = 1, budget: int | None = None, passages: int | None = None,
                  retrieval: str = "bm25", passages_from: str = "store", runtime: Any = "auto", streaming: bool = False,
                  callback_manager: CallbackManager | None = None, **gen: Any):
         self._answerer = Answerer(store=store, k=k, budget=budget, runtime=runtime, passages=passages,
