@@ -159,7 +159,8 @@ PLAIN_COMPACTION = {"chunk_questions": 0, "keep_surprising": 0.0}
 
 
 def is_reader(lm: Any) -> bool:
-    """Whether `lm` is a reader (`READER_PARAMETERS`): the model the settings that follow the model were measured for."""
+    """Whether `lm` is a reader (`READER_PARAMETERS`): the kind of model the settings that follow it were measured
+    on."""
     low, high = READER_PARAMETERS
     return low <= lm.num_parameters < high
 

@@ -26,8 +26,9 @@ class ChatCartridges(BaseChatModel):
     last user message (or as many as fit `budget` tokens); with `passages` tokens, the store's best passages after
     them (`budget` then counts both; `retrieval` bm25 or dense; `passages_from` "store" or "routed"; left at None,
     a reader's answer with a `budget` fills what its cartridges leave, as `CartridgeStore.plan` says). A call may
-    name its own with ``invoke(..., cartridges=[...])``: store names, or the documents `CartridgeRetriever` returned. Each answer's
-    ``response_metadata["cartridges"]`` says which cartridges gave it (and ``["passages"]`` which passages)."""
+    name its own with ``invoke(..., cartridges=[...])``: store names, or the documents `CartridgeRetriever`
+    returned. Each answer's ``response_metadata["cartridges"]`` says which cartridges gave it (and
+    ``["passages"]`` which passages)."""
 
     cartridge: Any = None
     store: Any = None
