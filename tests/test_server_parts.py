@@ -103,11 +103,19 @@ def test_a_readers_budget_is_filled_with_passages_when_the_request_names_none(st
     params = GenerationParams(max_new_tokens=4)
     plain = resolve(state, {"budget": 30}, None, QUESTION, params, None)
     assert plain.names == ["tides"] and plain.passages == () and [c.num_tokens for c in plain.cartridges] == [6]
+    # how passages are found makes no sense where none are: refused, not ignored
+    ignored = refused(resolve, state, {"budget": 30, "passages_from": "routed"}, None, QUESTION, params, None)
+    assert ignored.status == 400 and ignored.param == "passages_from" and "'passages'" in ignored.message
     n = state.lm.num_parameters
     monkeypatch.setattr(settings, "READER_PARAMETERS", (n, n + 1))  # counted a reader, as the 0.5B is
     got = resolve(state, {"budget": 30}, None, QUESTION, params, None)
     assert got.names == ["tides"] and got.passages[0].name == "tides"
     assert [c.num_tokens for c in got.cartridges] == [6, 30 - 6] and got.cartridge_tokens == 6
+    # ... and there they say how: only the routed cartridge's document ("bees" shares no word with the question)
+    own = resolve(state, {"budget": 30, "retrieval": "bm25", "passages_from": "routed"}, ["bees"], QUESTION,
+                  params, None)
+    assert own.names == ["bees"] and own.passages == ()
+    assert resolve(state, {"budget": 30}, ["bees"], QUESTION, params, None).passages[0].name == "tides"
     off = resolve(state, {"budget": 30, "passages": 0}, None, QUESTION, params, None)
     assert off.passages == () and [c.num_tokens for c in off.cartridges] == [6]
 

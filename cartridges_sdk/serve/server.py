@@ -97,6 +97,11 @@ def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, m
         names, scope = routed(state, body, messages, grant)
     cartridges = cartridges_for(state, names, grant)
     wanted = body.get("passages") or fills(state.lm, body.get("passages"), body.get("budget"))
+    ignored = [f for f in ("retrieval", "passages_from") if f in body and not wanted]
+    if ignored:  # an ignored setting would answer something else than asked for
+        raise BadRequest(400, f"'{ignored[0]}' says how passages are found, and this request gets none: "
+                         f"{state.lm.name}'s budget is all cartridges unless 'passages' (tokens of them) is sent.",
+                         ignored[0])
     found, prefix, apart = passages_for(state, body, messages, names, scope) if wanted else ((), (), None)
     answering = cartridges + ([apart] if apart is not None else [])  # the passages' KV, read apart, after them
     prompt_tokens, used = check_fits(state.lm, messages, answering, params, prefix)
