@@ -78,6 +78,9 @@ def test_ask_a_store_with_passages(files, capsys, default_lm):
         assert said in capsys.readouterr().err
     assert main(args + ["--budget", "64", "--passages", "64"]) == 2
     assert "leaves nothing of budget=64 for cartridges" in capsys.readouterr().err
+    # the embedded 135M is no reader: its budget is all cartridges, so how to find passages is refused, not ignored
+    assert main(args + ["--budget", "200", "--passages-from", "routed"]) == 2
+    assert "--passages-from says how passages are found, and this question gets none" in capsys.readouterr().err
 
 
 def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
