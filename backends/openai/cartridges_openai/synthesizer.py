@@ -179,10 +179,11 @@ class OpenAISynthesizer(Synthesizer):
         return pool
 
     def _timeout(self, seconds: float) -> Any:
-        """`seconds` for an answer, and at most `connect_timeout` of them to connect."""
-        import httpx
+        """`seconds` for an answer, and at most `connect_timeout` of them to connect. The client's own Timeout
+        class: openai 1-2 are built on httpx, 3 on httpx2, and each refuses the other's."""
+        import openai
 
-        return httpx.Timeout(seconds, connect=min(self.options.connect_timeout, seconds))
+        return openai.Timeout(seconds, connect=min(self.options.connect_timeout, seconds))
 
     async def _models(self, server: Server) -> dict[str, int | None]:
         """The models `server` serves, each with the context it was started with where it says (vLLM's model card
