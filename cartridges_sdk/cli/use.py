@@ -17,7 +17,7 @@ from ..making.distributed import is_lead, rank_device, under_torchrun
 from ..making.settings import RECIPES, with_recipe
 from ..plugins import REGISTRIES
 from ..runtime_choice import runtime_name
-from ..serve.passages import fills
+from ..serve.passages import sought
 from ..serve.store import CartridgeStore
 from . import common  # common.model_for is looked up at each call, so tests can replace it
 from .common import as_ranks, backend_options, bind_all
@@ -44,7 +44,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     try:
         if args.store:
             how = [flag for flag in ("--retrieval", "--passages-from") if routing[flag]]
-            if how and not (args.passages or fills(lm, args.passages, args.budget)):
+            if how and not sought(lm, args.passages, args.budget):
                 raise ConfigError(f"{how[0]} says how passages are found, and this question gets none: {lm.name}'s "
                                   "budget is all cartridges unless --passages N (tokens of them) is given.")
             store = CartridgeStore(args.store, lm)

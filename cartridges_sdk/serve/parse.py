@@ -156,9 +156,7 @@ def _check_passages(body: dict[str, Any]) -> None:
         raise BadRequest(400, f"'passages' (prompt tokens of the store's passages after the cartridges) must be an int "
                          f"from 0 to {MAX_PASSAGE_TOKENS}.", "passages")
     for field, allowed in (("retrieval", RETRIEVALS), ("passages_from", PASSAGES_FROM)):
-        if field in body and (passages == 0 or passages is None and body.get("budget") is None):
-            raise BadRequest(400, f"'{field}' says how passages are found; it goes with 'passages' (tokens of them), "
-                             "or with 'budget' on a reader, whose budget passages fill by default.", field)
+        # where no passages are looked for, `server.resolve` refuses it: that turns on the model (`passages.sought`)
         if field in body and body[field] not in allowed:
             raise BadRequest(400, f"'{field}' must be one of {list(allowed)}.", field)
     budget = body.get("budget")

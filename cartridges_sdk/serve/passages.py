@@ -179,6 +179,11 @@ def fills(lm: Any, passages: int | None, budget: int | None) -> bool:
     return passages is None and budget is not None and is_reader(lm)
 
 
+def sought(lm: Any, passages: int | None, budget: int | None) -> bool:
+    """Whether an answer looks for passages: `passages` tokens of them asked for, or a reader's budget (`fills`)."""
+    return bool(passages) or fills(lm, passages, budget)
+
+
 def passage_ids(lm: Any, passages: Sequence[Passage], tokens: int, *,
                 after_cartridge: bool) -> tuple[list[int], list[Passage]]:
     """The passages as prompt tokens, best first, each after a line naming its document, until `tokens` (the last

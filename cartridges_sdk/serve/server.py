@@ -40,7 +40,7 @@ from .engine import Engine, Job
 from .guard import BadRequest, Guard
 from .answering import last_user_text
 from .parse import parse_request, read_json
-from .passages import Passage, fills
+from .passages import Passage, fills, sought
 from .records import versions
 from .replies import answer, completion_body, error_response, stream_events
 from .settings import ServeConfig
@@ -96,7 +96,7 @@ def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, m
     if names is None:
         names, scope = routed(state, body, messages, grant)
     cartridges = cartridges_for(state, names, grant)
-    wanted = body.get("passages") or fills(state.lm, body.get("passages"), body.get("budget"))
+    wanted = sought(state.lm, body.get("passages"), body.get("budget"))
     ignored = [f for f in ("retrieval", "passages_from") if f in body and not wanted]
     if ignored:  # an ignored setting would answer something else than asked for
         raise BadRequest(400, f"'{ignored[0]}' says how passages are found, and this request gets none: "
