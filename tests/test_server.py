@@ -41,6 +41,18 @@ def ask(client, model, question, **kw):
                                           temperature=0, max_tokens=kw.pop("max_tokens", 8), **kw)
 
 
+def test_a_readers_budget_names_the_passages_that_fill_it(served, client, tiny_llama, monkeypatch):
+    from cartridges_sdk.making import settings
+
+    plain = ask(client, "auto", "Who logged storms?", extra_body={"budget": 64})
+    assert "passages" not in plain.model_extra and plain.usage.model_extra["cartridge_tokens"] < 64
+    n = tiny_llama.num_parameters
+    monkeypatch.setattr(settings, "READER_PARAMETERS", (n, n + 1))  # counted a reader, as the 0.5B is
+    got = ask(client, "auto", "Who logged storms?", extra_body={"budget": 64})
+    assert len(got.model_extra["cartridges"]) == 1 and got.model_extra["passages"]
+    assert got.usage.prompt_tokens > plain.usage.prompt_tokens  # the passages count among the prompt's tokens
+
+
 def test_answers_equal_the_python_apis_streamed_and_not(served, client, tiny_llama):
     _, store, _ = served
     want = tiny_llama.ask("Who logged storms?", cartridges=[store.get("c3")], max_new_tokens=8)

@@ -288,7 +288,7 @@ async def chat(request: Request):
     # which cartridges answered, and the version (SHA-256) of the document each stands for, if sync made it; and
     # the passages put after them, by document, best first
     sources = {"cartridges": names, "versions": list(versions(got.cartridges[:len(names)]))}
-    if body.get("passages"):
+    if sought(state.lm, body.get("passages"), body.get("budget")):  # a reader's budget fills passages too
         sources["passages"] = [{"source": p.name, "score": round(p.score, 4)} for p in got.passages]
     usage = {"prompt_tokens": got.prompt_tokens, "cartridge_tokens": got.cartridge_tokens}
     if stream:
