@@ -159,6 +159,8 @@ def test_a_readers_budget_is_shared_with_passages_by_default(store, tiny_llama, 
     q = "When did the railway to Colby close, and who built the lighthouse?"
     # not a reader: a budget holds as many cartridges as fit, and no passage unless asked for (as before the rule)
     plain = store.plan(q, budget=40)
+    with pytest.raises(ConfigError, match=r"retrieval='dense' says how passages are found.*budget is all cartridges"):
+        store.ask(q, budget=40, retrieval="dense")
     assert len(plain.cartridges) == 2 and plain.passages == () and plain.passages_kv is None
     assert SyncConfig().for_model(tiny_llama).tokens == PLAIN_TOKENS
     n = tiny_llama.num_parameters
@@ -175,6 +177,13 @@ def test_a_readers_budget_is_shared_with_passages_by_default(store, tiny_llama, 
     # passages=0 turns it off; no budget, nothing to fill; cartridges that fill the budget leave no passage
     assert store.plan(q, budget=40, passages=0) == plain
     assert store.plan(q).passages == () and store.plan(q, budget=12).passages == ()
+    # saying how passages are found is accepted where they are sought, and refused (not ignored) where none are
+    assert store.plan(q, budget=40, retrieval="bm25", passages_from="store") == auto
+    for bad, why in [({"budget": 40, "passages": 0, "retrieval": "dense"}, r"retrieval='dense'.*passages=0 turns"),
+                     ({"passages_from": "routed"}, r"passages_from='routed'.*no budget is given"),
+                     ({"retrieval": "bm25", "k": 2}, r"retrieval='bm25' says how passages are found")]:
+        with pytest.raises(ConfigError, match=why):
+            store.plan(q, **bad)
     answer = store.ask(q, budget=40, max_new_tokens=3)
     assert answer.passages == auto.passages and answer.cartridges == plain.cartridges[:1]
 

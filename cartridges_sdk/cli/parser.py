@@ -189,9 +189,9 @@ def _ask(p: argparse.ArgumentParser) -> None:
     p.add_argument("--passages", type=int, default=None, help="with --store: at least this many prompt tokens of the "
                    "store's passages best matching the question, after the cartridges (default: with --budget and a "
                    "reader of 300M-1B parameters, what the best --k cartridges leave of it; else none)")
-    p.add_argument("--retrieval", default="bm25", choices=["bm25", "dense"], help="how passages are ranked")
-    p.add_argument("--passages-from", default="store", choices=["store", "routed"],
-                   help="passages of the whole store, or only of the routed cartridges' documents")
+    p.add_argument("--retrieval", choices=["bm25", "dense"], help="how passages are ranked (default bm25)")
+    p.add_argument("--passages-from", choices=["store", "routed"],
+                   help="passages of the whole store (the default), or only of the routed cartridges' documents")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)

@@ -28,7 +28,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise ConfigError("Give cartridge files to answer with, or --store FOLDER to route the question to its "
                           "cartridges; not both, not neither.")
     routing = {"--k": args.k != 1, "--budget": args.budget is not None, "--passages": args.passages is not None,
-               "--retrieval": args.retrieval != "bm25", "--passages-from": args.passages_from != "store"}
+               "--retrieval": args.retrieval is not None, "--passages-from": args.passages_from is not None}
     stray = [flag for flag, given in routing.items() if given and not args.store]
     if stray:
         raise ConfigError(f"{stray[0]} picks a store's cartridges or passages; add --store FOLDER, or drop it.")

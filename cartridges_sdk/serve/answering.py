@@ -19,7 +19,7 @@ from ..checks import at_least_one
 from ..errors import ConfigError
 from ..generation import Completion, GenerationParams, GenerationRequest, Message
 from ..plugins import ContinuousRuntime
-from .passages import Passage, check_settings
+from .passages import Passage, check_settings, check_sought, sought
 from .store import CartridgeStore
 from .records import document_record
 
@@ -169,8 +169,8 @@ class Answerer:
     runtime: Any = "auto"
     runtime_options: dict[str, Any] | None = None
     passages: int | None = None  # None: a reader with a budget fills what the cartridges leave (`passages.fills`)
-    retrieval: str = "bm25"
-    passages_from: str = "store"
+    retrieval: str | None = None  # None: bm25, where passages are sought; given where none are, refused
+    passages_from: str | None = None  # None: the whole store
 
     def __attrs_post_init__(self) -> None:
         if (self.cartridge is None) == (self.store is None):
@@ -183,8 +183,14 @@ class Answerer:
         if self.store is not None and not isinstance(self.store, CartridgeStore):
             raise ConfigError(f"store={self.store!r:.60} must be a CartridgeStore (CartridgeStore(folder, lm)).")
         check_settings(self.passages, self.retrieval, self.passages_from, self.budget)
-        if self.passages and self.store is None:
-            raise ConfigError(f"passages={self.passages} are retrieved from a store's documents; build it with store=.")
+        if self.store is None:
+            given = [f"{n}={v!r}" for n, v in (("passages", self.passages), ("retrieval", self.retrieval),
+                                               ("passages_from", self.passages_from)) if v]
+            if given:
+                raise ConfigError(f"{given[0]} asks for passages, which are retrieved from a store's documents; "
+                                  f"build it with store=, or drop {given[0].split('=')[0]}.")
+        else:
+            check_sought(self.store.model, self.passages, self.budget, self.retrieval, self.passages_from)
 
     @property
     def model(self) -> Any:
@@ -220,7 +226,8 @@ class Answerer:
             raise ConfigError(f"Unknown setting(s) {unknown}; a call takes cartridges and {', '.join(CALL_SETTINGS)}.")
         merged = {**defaults, **call}
         gen = {"max_new_tokens" if k == "max_tokens" else k: merged[k] for k in CALL_SETTINGS if k in merged}
-        question = last_user_text(turns) if self.store is not None and (not names or self.passages) else ""
+        looks = self.store is not None and (not names or sought(self.model, self.passages, self.budget))
+        question = last_user_text(turns) if looks else ""  # a reader's budget fills with passages for it too
         return self.choose(question, names), {**gen, "stop": tuple(stop)}
 
     def request(self, messages: Sequence[Message], chosen: Selection, **gen: Any) -> GenerationRequest:

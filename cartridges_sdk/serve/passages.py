@@ -64,12 +64,14 @@ def check_retrieval(retrieval: Any) -> str:
 
 
 def check_settings(passages: Any, retrieval: Any, passages_from: Any, budget: int | None) -> int:
-    """The passage tokens asked for (None: 0), refusing settings that make no sense together."""
+    """The passage tokens asked for (None: 0), refusing settings that make no sense together (`retrieval` and
+    `passages_from` None: their defaults, bm25 and store)."""
     if passages is not None and (isinstance(passages, bool) or not isinstance(passages, int) or passages < 0):
         raise ConfigError(f"passages={passages!r} must be a number of prompt tokens (0 or more).")
-    if passages_from not in PASSAGES_FROM:
+    if passages_from is not None and passages_from not in PASSAGES_FROM:
         raise ConfigError(f"passages_from={passages_from!r} must be one of {list(PASSAGES_FROM)}.")
-    check_retrieval(retrieval)
+    if retrieval is not None:
+        check_retrieval(retrieval)
     passages = passages or 0
     if budget is not None and passages >= budget:
         raise ConfigError(f"passages={passages} leaves nothing of budget={budget} for cartridges; give fewer "
@@ -184,6 +186,18 @@ def sought(lm: Any, passages: int | None, budget: int | None) -> bool:
     return bool(passages) or fills(lm, passages, budget)
 
 
+def check_sought(lm: Any, passages: int | None, budget: int | None, retrieval: str | None,
+                 passages_from: str | None) -> None:
+    """Refuse `retrieval` or `passages_from` for an answer that gets no passages: silently ignored, they would
+    answer something else than asked for."""
+    given = [f"{n}={v!r}" for n, v in (("retrieval", retrieval), ("passages_from", passages_from)) if v is not None]
+    if given and not sought(lm, passages, budget):
+        why = (f"{lm.name}'s budget is all cartridges" if budget is not None and passages is None
+               else "no budget is given for passages to fill" if passages is None else "passages=0 turns them off")
+        raise ConfigError(f"{given[0]} says how passages are found, and this answer gets none ({why}); give passages=N "
+                          f"(prompt tokens of them), or drop {given[0].split('=')[0]}.")
+
+
 def passage_ids(lm: Any, passages: Sequence[Passage], tokens: int, *,
                 after_cartridge: bool) -> tuple[list[int], list[Passage]]:
     """The passages as prompt tokens, best first, each after a line naming its document, until `tokens` (the last
@@ -234,7 +248,7 @@ def read_apart(lm: Any, ids: Sequence[int], start: int) -> Any:
 
 
 def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
-         retrieval: str = "bm25", passages_from: str = "store", cartridges: Sequence[str] | None = None,
+         retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
          among: Sequence[str] | None = None, rerank: int = 0) -> Plan:
     """What answers `question` from `store` (a CartridgeStore).
 
@@ -243,10 +257,12 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     passages` and the passages fill what they leave, at least `passages`. With `passages` None and a budget, a
     reader's answer shares it too (`fills`): the best `k` that fit, then passages filling the rest. Passages come
     from the whole store (`passages_from="store"`, within `among`) or only the cartridges' own documents
-    (``"routed"``). With `rerank` N, the best N by BM25 are ranked again with the question's likelihood after each
-    (`rerank.py`)."""
+    (``"routed"``), ranked by `retrieval` (None: bm25); given for an answer that gets no passages, these two are
+    refused, not ignored. With `rerank` N, the best N by BM25 are ranked again with the question's likelihood after
+    each (`rerank.py`)."""
     auto = fills(store.model, passages, budget)  # then the best k cartridges, and passages fill what they leave
-    passages = check_settings(passages, retrieval, passages_from, budget)
+    asked, passages = passages, check_settings(passages, retrieval, passages_from, budget)
+    check_sought(store.model, asked, budget, retrieval, passages_from)
     if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
         raise ConfigError(f"rerank={rerank!r} must be a number of candidates (0: BM25 alone).")
     if cartridges is not None:
@@ -272,7 +288,7 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     if room <= 0:  # the cartridges fill the budget: nothing left to fill
         return Plan(names, scores=scores)
     pool = list(names) if passages_from == "routed" else among
-    found = store.passages(question, k=candidates(room), retrieval=retrieval, among=pool)
+    found = store.passages(question, k=candidates(room), retrieval=retrieval or "bm25", among=pool)
     ids, kept = passage_ids(store.model, found, room, after_cartridge=False)
     if not names or not kept:  # no cartridge in front (RAG alone), or no passage found: nothing to read apart
         return Plan(names, tuple(kept), tuple(ids) if kept else (), scores)

@@ -504,7 +504,7 @@ class CartridgeStore:
         return index.ranked(question, k)
 
     def plan(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
-             retrieval: str = "bm25", passages_from: str = "store", cartridges: Sequence[str] | None = None,
+             retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
              among: Sequence[str] | None = None, rerank: int = 0) -> Plan:
         """The cartridges and passages that answer `question`, without answering (`passages.plan`): the named
         cartridges, or the best `k` routed, or as many as fit `budget` tokens; with `passages` tokens of passages
@@ -514,7 +514,7 @@ class CartridgeStore:
                     passages_from=passages_from, cartridges=cartridges, among=among, rerank=rerank)
 
     def ask(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
-            retrieval: str = "bm25", passages_from: str = "store", cartridges: Sequence[str] | None = None,
+            retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
             runtime: Any = "auto", runtime_options: dict[str, Any] | None = None, **gen: Any) -> StoreAnswer:
         """Answer `question` with the named cartridges (composed in order), or with those it is routed to: the
         best `k`, or as many as fit in `budget` tokens (`within`); and, with `passages` tokens, passages of the

@@ -24,8 +24,9 @@ ROLES = {"human": "user", "ai": "assistant", "system": "system"}
 class ChatCartridges(BaseChatModel):
     """Answers with `cartridge`, or with `store`'s cartridges: those named in `cartridges`, else the best `k` for the
     last user message (or as many as fit `budget` tokens); with `passages` tokens, the store's best passages after
-    them (`budget` then counts both; `retrieval` bm25 or dense; `passages_from` "store" or "routed"; left at None,
-    a reader's answer with a `budget` fills what its cartridges leave, as `CartridgeStore.plan` says). A call may
+    them (`budget` then counts both; `retrieval` bm25 (None) or dense; `passages_from` "store" (None) or "routed",
+    refused where no passages are sought; `passages` left at None, a reader's answer with a `budget` fills what its
+    cartridges leave, as `CartridgeStore.plan` says). A call may
     name its own with ``invoke(..., cartridges=[...])``: store names, or the documents `CartridgeRetriever`
     returned. Each answer's ``response_metadata["cartridges"]`` says which cartridges gave it (and
     ``["passages"]`` which passages)."""
@@ -36,8 +37,8 @@ class ChatCartridges(BaseChatModel):
     k: int = 1
     budget: int | None = None
     passages: int | None = None
-    retrieval: str = "bm25"
-    passages_from: str = "store"
+    retrieval: str | None = None
+    passages_from: str | None = None
     runtime: Any = "auto"
     runtime_options: dict[str, Any] | None = None
     max_tokens: int = 256

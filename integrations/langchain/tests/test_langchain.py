@@ -89,7 +89,7 @@ def test_the_retriever_names_the_cartridges_and_a_chain_answers_with_them(store)
     assert one.invoke(QUESTION).content == out["answer"].content
 
 
-def test_passages_after_the_cartridge_give_the_sdks_answer_and_are_named(store):
+def test_passages_after_the_cartridge_give_the_sdks_answer_and_are_named(store, monkeypatch):
     expected = store.ask(QUESTION, budget=128, passages=48, max_new_tokens=8)
     assert expected.cartridges == ("harrow",) and expected.passages[0].name == "harrow"
     llm = ChatCartridges(store=store, budget=128, passages=48, max_tokens=8)
@@ -104,6 +104,18 @@ def test_passages_after_the_cartridge_give_the_sdks_answer_and_are_named(store):
     assert "".join(c.content for c in llm.stream(QUESTION)) == expected.text
     with pytest.raises(ValueError, match="leaves nothing of budget=48"):
         ChatCartridges(store=store, budget=48, passages=48)
+    # how passages are found, where none are sought, is refused rather than ignored
+    with pytest.raises(ValueError, match="retrieval='dense' says how passages are found.*budget is all cartridges"):
+        ChatCartridges(store=store, budget=128, retrieval="dense")
+    from cartridges_sdk.making import settings
+
+    n = store.model.num_parameters
+    monkeypatch.setattr(settings, "READER_PARAMETERS", (n, n + 1))  # counted a reader, as the 0.5B is
+    # a reader's budget beside named cartridges fills with passages found for the question (not for an empty one)
+    want = store.plan(QUESTION, cartridges=["cats"], budget=128)
+    got = ChatCartridges(store=store, budget=128, retrieval="bm25", max_tokens=8).invoke(QUESTION, cartridges=["cats"])
+    assert want.passages and [(p["source"], p["score"]) for p in got.response_metadata["passages"]] == \
+        [(p.name, round(p.score, 4)) for p in want.passages]
 
 
 def test_errors_are_langchains_and_the_sdks(store):

@@ -34,9 +34,9 @@ class CartridgeLLM(CustomLLM):
                                "plus passages if any)")
     passages: int | None = Field(default=None, description="prompt tokens of the store's best passages after the "
                                  "cartridges (None: with a budget, a reader's fill what the cartridges leave)")
-    retrieval: str = Field(default="bm25", description="how passages are ranked: bm25 or dense")
-    passages_from: str = Field(default="store", description="passages of the whole store, or 'routed': only of the "
-                               "answering cartridges' documents")
+    retrieval: str | None = Field(default=None, description="how passages are ranked: bm25 (None) or dense")
+    passages_from: str | None = Field(default=None, description="passages of the whole store (None), or 'routed': "
+                                      "only of the answering cartridges' documents")
     runtime: Any = Field(default="auto", description="a runtime name (\"auto\": the fastest installed) or object")
     runtime_options: dict[str, Any] | None = None
     max_tokens: int = Field(default=256, description="new tokens per answer")

@@ -22,7 +22,8 @@ class CartridgeQueryEngine(BaseQueryEngine):
     `streaming=True` returns a `StreamingResponse`; `gen` are generation settings (max_tokens, temperature, ...)."""
 
     def __init__(self, store: Any, *, k: int = 1, budget: int | None = None, passages: int | None = None,
-                 retrieval: str = "bm25", passages_from: str = "store", runtime: Any = "auto", streaming: bool = False,
+                 retrieval: str | None = None, passages_from: str | None = None, runtime: Any = "auto",
+                 streaming: bool = False,
                  callback_manager: CallbackManager | None = None, **gen: Any):
         self._answerer = Answerer(store=store, k=k, budget=budget, runtime=runtime, passages=passages,
                                   retrieval=retrieval, passages_from=passages_from)

@@ -80,8 +80,12 @@ def test_passages_are_answered_with_and_shown_as_source_nodes(store):
     llm = CartridgeLLM(store=store, budget=128, passages=48, max_tokens=8)
     completion = llm.complete(QUESTION)
     assert completion.text == expected.text and completion.raw["passages"][0]["source"] == "harrow"
-    with pytest.raises(ValueError, match="passages=8 are retrieved from a store"):
+    with pytest.raises(ValueError, match="passages=8 asks for passages, which are retrieved from a store"):
         CartridgeLLM(cartridge=store.get("harrow"), passages=8)
+    with pytest.raises(ValueError, match="retrieval='dense' asks for passages.*or drop retrieval"):
+        CartridgeLLM(cartridge=store.get("harrow"), retrieval="dense")
+    with pytest.raises(ValueError, match="passages_from='routed' says how passages are found.*no budget"):
+        CartridgeQueryEngine(store, passages_from="routed")
 
 
 def test_errors_name_the_problem(store):
