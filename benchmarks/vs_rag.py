@@ -42,7 +42,7 @@ from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, RECIPES, Compa
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.kv import prefix_cache
-from cartridges_sdk.serve.passages import PassageIndex, candidates, passage_ids, read_apart
+from cartridges_sdk.serve.passages import PassageIndex, candidates, passage_ids, read_apart, sought
 
 from . import provenance
 from .data import EVALDATA, Corpus, load_corpora
@@ -174,18 +174,21 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
     kind = method.partition(":")[0]
     base = kind.removesuffix("+rerank")
     rerank = RERANK if base != kind and document is None else 0
-    named = {} if document is None else {"cartridges": [document], "passages_from": "routed"}
+    named = {} if document is None else {"cartridges": [document]}
+    own = {} if document is None else {"passages_from": "routed"}  # where passages are sought: refused elsewhere
     try:
         if base == "default":
-            plan = store.plan(question, budget=tokens, **named)
+            plan = store.plan(question, budget=tokens, **named, **(own if sought(store.model, None, tokens) else {}))
         elif base.startswith("hybrid"):
             size = method_spec(method, tokens)[1]
-            plan = store.plan(question, budget=tokens, passages=tokens - size, rerank=rerank, **named)
+            plan = store.plan(question, budget=tokens, passages=tokens - size, rerank=rerank, **named, **own)
         elif base == "multi":
             plan = store.plan(question, budget=tokens, passages=0, rerank=rerank, **named)  # cartridges alone
         else:
             plan = store.plan(question, k=1, rerank=rerank, **named)
     except ConfigError:
+        if document is not None:  # nothing is routed, so a refusal is a bad setting, never "answered with nothing"
+            raise
         return Context(), None
     parts = plan.parts(store)  # the cartridges, then the passages' KV read apart (when there are both)
     cartridge = parts[0] if len(parts) == 1 else Cartridge.compose(parts) if parts else None

@@ -328,9 +328,13 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     assert result["rows"][0]["nll"]["bm25"] == pytest.approx(direct, abs=1e-3)
     # asked of its own document: every stored method answers with that document's cartridge, RAG with its passages
     own = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "bm25", "cartridge", "hybrid:8",
-                                                                      "opening:4"], scope="document", mc=("letter",))
+                                                                      "opening:4", "multi"], scope="document",
+                             mc=("letter",))
     assert own["mc_accuracy"] is None and set(own["mc_letter"]) == {"none", "icl", "bm25", "cartridge", "hybrid:8",
-                                                                    "opening:4"}
+                                                                    "opening:4", "multi"}
+    # cartridges alone, its own: the very cartridge (not a refused setting answered with nothing)
+    assert [r["nll"]["multi"] for r in own["rows"]] == [r["nll"]["cartridge"] for r in own["rows"]]
+    assert [r["nll"]["multi"] for r in own["rows"]] != [r["nll"]["none"] for r in own["rows"]]
     # the document's first 4 tokens, exact, then its best passages up to the budget read apart, as store.plan
     # fills one
     doc = load_corpora(data, [0])[0]
