@@ -31,7 +31,7 @@ import argparse
 import json
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -292,18 +292,24 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
 
 
 @torch.inference_mode()
-def first_token_seconds(lm, prompts: Sequence[Sequence[int]], cartridge: Cartridge | None) -> float:
+def first_token_seconds(lm, prompts: Sequence[Sequence[int]], cartridges: Sequence[Cartridge],
+                        plan: Callable[[], Sequence[Cartridge]] | None = None) -> float:
     """Seconds until every one of `prompts` (one per user, arriving together) has its first token: prefills of up
-    to 4,096 tokens at a time (a long document's attention would not fit 32 rows at once), after `cartridge`'s KV."""
+    to 4,096 tokens at a time (a long document's attention would not fit 32 rows at once), after `cartridges`' KV.
+    With `plan`, each user's request first plans its own KV (routing, ranking, passages read apart: timed too, one
+    request after another, as the server resolves them) and the prefills read what it gave."""
     n = len(prompts[0])
     rows = max(1, min(len(prompts), 4096 // n))
     dev = lm.device
     synchronize(dev)
     start = time.perf_counter()
+    if plan is not None:
+        for _ in prompts:
+            cartridges = plan()
     for i in range(0, len(prompts), rows):
         batch = torch.tensor([list(p) for p in prompts[i: i + rows]], device=dev)
-        cache, p = prefix_cache(lm, [cartridge], len(batch), capacity=cartridge.num_tokens + n + 1) if cartridge \
-            else (None, 0)
+        cache, p = prefix_cache(lm, list(cartridges), len(batch),
+                                capacity=sum(c.num_tokens for c in cartridges) + n + 1)
         out = lm.model(input_ids=batch, position_ids=torch.arange(p, p + n, device=dev)[None].expand(len(batch), -1),
                        past_key_values=cache, use_cache=True)
         out.logits[:, -1].argmax(-1).tolist()
@@ -311,29 +317,43 @@ def first_token_seconds(lm, prompts: Sequence[Sequence[int]], cartridge: Cartrid
     return time.perf_counter() - start
 
 
-def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, store: CartridgeStore, users: Sequence[int],
-          decode: int, icl_users: Sequence[int] = (1,)) -> list[dict]:
+def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: Mapping[str, CartridgeStore],
+          users: Sequence[int], decode: int, icl_users: Sequence[int] = (1,)) -> list[dict]:
     """Per method and number of concurrent users: prompt tokens, KV bytes per user, time to first token, decode rate.
-    ICL is timed at `icl_users` only: on a CPU its prefill is compute-bound, so 32 users take 32 times one."""
+    ICL is timed at `icl_users` only: on a CPU its prefill is compute-bound, so 32 users take 32 times one.
+    `stores` holds the stored methods' stores, of ``cartridge`` (the routed cartridge's `tokens` of KV) and
+    ``default`` (`store.plan(question, budget=tokens)`; for a reader its cartridge, then passages each request reads
+    apart, which count among its prompt tokens and its first-token time)."""
     q = corpus.questions[0].question
     turn = [{"role": "user", "content": q}]
     doc = lm.encode(corpus.text)
     rag = retriever.context(lm, q, tokens) if retriever else doc[:tokens]
-    cartridge = store.get(store.route(q)[0].name)
     after = lm.prompt_ids(turn, after_cartridge=True)
-    setups = {"none": (lm.prompt_ids(turn), None), "icl": (lm.prompt_ids(turn, prefix_ids=doc), None),
-              "rag": (lm.prompt_ids(turn, prefix_ids=rag), None), "cartridge": (after, cartridge)}
+    setups = {"none": (lm.prompt_ids(turn), [], None), "icl": (lm.prompt_ids(turn, prefix_ids=doc), [], None),
+              "rag": (lm.prompt_ids(turn, prefix_ids=rag), [], None)}
+    if "cartridge" in stores:
+        store = stores["cartridge"]
+        setups["cartridge"] = (after, [store.get(store.route(q)[0].name)], None)
+    if "default" in stores:
+        store = stores["default"]
+        planned = store.plan(q, budget=tokens)
+        parts = planned.parts(store)
+        setups["default"] = (lm.prompt_ids(turn, prefix_ids=planned.prefix_ids,
+                                           after_cartridge=bool(parts)), parts,
+                             lambda: store.plan(q, budget=tokens).parts(store))
     per_token = kv_bytes_per_token(lm)
     out = []
-    for method, (prompt, cart) in setups.items():
-        held = len(prompt) + (cart.num_tokens if cart else 0)  # KV a user holds once its prompt is read
+    for method, (prompt, parts, plan) in setups.items():
+        held = len(prompt) + sum(c.num_tokens for c in parts)  # KV a user holds once its prompt is read
+        apart = parts[-1].num_tokens if method == "default" and planned.passages_kv is not None else 0
         # decoding reads the same KV whatever it holds: the context as a prefix, the chat turn after it
         ahead = prompt[: len(prompt) - len(after)] if method != "none" else prompt[:2]  # "none": 2 tokens, ~nothing
-        context = cart or Cartridge.from_prefix(lm, ahead, len(ahead))
+        context = (parts[0] if len(parts) == 1 else Cartridge.compose(parts)) if parts \
+            else Cartridge.from_prefix(lm, ahead, len(ahead))
         for n in users if method != "icl" else [u for u in users if u in icl_users]:
-            out.append({"method": method, "users": n, "prompt_tokens": len(prompt),
+            out.append({"method": method, "users": n, "prompt_tokens": len(prompt) + apart,
                         "kv_mib_per_user": round((held + decode) * per_token / 2**20, 2),
-                        "first_token_s": round(first_token_seconds(lm, [prompt] * n, cart), 3),
+                        "first_token_s": round(first_token_seconds(lm, [prompt] * n, parts, plan), 3),
                         "decode_tokens_per_s": round(decode_throughput(lm, context, n, after, decode), 1)})
             print(out[-1], flush=True)
     return out
@@ -424,7 +444,11 @@ def main() -> None:
         work = args.work / f"{args.model}-{first}-{args.docs}"
         retriever = Retriever("bm25", [p for _, p in passages([c.text for c in load_corpora(
             args.data_dir / DATASETS[first], list(range(args.docs)))])], work)
-        result["speed"] = speed(lm, corpus, args.tokens, retriever, CartridgeStore(work / f"compact-{args.tokens}", lm),
+        compacted = f"-{settings_tag(compaction)}" if compaction else ""
+        folders = {"cartridge": work / f"compact-{args.tokens}{compacted}",
+                   "default": work / f"compact-{SyncConfig().for_model(lm).tokens}{compacted}"}
+        stores = {m: CartridgeStore(f, lm) for m, f in folders.items() if m in methods}  # those the run built
+        result["speed"] = speed(lm, corpus, args.tokens, retriever, stores,
                                 [int(u) for u in args.users.split(",")], args.decode,
                                 [int(u) for u in args.icl_users.split(",") if u])
     result.update({"seconds": round(time.perf_counter() - start, 1), "commit": provenance.commit(),

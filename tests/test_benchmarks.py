@@ -288,7 +288,7 @@ def test_codebase_benchmark_on_a_tiny_model(tmp_path, tiny_llama):
         bench.run(tiny_llama, pkg, "harbour", tmp_path / "store", 32, 4, 0, 1, 4, earlier={**result, "model": "x"})
 
 
-def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
+def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     from benchmarks import vs_rag
     from benchmarks.rag import Retriever, passages
     from cartridges_sdk.making.evaluation import answer_logprobs, choose, nll
@@ -388,9 +388,9 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     assert not any("quality" in r for r in studied.records().values())  # the benchmark scores them; no report
     corpus = load_corpora(data, [0])[0]
     store = vs_rag.CartridgeStore(tmp_path / "work" / "compact-16", lm)
-    rows = vs_rag.speed(lm, corpus, 16, retriever, store, [1, 2], 2, icl_users=[1])
+    rows = vs_rag.speed(lm, corpus, 16, retriever, {"cartridge": store}, [1, 2], 2, icl_users=[1])
     by = {(r["method"], r["users"]): r for r in rows}
-    assert ("icl", 2) not in by and ("cartridge", 2) in by
+    assert ("icl", 2) not in by and ("cartridge", 2) in by and ("default", 1) not in by
     assert by["cartridge", 1]["prompt_tokens"] < by["rag", 1]["prompt_tokens"] < by["icl", 1]["prompt_tokens"]
     assert by["cartridge", 1]["kv_mib_per_user"] < by["icl", 1]["kv_mib_per_user"]
     assert all(r["first_token_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in rows)
@@ -399,6 +399,20 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama):
     assert "| RAG, dense (MiniLM) |" in table and "| cartridge | 2 |" in table
     assert "set MC letter (of 2) | set MC likeliest (of 2)" in table
     assert [p.name for p in vs_rag.plots(whole, tmp_path / "img")] == ["vs-rag-quality.png", "vs-rag-speed.png"]
+    # the default, for a reader: an 8-token cartridge and 8 tokens of passages each request reads apart, which
+    # count among its prompt tokens and are planned within its first-token time
+    from cartridges_sdk.making import settings
+
+    monkeypatch.setattr(settings, "READER_PARAMETERS", (lm.num_parameters, lm.num_parameters + 1))
+    small = vs_rag.CartridgeStore(tmp_path / "work" / "compact-8", lm)
+    planned = small.plan(corpus.questions[0].question, budget=16)
+    assert planned.passages_kv.num_tokens == 8
+    timed = vs_rag.speed(lm, corpus, 16, retriever, {"default": small}, [1], 2)
+    default = next(r for r in timed if r["method"] == "default")
+    assert default["prompt_tokens"] == by["cartridge", 1]["prompt_tokens"] + 8
+    assert default["kv_mib_per_user"] == by["cartridge", 1]["kv_mib_per_user"]
+    calls = []
+    assert vs_rag.first_token_seconds(lm, [[1, 2]] * 3, [], lambda: calls.append(1) or []) > 0 and len(calls) == 3
     asked_of_own = {"model": lm.name, "tokens": 16, "scope": "document", "sets": {"set": own}}
     assert "| its own cartridge (compacted) |" in vs_rag.table(asked_of_own)
     assert [p.name for p in vs_rag.plots(asked_of_own, tmp_path / "img")] == ["vs-rag-quality-document.png"]
