@@ -418,6 +418,27 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     assert [p.name for p in vs_rag.plots(asked_of_own, tmp_path / "img")] == ["vs-rag-quality-document.png"]
 
 
+def test_best_window_is_the_lowest_nll_of_any_exact_span(tmp_path, tiny_llama):
+    from benchmarks.best_window import best_windows, starts
+    from cartridges_sdk.making.evaluation import answer_logprobs, nll
+
+    assert starts(10, 16, 4) == [0] and starts(40, 16, 8) == [0, 8, 16, 24] and starts(41, 16, 8) == [0, 8, 16, 24, 25]
+    lm = tiny_llama
+    half = len(TEXT) // 2
+    data = _write(tmp_path / "set.jsonl", [(TEXT[:half], FREE), (TEXT[half:], MC)])
+    got = best_windows(lm, data, 2, 2, 8, 4, only=[0])
+    assert got["questions"] == 2 and set(got["closure_per_doc"]) == {got["rows"][0]["doc"]}
+    doc = load_corpora(data, [0])[0]
+    ids = lm.encode(doc.text)
+    q = doc.questions[0]
+    every = [nll(answer_logprobs(lm, q.question, q.answer, document=ids[s: s + 8]), lm, q.answer)
+             for s in starts(len(ids), 8, 4)]
+    row = got["rows"][0]
+    assert row["nll"]["best_window"] == pytest.approx(min(every), abs=1e-3)
+    assert row["best_start"] == starts(len(ids), 8, 4)[every.index(min(every))]
+    assert got["closure"]["none"] == 0 and got["closure"]["icl"] == 1
+
+
 def test_run_folders_name_a_mapping_setting_plainly():
     from benchmarks.naming import plain, settings_tag
     from benchmarks.sync import among_name
