@@ -22,6 +22,8 @@ from tqdm import tqdm
 
 from cartridges_sdk import Cartridge, load_model
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
+from cartridges_sdk.serve.passages import PassageIndex
+from cartridges_sdk.serve.rerank import _standard as standard, lift, question_logprob
 
 from . import provenance
 from .data import EVALDATA, load_corpora
@@ -38,9 +40,12 @@ def starts(length: int, tokens: int, stride: int) -> list[int]:
 
 @torch.inference_mode()
 def best_windows(lm, path: Path, docs: int, questions: int, tokens: int, stride: int,
-                 only: list[int] | None = None) -> dict:
+                 only: list[int] | None = None, likely: bool = False) -> dict:
     """Per question of the scored documents: the NLL with nothing, with the whole document, and with its best
-    window; and the closure of each, over all the questions."""
+    window; and the closure of each, over all the questions. With `likely`, also with the windows a method could
+    pick without the answer: BM25's best for the question, the one after which the reader finds the question
+    likeliest less the window's lift (`serve.rerank`), and the best of the two scores added, each standardized
+    over the windows (as `serve.rerank` fuses them for cartridges)."""
     check_only(only, docs)
     corpora = load_corpora(path, list(range(docs)))
     rows = []
@@ -52,25 +57,41 @@ def best_windows(lm, path: Path, docs: int, questions: int, tokens: int, stride:
         whole = Cartridge.from_prefix(lm, ids, len(ids))  # the document in context, one prefill (exactness)
         none = [nll(answer_logprobs(lm, q.question, q.answer), lm, q.answer) for q in asked]
         icl = [nll(answer_logprobs(lm, q.question, q.answer, cartridges=[whole]), lm, q.answer) for q in asked]
-        best = [(float("inf"), -1)] * len(asked)
-        for s in tqdm(starts(len(ids), tokens, stride), desc=c.name, unit="window"):
+        spans = starts(len(ids), tokens, stride)
+        answer = [[0.0] * len(spans) for _ in asked]  # the gold answer's NLL after each window
+        likelihood = [[0.0] * len(spans) for _ in asked]  # the question's, less the window's lift
+        for j, s in enumerate(tqdm(spans, desc=c.name, unit="window")):
             window = Cartridge.from_prefix(lm, ids[s: s + tokens], min(tokens, len(ids) - s))
+            own = lift(lm, window) if likely else 0.0
             for i, q in enumerate(asked):
-                got = nll(answer_logprobs(lm, q.question, q.answer, cartridges=[window]), lm, q.answer)
-                best[i] = min(best[i], (got, s))
-        for q, n, i, (b, s) in zip(asked, none, icl, best):
-            rows.append({"doc": c.name, "question": q.question[:120], "doc_tokens": len(ids), "best_start": s,
-                         "nll": {"none": round(n, 4), "icl": round(i, 4), "best_window": round(b, 4)}})
+                answer[i][j] = nll(answer_logprobs(lm, q.question, q.answer, cartridges=[window]), lm, q.answer)
+                if likely:
+                    likelihood[i][j] = question_logprob(lm, q.question, window) - own
+        index = PassageIndex([str(s) for s in spans], [lm.tokenizer.decode(ids[s: s + tokens]) for s in spans])
+        for i, (q, n, icl_nll) in enumerate(zip(asked, none, icl)):
+            picks = {"best_window": min(range(len(spans)), key=lambda j: answer[i][j])}
+            if likely:
+                words = {int(p.name): p.score for p in index.ranked(q.question, len(spans))}
+                bm25 = [words.get(s, 0.0) for s in spans]
+                picks["bm25_window"] = max(range(len(spans)), key=lambda j: bm25[j])
+                picks["likeliest_window"] = max(range(len(spans)), key=lambda j: likelihood[i][j])
+                fused = [a + b for a, b in zip(standard(bm25), standard(likelihood[i]))]
+                picks["fused_window"] = max(range(len(spans)), key=lambda j: fused[j])
+            rows.append({"doc": c.name, "question": q.question[:120], "doc_tokens": len(ids),
+                         "start": {k: spans[j] for k, j in picks.items()},
+                         "nll": {"none": round(n, 4), "icl": round(icl_nll, 4),
+                                 **{k: round(answer[i][j], 4) for k, j in picks.items()}}})
             print(rows[-1], flush=True)
     gap = mean([r["nll"]["none"] - r["nll"]["icl"] for r in rows])
+    kinds = list(rows[0]["nll"]) if rows else []
     closure = {m: round(mean([r["nll"]["none"] - r["nll"][m] for r in rows]) / gap, 3) if gap > 0 else None
-               for m in ("none", "icl", "best_window")}
+               for m in kinds}
     per_doc = {}
     for name in dict.fromkeys(r["doc"] for r in rows):
         mine = [r for r in rows if r["doc"] == name]
         g = mean([r["nll"]["none"] - r["nll"]["icl"] for r in mine])
-        per_doc[name] = round(mean([r["nll"]["none"] - r["nll"]["best_window"] for r in mine]) / g, 3) \
-            if g > 0 else None
+        per_doc[name] = {m: round(mean([r["nll"]["none"] - r["nll"][m] for r in mine]) / g, 3) if g > 0 else None
+                         for m in kinds[2:]}
     return {"data": path.name, "docs": docs, "only": only, "questions": len(rows), "tokens": tokens,
             "stride": stride, "closure": closure, "closure_per_doc": per_doc, "rows": rows}
 
@@ -85,6 +106,8 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=5, help="at most this many per document")
     parser.add_argument("--tokens", type=int, default=256, help="the window, and the budget it stands for")
     parser.add_argument("--stride", type=int, default=128, help="tokens between one window's start and the next's")
+    parser.add_argument("--likeliest", action="store_true", help="also score the window the reader finds the "
+                        "question likeliest after (less its lift): one a method could pick, without the answer")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.tokens < 1 or args.stride < 1:
@@ -93,7 +116,7 @@ def main() -> None:
     lm = load_model(None if args.model == "default" else args.model)
     start = time.perf_counter()
     result = best_windows(lm, args.data_dir / DATASETS[args.set], args.docs, args.questions, args.tokens,
-                          args.stride, only)
+                          args.stride, only, args.likeliest)
     result.update({"model": lm.name, "seconds": round(time.perf_counter() - start, 1),
                    "commit": provenance.commit(), "dirty": provenance.dirty(), "machine": provenance.machine()})
     out = args.out or Path("benchmarks/results") / f"best_window-{args.model}-{args.set}-{args.tokens}.json"

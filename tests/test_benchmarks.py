@@ -426,7 +426,7 @@ def test_best_window_is_the_lowest_nll_of_any_exact_span(tmp_path, tiny_llama):
     lm = tiny_llama
     half = len(TEXT) // 2
     data = _write(tmp_path / "set.jsonl", [(TEXT[:half], FREE), (TEXT[half:], MC)])
-    got = best_windows(lm, data, 2, 2, 8, 4, only=[0])
+    got = best_windows(lm, data, 2, 2, 8, 4, only=[0], likely=True)
     assert got["questions"] == 2 and set(got["closure_per_doc"]) == {got["rows"][0]["doc"]}
     doc = load_corpora(data, [0])[0]
     ids = lm.encode(doc.text)
@@ -435,8 +435,18 @@ def test_best_window_is_the_lowest_nll_of_any_exact_span(tmp_path, tiny_llama):
              for s in starts(len(ids), 8, 4)]
     row = got["rows"][0]
     assert row["nll"]["best_window"] == pytest.approx(min(every), abs=1e-3)
-    assert row["best_start"] == starts(len(ids), 8, 4)[every.index(min(every))]
+    assert row["start"]["best_window"] == starts(len(ids), 8, 4)[every.index(min(every))]
     assert got["closure"]["none"] == 0 and got["closure"]["icl"] == 1
+    # the likeliest window is picked without the answer: the question's likelihood after it, less its lift
+    from cartridges_sdk.serve.rerank import lift, question_logprob
+
+    windows = [Cartridge.from_prefix(lm, ids[s: s + 8], 8) for s in starts(len(ids), 8, 4)]
+    picked = [question_logprob(lm, q.question, w) - lift(lm, w) for w in windows]
+    assert row["start"]["likeliest_window"] == starts(len(ids), 8, 4)[picked.index(max(picked))]
+    assert row["nll"]["likeliest_window"] == pytest.approx(every[picked.index(max(picked))], abs=1e-3)
+    assert all(row["nll"][k] >= row["nll"]["best_window"] for k in ("bm25_window", "likeliest_window",
+                                                                   "fused_window"))
+    assert set(got["closure"]) == {"none", "icl", "best_window", "bm25_window", "likeliest_window", "fused_window"}
 
 
 def test_run_folders_name_a_mapping_setting_plainly():
