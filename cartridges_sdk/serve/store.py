@@ -498,7 +498,8 @@ class CartridgeStore:
                     self._index.clear()
                 texts = {name: entry.corpus.read_text("utf-8", errors="replace")
                          for name, entry in sorted(self._entries.items())
-                         if entry.corpus is not None and self._inside(entry.corpus) and (among is None or name in among)}
+                         if entry.corpus is not None and self._inside(entry.corpus)
+                         and (among is None or name in among)}
                 self._index[key] = PassageIndex.of(texts, retrieval)
             index = self._index[key]
         return index.ranked(question, k)
