@@ -27,8 +27,7 @@ from cartridges_sdk.serve.rerank import _standard as standard, lift, question_lo
 
 from . import provenance
 from .data import EVALDATA, load_corpora
-from .measure import mean
-from .vs_rag import DATASETS, check_only
+from .vs_rag import DATASETS, check_only, closure
 
 
 def starts(length: int, tokens: int, stride: int) -> list[int]:
@@ -82,18 +81,12 @@ def best_windows(lm, path: Path, docs: int, questions: int, tokens: int, stride:
                          "nll": {"none": round(n, 4), "icl": round(icl_nll, 4),
                                  **{k: round(answer[i][j], 4) for k, j in picks.items()}}})
             print(rows[-1], flush=True)
-    gap = mean([r["nll"]["none"] - r["nll"]["icl"] for r in rows])
     kinds = list(rows[0]["nll"]) if rows else []
-    closure = {m: round(mean([r["nll"]["none"] - r["nll"][m] for r in rows]) / gap, 3) if gap > 0 else None
-               for m in kinds}
-    per_doc = {}
-    for name in dict.fromkeys(r["doc"] for r in rows):
-        mine = [r for r in rows if r["doc"] == name]
-        g = mean([r["nll"]["none"] - r["nll"]["icl"] for r in mine])
-        per_doc[name] = {m: round(mean([r["nll"]["none"] - r["nll"][m] for r in mine]) / g, 3) if g > 0 else None
-                         for m in kinds[2:]}
+    per_doc = {name: {m: closure([r for r in rows if r["doc"] == name], m) for m in kinds[2:]}
+               for name in dict.fromkeys(r["doc"] for r in rows)}
     return {"data": path.name, "docs": docs, "only": only, "questions": len(rows), "tokens": tokens,
-            "stride": stride, "closure": closure, "closure_per_doc": per_doc, "rows": rows}
+            "stride": stride, "closure": {m: closure(rows, m) for m in kinds}, "closure_per_doc": per_doc,
+            "rows": rows}
 
 
 def main() -> None:

@@ -271,7 +271,6 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
             rows.append(row)
             print(row, flush=True)
     used = list(contexts)
-    gap = mean([r["nll"]["none"] - r["nll"]["icl"] for r in rows])
     cloze = [r for r in rows if "likeliest_right" in r]
     letter = [r for r in rows if "letter_right" in r]
     return {
@@ -279,8 +278,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
         "questions": len(rows), "methods": used,
         "doc_tokens": round(mean([len(lm.encode(c.text)) for c in scored.values()])),
         "nll": {m: round(mean([r["nll"][m] for r in rows]), 4) for m in used},
-        "closure": {m: round(mean([r["nll"]["none"] - r["nll"][m] for r in rows]) / gap, 3) if gap > 0 else None
-                    for m in used},
+        "closure": {m: closure(rows, m) for m in used},
         "kl": {m: round(mean([r["kl"][m] for r in rows]), 4) for m in used},
         "mc_accuracy": {m: round(mean([r["likeliest_right"][m] for r in cloze]), 3) for m in used} if cloze else None,
         "mc_letter": {m: round(mean([r["letter_right"][m] for r in letter]), 3) for m in used} if letter else None,
@@ -289,6 +287,13 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
         "build_seconds": {k: round(v, 3) if v is not None else None for k, v in build.items()},
         "rows": rows,
     }
+
+
+def closure(rows: Sequence[dict], method: str) -> float | None:
+    """How much of the drop in the gold answer's NLL from no context (``none``) to the document in context
+    (``icl``) `method` recovers, over `rows` (each with its ``nll`` per method); None where there is no drop."""
+    gap = mean([r["nll"]["none"] - r["nll"]["icl"] for r in rows])
+    return round(mean([r["nll"]["none"] - r["nll"][method] for r in rows]) / gap, 3) if gap > 0 else None
 
 
 @torch.inference_mode()
@@ -329,23 +334,24 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
     doc = lm.encode(corpus.text)
     rag = retriever.context(lm, q, tokens) if retriever else doc[:tokens]
     after = lm.prompt_ids(turn, after_cartridge=True)
-    setups = {"none": (lm.prompt_ids(turn), [], None), "icl": (lm.prompt_ids(turn, prefix_ids=doc), [], None),
-              "rag": (lm.prompt_ids(turn, prefix_ids=rag), [], None)}
+    # per method: its prompt, the KV before it, how each request plans that KV (None: fixed), and the passage
+    # tokens it reads apart (prompt tokens too)
+    setups = {"none": (lm.prompt_ids(turn), [], None, 0), "icl": (lm.prompt_ids(turn, prefix_ids=doc), [], None, 0),
+              "rag": (lm.prompt_ids(turn, prefix_ids=rag), [], None, 0)}
     if "cartridge" in stores:
-        store = stores["cartridge"]
-        setups["cartridge"] = (after, [store.get(store.route(q)[0].name)], None)
+        routed = stores["cartridge"]
+        setups["cartridge"] = (after, [routed.get(routed.route(q)[0].name)], None, 0)
     if "default" in stores:
-        store = stores["default"]
-        planned = store.plan(q, budget=tokens)
-        parts = planned.parts(store)
-        setups["default"] = (lm.prompt_ids(turn, prefix_ids=planned.prefix_ids,
-                                           after_cartridge=bool(parts)), parts,
-                             lambda: store.plan(q, budget=tokens).parts(store))
+        default = stores["default"]
+        planned = default.plan(q, budget=tokens)
+        parts = planned.parts(default)
+        setups["default"] = (lm.prompt_ids(turn, prefix_ids=planned.prefix_ids, after_cartridge=bool(parts)), parts,
+                             lambda: default.plan(q, budget=tokens).parts(default),
+                             planned.passages_kv.num_tokens if planned.passages_kv is not None else 0)
     per_token = kv_bytes_per_token(lm)
     out = []
-    for method, (prompt, parts, plan) in setups.items():
+    for method, (prompt, parts, plan, apart) in setups.items():
         held = len(prompt) + sum(c.num_tokens for c in parts)  # KV a user holds once its prompt is read
-        apart = parts[-1].num_tokens if method == "default" and planned.passages_kv is not None else 0
         # decoding reads the same KV whatever it holds: the context as a prefix, the chat turn after it
         ahead = prompt[: len(prompt) - len(after)] if method != "none" else prompt[:2]  # "none": 2 tokens, ~nothing
         context = (parts[0] if len(parts) == 1 else Cartridge.compose(parts)) if parts \
