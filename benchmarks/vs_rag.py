@@ -67,20 +67,34 @@ STORED = ("cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi")
 # the document's first tokens as a cartridge (exact KV, no compaction) and passages of it filling the budget
 SIZED = STORED + ("opening",)
 RERANK = 8  # BM25's candidates a '+rerank' method ranks again with the question's likelihood (serve/rerank.py)
+DRAFTED = ("hybrid", "hybrid-selfstudy", "default")  # the methods with passages a first answer can pick ('+draft')
+DRAFT = 48  # the first answer's tokens, for a '+draft' method (`store.ask(..., draft=DRAFT)`)
 _OPTION = re.compile(r"^\s*\(?([A-Z])[).]\s+(.*\S)\s*$", re.MULTILINE)
+
+
+def base_of(kind: str) -> tuple[str, set[str]]:
+    """A method's kind without its ``+rerank`` and ``+draft`` (in either order), and those it had."""
+    base, added = kind, set()
+    for _ in range(2):
+        for extra in ("rerank", "draft"):
+            if base.endswith(f"+{extra}"):
+                base, added = base.removesuffix(f"+{extra}"), added | {extra}
+    return base, added
 
 
 def method_spec(method: str, tokens: int) -> tuple[str, int]:
     """A method's kind and its cartridges' size: ``hybrid:128`` is 128-token cartridges with passages filling the
     rest of the budget; a stored method without a size uses the whole budget (a hybrid one, half of it; ``opening``,
     a quarter). A stored method's kind may end in ``+rerank``: routing's candidates ranked again
-    (`store.plan(..., rerank=RERANK)`)."""
+    (`store.plan(..., rerank=RERANK)`); one with passages (`DRAFTED`) in ``+draft``: its passages ranked against the
+    question and a first answer (`store.ask(..., draft=DRAFT)`)."""
     kind, _, size = method.partition(":")
-    base = kind.removesuffix("+rerank")
-    if base not in METHODS or (kind != base and base not in STORED) or (size and (base not in SIZED
-                                                                                   or not size.isdigit())):
+    base, added = base_of(kind)
+    if (base not in METHODS or ("rerank" in added and base not in STORED) or ("draft" in added and base not in DRAFTED)
+            or (size and (base not in SIZED or not size.isdigit()))):
         raise ConfigError(f"method {method!r}: use one of {list(METHODS)}, with '+rerank' after one of "
-                          f"{list(STORED)} or ':TOKENS' after one of {list(SIZED)}.")
+                          f"{list(STORED)}, '+draft' after one of {list(DRAFTED)}, or ':TOKENS' after one of "
+                          f"{list(SIZED)}.")
     shared = base.startswith("hybrid") or base == "opening"  # passages fill what the cartridge leaves
     default = tokens // 4 if base == "opening" else tokens // 2 if shared else tokens
     size_ = int(size) if size else default
@@ -91,8 +105,10 @@ def method_spec(method: str, tokens: int) -> tuple[str, int]:
 
 def label(method: str, scope: str = "store") -> str:
     kind, _, size = method.partition(":")
-    base = kind.removesuffix("+rerank")
-    text = LABELS[base] + (", reranked" if base != kind else "") + (f", {size}-token cartridge" if size else "")
+    base, added = base_of(kind)
+    text = (LABELS[base] + (", reranked" if "rerank" in added else "")
+            + (", passages picked with a first answer" if "draft" in added else "")
+            + (f", {size}-token cartridge" if size else ""))
     if scope == "document":  # nothing is routed: the question's own document answers, and RAG reads only it
         text = text.replace("routed cartridges", "its cartridge").replace("routed cartridge", "its own cartridge")
         text = text.replace("budget=TOKENS", "cartridges=[its own], budget=TOKENS")
@@ -147,7 +163,7 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
     # other compaction settings, other stores
     compacted = f"-{settings_tag(compaction)}" if compaction else ""
     for method in methods:
-        kind = method.partition(":")[0].removesuffix("+rerank")
+        kind = base_of(method.partition(":")[0])[0]
         if kind not in STORED and kind != "default":
             continue
         if kind == "default":  # sync's default size: the same store as a compacted method of that size
@@ -171,17 +187,19 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
     shares no word with any document: answered with nothing, as a router would). Given the question's `document`
     (`--scope document`), its cartridge answers, as ``store.ask(question, cartridges=[document])`` would, and a
     hybrid's passages come from that document alone (``passages_from="routed"``)."""
-    kind = method.partition(":")[0]
-    base = kind.removesuffix("+rerank")
-    rerank = RERANK if base != kind and document is None else 0
+    base, added = base_of(method.partition(":")[0])
+    rerank = RERANK if "rerank" in added and document is None else 0
+    draft = DRAFT if "draft" in added else 0
     named = {} if document is None else {"cartridges": [document]}
     own = {} if document is None else {"passages_from": "routed"}  # where passages are sought: refused elsewhere
     try:
         if base == "default":
-            plan = store.plan(question, budget=tokens, **named, **(own if sought(store.model, None, tokens) else {}))
+            plan = store.drafted_plan(question, draft, budget=tokens, **named,
+                                      **(own if sought(store.model, None, tokens) else {}))[0]
         elif base.startswith("hybrid"):
             size = method_spec(method, tokens)[1]
-            plan = store.plan(question, budget=tokens, passages=tokens - size, rerank=rerank, **named, **own)
+            plan = store.drafted_plan(question, draft, budget=tokens, passages=tokens - size, rerank=rerank, **named,
+                                      **own)[0]
         elif base == "multi":
             plan = store.plan(question, budget=tokens, passages=0, rerank=rerank, **named)  # cartridges alone
         else:
@@ -224,6 +242,10 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     if openings and scope != "document":
         raise ConfigError(f"{list(openings)} read the opening of the question's own document; use scope='document' "
                           "(--scope document).")
+    drafted = [m for m in methods if base_of(m.partition(":")[0]) == ("default", {"draft"})]
+    if drafted and not sought(lm, None, tokens):
+        raise ConfigError(f"{drafted[0]}: {lm.name}'s default budget is all cartridges, so there are no passages for a "
+                          "first answer to pick; use hybrid+draft:N.")
     corpora = load_corpora(path, list(range(docs)))
     scored = {d: c for d, c in enumerate(corpora) if only is None or d in only}
     stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {}, compaction,

@@ -299,7 +299,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     data = _write(tmp_path / "set.jsonl", [(TEXT[:half], FREE), (TEXT[half:], MC)])
     assert vs_rag.options(MC[1][0]) == ("Which sea?", ["the north one", "the south one", "the east one"])
     methods_ = ["none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default",
-                "cartridge+rerank", "multi:8"]
+                "cartridge+rerank", "multi:8", "hybrid+draft:8"]
     result = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", methods_,
                                 {"num_conversations": 2, "document_windows": 2})
     assert result["questions"] == 4 and result["methods"] == methods_
@@ -308,7 +308,8 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
         assert result["closure"]["none"] == 0 and result["closure"]["icl"] == 1
     else:
         assert set(result["closure"].values()) == {None}
-    stored = {"cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default", "cartridge+rerank", "multi:8"}
+    stored = {"cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default", "cartridge+rerank", "multi:8",
+              "hybrid+draft:8"}
     assert set(result["mc_accuracy"]) == set(methods_) and set(result["routed_right"]) == stored
     # the letter the reader picks, options listed: read from the closure's own passes, as measure.choose reads it
     assert set(result["mc_letter"]) == set(methods_) and result["mc_questions"] == 2
@@ -317,10 +318,16 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     # every method is held to the budget: cartridge tokens plus passage tokens
     assert all(0 < r["context_tokens"][k] <= 16 for r in result["rows"] for k in ("bm25", "dense"))
     assert all(r["context_tokens"][k] == 16 for r in result["rows"]
-               for k in ("cartridge", "selfstudy", "hybrid:8", "cartridge+rerank"))
+               for k in ("cartridge", "selfstudy", "hybrid:8", "cartridge+rerank", "hybrid+draft:8"))
     assert all(r["context_tokens"]["multi:8"] in (8, 16) for r in result["rows"])  # documents sharing a word
     with pytest.raises(vs_rag.ConfigError, match="smaller than the budget"):
         vs_rag.method_spec("hybrid:16", 16)
+    # a first answer picks passages, so '+draft' goes only where there are passages
+    assert vs_rag.method_spec("hybrid+draft:8", 16) == ("hybrid+draft", 8)
+    with pytest.raises(vs_rag.ConfigError, match="'\\+draft' after one of"):
+        vs_rag.method_spec("cartridge+draft", 16)
+    with pytest.raises(vs_rag.ConfigError, match="default budget is all cartridges.*use hybrid\\+draft:N"):
+        vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "default+draft"])
     # RAG's score is the reader's with those passages in context, recomputed here from the retriever alone
     q = FREE[0]
     retriever = Retriever("bm25", [p for _, p in passages([TEXT[:half], TEXT[half:]])], tmp_path / "work")

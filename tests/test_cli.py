@@ -81,6 +81,14 @@ def test_ask_a_store_with_passages(files, capsys, default_lm):
     # the embedded 135M is no reader: its budget is all cartridges, so how to find passages is refused, not ignored
     assert main(args + ["--budget", "200", "--passages-from", "routed"]) == 2
     assert "--passages-from says how passages are found, and this question gets none" in capsys.readouterr().err
+    assert main(args + ["--budget", "200", "--draft", "4"]) == 2
+    assert "--draft says how passages are found, and this question gets none" in capsys.readouterr().err
+    # a first answer picks the passages: the same answer and passages as the store's own
+    assert main(args + ["--budget", "200", "--passages", "64", "--draft", "4"]) == 0
+    out, err = capsys.readouterr()
+    drafted = store.ask(question, budget=200, passages=64, draft=4, max_new_tokens=8)
+    assert out.strip() == drafted.text.strip() and drafted.draft is not None
+    assert f"passages from: {', '.join(sorted({p.name for p in drafted.passages}))}" in err
 
 
 def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):

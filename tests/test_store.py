@@ -152,6 +152,37 @@ def test_passages_fill_what_the_cartridges_leave_of_the_budget(store, tiny_llama
             store.plan(q, **bad)
 
 
+def test_a_first_answer_picks_the_passages(store, tiny_llama):
+    from cartridges_sdk.serve.passages import drafted
+
+    q = "When did the railway to Colby close?"
+    # passages are ranked against the query given, the question's cartridges unchanged
+    asked = store.plan(q, budget=40, passages=20)
+    other = store.plan(q, budget=40, passages=20, query="Who built the lighthouse?")
+    assert other.cartridges == asked.cartridges == ("railway",)
+    assert asked.passages[0].name == "railway" and other.passages[0].name == "lighthouse"
+    # draft: the plan's greedy first answer, then its passages ranked against the question and that answer
+    answer = store.ask(q, budget=40, passages=20, draft=6, max_new_tokens=5)
+    first = store.ask(q, budget=40, passages=20, max_new_tokens=6, temperature=0.0)
+    assert first.draft is None and answer.draft == first.text
+    redone = store.plan(q, budget=40, passages=20, query=drafted(q, answer.draft))
+    assert answer.passages == redone.passages and answer.cartridges == ("railway",)
+    assert store.drafted_plan(q, 6, budget=40, passages=20) == (redone, answer.draft)
+    runtime = tiny_llama._runtime("hf", None)
+    same = runtime.generate([GenerationRequest([{"role": "user", "content": q}], redone.parts(store),
+                                               GenerationParams(max_new_tokens=5))])[0]
+    assert answer.text == same.text
+    assert drafted(q, "  ") == q and drafted(q, "In 1962.") == f"{q}\nIn 1962."
+    for bad, why in [({"draft": -1}, "draft=-1 must be a number of tokens"),
+                     ({"draft": True}, "draft=True must be a number of tokens"),
+                     ({"draft": 4, "budget": 40, "passages": 0}, "draft=4 ranks passages against a first answer, "
+                                                                 "and this answer gets none")]:
+        with pytest.raises(ConfigError, match=why):
+            store.ask(q, max_new_tokens=2, **bad)
+    with pytest.raises(ConfigError, match="query='' must be a non-empty text"):
+        store.plan(q, budget=40, passages=20, query="")
+
+
 def test_a_readers_budget_is_shared_with_passages_by_default(store, tiny_llama, monkeypatch):
     from cartridges_sdk.making import settings
     from cartridges_sdk.serve.settings import PLAIN_TOKENS, READER_TOKENS, SyncConfig

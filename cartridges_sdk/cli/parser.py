@@ -192,6 +192,8 @@ def _ask(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval", choices=["bm25", "dense"], help="how passages are ranked (default bm25)")
     p.add_argument("--passages-from", choices=["store", "routed"],
                    help="passages of the whole store (the default), or only of the routed cartridges' documents")
+    p.add_argument("--draft", type=int, default=0, help="with --store and passages: write a first answer of at most "
+                   "this many tokens, and rank the passages against the question and it (default 0: off)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)

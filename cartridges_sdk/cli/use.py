@@ -28,7 +28,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise ConfigError("Give cartridge files to answer with, or --store FOLDER to route the question to its "
                           "cartridges; not both, not neither.")
     routing = {"--k": args.k != 1, "--budget": args.budget is not None, "--passages": args.passages is not None,
-               "--retrieval": args.retrieval is not None, "--passages-from": args.passages_from is not None}
+               "--retrieval": args.retrieval is not None, "--passages-from": args.passages_from is not None,
+               "--draft": bool(args.draft)}
     stray = [flag for flag, given in routing.items() if given and not args.store]
     if stray:
         raise ConfigError(f"{stray[0]} picks a store's cartridges or passages; add --store FOLDER, or drop it.")
@@ -43,13 +44,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
         gen["seed"] = args.seed
     try:
         if args.store:
-            how = [flag for flag in ("--retrieval", "--passages-from") if routing[flag]]
+            how = [flag for flag in ("--retrieval", "--passages-from", "--draft") if routing[flag]]
             if how and not sought(lm, args.passages, args.budget):
                 raise ConfigError(f"{how[0]} says how passages are found, and this question gets none: {lm.name}'s "
                                   "budget is all cartridges unless --passages N (tokens of them) is given.")
             store = CartridgeStore(args.store, lm)
             answer = store.ask(args.question, k=args.k, budget=args.budget, passages=args.passages,
-                               retrieval=args.retrieval, passages_from=args.passages_from, runtime=args.runtime,
+                               retrieval=args.retrieval, passages_from=args.passages_from, draft=args.draft,
+                               runtime=args.runtime,
                                runtime_options=options, **gen)
             print(answer.text)
             sources = sorted({p.name for p in answer.passages})

@@ -247,9 +247,26 @@ def read_apart(lm: Any, ids: Sequence[int], start: int) -> Any:
                               corpus={"fingerprint": token_fingerprint(ids), "num_tokens": len(ids)})
 
 
+def check_draft(lm: Any, draft: Any, passages: int | None, budget: int | None) -> int:
+    """`draft` as a number of tokens (0: off), refused for an answer that gets no passages: a first answer only
+    changes which passages are found."""
+    if isinstance(draft, bool) or not isinstance(draft, int) or draft < 0:
+        raise ConfigError(f"draft={draft!r} must be a number of tokens of a first answer (0: none).")
+    if draft and not sought(lm, passages, budget):
+        raise ConfigError(f"draft={draft} ranks passages against a first answer, and this answer gets none; give "
+                          "passages=N (prompt tokens of them) or a reader's budget, or drop draft.")
+    return draft
+
+
+def drafted(question: str, first: str) -> str:
+    """What passages are ranked against after a first answer: the question and that answer, whose words are the
+    document's as the cartridges hold it, where the question's are the user's."""
+    return f"{question}\n{first}" if first.strip() else question
+
+
 def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
          retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
-         among: Sequence[str] | None = None, rerank: int = 0) -> Plan:
+         among: Sequence[str] | None = None, rerank: int = 0, query: str | None = None) -> Plan:
     """What answers `question` from `store` (a CartridgeStore).
 
     Cartridges: the named ones (`cartridges`), else the best `k` routed, else (with `budget`) as many as fit in
@@ -259,7 +276,11 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     from the whole store (`passages_from="store"`, within `among`) or only the cartridges' own documents
     (``"routed"``), ranked by `retrieval` (None: bm25); given for an answer that gets no passages, these two are
     refused, not ignored. With `rerank` N, the best N by BM25 are ranked again with the question's likelihood after
-    each (`rerank.py`)."""
+    each (`rerank.py`). Passages are ranked against `query` (None: the question), as `CartridgeStore.ask`'s
+    `draft` ranks them against the question and a first answer."""
+    if query is not None and (not isinstance(query, str) or not query.strip()):
+        raise ConfigError(f"query={query!r:.60} must be a non-empty text to rank passages against (None: the "
+                          "question).")
     auto = fills(store.model, passages, budget)  # then the best k cartridges, and passages fill what they leave
     asked, passages = passages, check_settings(passages, retrieval, passages_from, budget)
     check_sought(store.model, asked, budget, retrieval, passages_from)
@@ -288,7 +309,7 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     if room <= 0:  # the cartridges fill the budget: nothing left to fill
         return Plan(names, scores=scores)
     pool = list(names) if passages_from == "routed" else among
-    found = store.passages(question, k=candidates(room), retrieval=retrieval or "bm25", among=pool)
+    found = store.passages(query or question, k=candidates(room), retrieval=retrieval or "bm25", among=pool)
     ids, kept = passage_ids(store.model, found, room, after_cartridge=False)
     if not names or not kept:  # no cartridge in front (RAG alone), or no passage found: nothing to read apart
         return Plan(names, tuple(kept), tuple(ids) if kept else (), scores)

@@ -38,7 +38,7 @@ from ..kv import Recent
 from ..lm import LM
 from .catalog import WRITE_AFTER, discard_catalog, model_key, read_catalog, write_catalog
 from .documents import CORPUS_SUFFIX, NAME, SUFFIX, name_problem
-from .passages import Passage, PassageIndex, Plan, check_retrieval, plan
+from .passages import Passage, PassageIndex, Plan, check_draft, check_retrieval, drafted, plan
 from .records import document_record, subject_of, versions, with_subject
 from .subjects import check_subject
 from .settings import SyncConfig
@@ -62,12 +62,13 @@ class Route:
 class StoreAnswer:
     """An answer from the store, which cartridges gave it (composed in this order), and for each the version of the
     document it stands for (its SHA-256; None for a cartridge that sync did not make); and the passages put after
-    them, if any."""
+    them, if any; and the first answer that picked those passages (`ask`'s `draft`), if one was written."""
 
     text: str
     cartridges: tuple[str, ...]
     versions: tuple[str | None, ...] = ()
     passages: tuple[Passage, ...] = ()
+    draft: str | None = None
 
 
 @attrs.frozen
@@ -506,24 +507,47 @@ class CartridgeStore:
 
     def plan(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
              retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
-             among: Sequence[str] | None = None, rerank: int = 0) -> Plan:
+             among: Sequence[str] | None = None, rerank: int = 0, query: str | None = None) -> Plan:
         """The cartridges and passages that answer `question`, without answering (`passages.plan`): the named
         cartridges, or the best `k` routed, or as many as fit `budget` tokens; with `passages` tokens of passages
         the budget is shared (the cartridges fit in `budget - passages`, the passages fill what they leave). With
-        `rerank` N, routing's best N are ranked again by the question's likelihood after each (`rerank.py`)."""
+        `rerank` N, routing's best N are ranked again by the question's likelihood after each (`rerank.py`);
+        passages are ranked against `query` (None: the question)."""
         return plan(self, question, k=k, budget=budget, passages=passages, retrieval=retrieval,
-                    passages_from=passages_from, cartridges=cartridges, among=among, rerank=rerank)
+                    passages_from=passages_from, cartridges=cartridges, among=among, rerank=rerank, query=query)
 
     def ask(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
             retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
-            runtime: Any = "auto", runtime_options: dict[str, Any] | None = None, **gen: Any) -> StoreAnswer:
+            draft: int = 0, runtime: Any = "auto", runtime_options: dict[str, Any] | None = None,
+            **gen: Any) -> StoreAnswer:
         """Answer `question` with the named cartridges (composed in order), or with those it is routed to: the
         best `k`, or as many as fit in `budget` tokens (`within`); and, with `passages` tokens, passages of the
-        stored corpora after them, the budget shared (`plan`)."""
-        plan = self.plan(question, k=k, budget=budget, passages=passages, retrieval=retrieval,
-                         passages_from=passages_from, cartridges=cartridges)
+        stored corpora after them, the budget shared (`plan`). With `draft` N, a first answer of at most N tokens
+        (greedy, from the same plan) is written before the answer, and the passages are ranked against the
+        question and it: the cartridges put the document's own words for the answer into the search, where the
+        question has only the user's (docs/vs-rag.md, "A first answer picks the passages")."""
+        settings = {"k": k, "budget": budget, "passages": passages, "retrieval": retrieval,
+                    "passages_from": passages_from, "cartridges": cartridges}
+        plan, first = self.drafted_plan(question, draft, runtime=runtime, runtime_options=runtime_options, **settings)
         parts = plan.parts(self)
-        text = self.model.ask(question, cartridges=parts, document=list(plan.prefix_ids) or None, runtime=runtime,
-                              runtime_options=runtime_options, **gen)
+        text = self._answer(question, plan, runtime, runtime_options, parts=parts, **gen)
         return StoreAnswer(text=text, cartridges=plan.cartridges, versions=versions(parts[:len(plan.cartridges)]),
-                           passages=plan.passages)
+                           passages=plan.passages, draft=first)
+
+    def drafted_plan(self, question: str, draft: int, *, runtime: Any = "auto",
+                     runtime_options: dict[str, Any] | None = None, **settings: Any) -> tuple[Plan, str | None]:
+        """`plan(question, **settings)`, its passages ranked against the question and a first answer of at most
+        `draft` tokens from the plan as it was (`ask`'s `draft`), and that first answer; `draft` 0: the plan, and
+        None."""
+        check_draft(self.model, draft, settings.get("passages"), settings.get("budget"))
+        plan = self.plan(question, **settings)
+        if not draft:
+            return plan, None
+        first = self._answer(question, plan, runtime, runtime_options, max_new_tokens=draft, temperature=0.0)
+        return self.plan(question, **settings, query=drafted(question, first)), first
+
+    def _answer(self, question: str, plan: Plan, runtime: Any, runtime_options: dict[str, Any] | None,
+                parts: Sequence[Any] | None = None, **gen: Any) -> str:
+        parts = plan.parts(self) if parts is None else parts
+        return self.model.ask(question, cartridges=parts, document=list(plan.prefix_ids) or None, runtime=runtime,
+                              runtime_options=runtime_options, **gen)
