@@ -182,11 +182,12 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
 
 
 def stored_context(store: CartridgeStore, method: str, question: str, tokens: int,
-                   document: str | None = None) -> tuple[Context, str | None]:
+                   document: str | None = None, draft_from: CartridgeStore | None = None) -> tuple[Context, str | None]:
     """What a stored method answers `question` with, and the cartridge it was routed to (None when the question
     shares no word with any document: answered with nothing, as a router would). Given the question's `document`
     (`--scope document`), its cartridge answers, as ``store.ask(question, cartridges=[document])`` would, and a
-    hybrid's passages come from that document alone (``passages_from="routed"``)."""
+    hybrid's passages come from that document alone (``passages_from="routed"``). A ``+draft`` method's first
+    answer is its own plan's, or that of `draft_from`'s cartridges (`store.drafted_plan`)."""
     base, added = base_of(method.partition(":")[0])
     rerank = RERANK if "rerank" in added and document is None else 0
     draft = DRAFT if "draft" in added else 0
@@ -194,12 +195,12 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
     own = {} if document is None else {"passages_from": "routed"}  # where passages are sought: refused elsewhere
     try:
         if base == "default":
-            plan = store.drafted_plan(question, draft, budget=tokens, **named,
-                                      **(own if sought(store.model, None, tokens) else {}))[0]
+            plan = store.drafted_plan(question, draft, draft_from=draft_from if draft else None, budget=tokens,
+                                      **named, **(own if sought(store.model, None, tokens) else {}))[0]
         elif base.startswith("hybrid"):
             size = method_spec(method, tokens)[1]
-            plan = store.drafted_plan(question, draft, budget=tokens, passages=tokens - size, rerank=rerank, **named,
-                                      **own)[0]
+            plan = store.drafted_plan(question, draft, draft_from=draft_from if draft else None, budget=tokens,
+                                      passages=tokens - size, rerank=rerank, **named, **own)[0]
         elif base == "multi":
             plan = store.plan(question, budget=tokens, passages=0, rerank=rerank, **named)  # cartridges alone
         else:
@@ -226,14 +227,16 @@ def check_mc(mc: Sequence[str]) -> None:
 
 def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Path, methods: Sequence[str],
                 selfstudy: dict | None = None, scope: str = "store", compaction: dict | None = None,
-                mc: Sequence[str] = MC_SCORES, only: Sequence[int] | None = None) -> dict:
+                mc: Sequence[str] = MC_SCORES, only: Sequence[int] | None = None,
+                draft_from: str | None = None) -> dict:
     """Every method on the set's first `docs` documents. `scope` "store": each question is asked of the whole
     corpus (cartridges routed, RAG over every document's passages); "document": of its own document, as the data
     set poses it and as ICL answers it (its document's cartridge, RAG over its passages only). `compaction`:
     `CompactionConfig` settings for every stored method's compacted cartridges (and self-study's start). `mc`: the
     multiple-choice accuracies scored (`MC_SCORES`; ``letter`` costs nothing beyond the closure's passes). `only`:
     the documents (numbers below `docs`) whose questions are scored and whose cartridges are self-studied; the stores
-    and RAG's index still hold all `docs`, so each row is the one a run over all of them gives."""
+    and RAG's index still hold all `docs`, so each row is the one a run over all of them gives. `draft_from`: a
+    stored method (``selfstudy:192``) whose cartridges write the ``+draft`` methods' first answers, scored too."""
     if scope not in SCOPES:
         raise ConfigError(f"scope={scope!r}: use one of {list(SCOPES)}.")
     check_mc(mc)
@@ -242,6 +245,13 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     if openings and scope != "document":
         raise ConfigError(f"{list(openings)} read the opening of the question's own document; use scope='document' "
                           "(--scope document).")
+    if draft_from is not None:
+        if base_of(method_spec(draft_from, tokens)[0])[0] not in STORED or "+" in draft_from:
+            raise ConfigError(f"draft_from={draft_from!r}: use a stored method, one of {list(STORED)} (':TOKENS').")
+        if not any("draft" in base_of(m.partition(":")[0])[1] for m in methods):
+            raise ConfigError(f"draft_from={draft_from!r} writes the first answers of '+draft' methods, and none is "
+                              "asked for; add one (hybrid+draft:64), or drop it.")
+        methods = list(methods) + ([draft_from] if draft_from not in methods else [])
     drafted = [m for m in methods if base_of(m.partition(":")[0]) == ("default", {"draft"})]
     if drafted and not sought(lm, None, tokens):
         raise ConfigError(f"{drafted[0]}: {lm.name}'s default budget is all cartridges, so there are no passages for a "
@@ -277,7 +287,8 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
                 contexts[method] = Context(cartridge=Cartridge.compose([cartridge, apart]))
             routed = {}
             for method, store in stores.items():
-                contexts[method], routed[method] = stored_context(store, method, q.question, tokens, document)
+                contexts[method], routed[method] = stored_context(store, method, q.question, tokens, document,
+                                                                  stores.get(draft_from))
             scores = score_questions(lm, [q], contexts, icl="icl", desc=c.name)
             row = {"doc": c.name, "question": q.question[:120], "routed": routed,
                    "routed_right": {k: v == c.name for k, v in routed.items()},
@@ -401,6 +412,9 @@ def main() -> None:
     parser.add_argument("--methods", default="none,icl,bm25,dense,cartridge",
                         help=f"of {','.join(METHODS)}; stored ones and opening (--scope document only) take a "
                         "cartridge size, as hybrid:128")
+    parser.add_argument("--draft-from", default=None, metavar="METHOD",
+                        help="a stored method (selfstudy:192) whose cartridges write the '+draft' methods' first "
+                        "answers (default: each method's own plan); it is scored too")
     parser.add_argument("--selfstudy", type=int, default=None,
                         help=f"self-study conversations, for the self-studied methods (default: the recipe's, else "
                         f"{DEFAULT_CONVERSATIONS})")
@@ -465,7 +479,8 @@ def main() -> None:
     for name in args.sets.split(","):
         work = args.work / f"{args.model}-{name}-{args.docs}"
         result["sets"][name] = run_dataset(lm, args.data_dir / DATASETS[name], args.docs, args.questions,
-                                           args.tokens, work, methods, selfstudy, args.scope, compaction, mc, only)
+                                           args.tokens, work, methods, selfstudy, args.scope, compaction, mc, only,
+                                           args.draft_from)
     if args.users:
         first = args.sets.split(",")[0]
         corpus = load_corpora(args.data_dir / DATASETS[first], [0])[0]

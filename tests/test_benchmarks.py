@@ -301,8 +301,8 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     methods_ = ["none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default",
                 "cartridge+rerank", "multi:8", "hybrid+draft:8"]
     result = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", methods_,
-                                {"num_conversations": 2, "document_windows": 2})
-    assert result["questions"] == 4 and result["methods"] == methods_
+                                {"num_conversations": 2, "document_windows": 2}, draft_from="selfstudy")
+    assert result["questions"] == 4 and result["methods"] == methods_  # the drafter is among them already
     gap = sum(r["nll"]["none"] - r["nll"]["icl"] for r in result["rows"])
     if gap > 0:  # a random model may read the document as noise: then closure is undefined, not made up
         assert result["closure"]["none"] == 0 and result["closure"]["icl"] == 1
@@ -328,6 +328,10 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
         vs_rag.method_spec("cartridge+draft", 16)
     with pytest.raises(vs_rag.ConfigError, match="default budget is all cartridges.*use hybrid\\+draft:N"):
         vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "default+draft"])
+    for chosen, drafter, why in [(["none", "icl", "hybrid:8"], "selfstudy", "none is asked for"),
+                             (["none", "icl", "hybrid+draft:8"], "bm25", "use a stored method")]:
+        with pytest.raises(vs_rag.ConfigError, match=why):
+            vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", chosen, draft_from=drafter)
     # RAG's score is the reader's with those passages in context, recomputed here from the retriever alone
     q = FREE[0]
     retriever = Retriever("bm25", [p for _, p in passages([TEXT[:half], TEXT[half:]])], tmp_path / "work")

@@ -173,6 +173,13 @@ def test_a_first_answer_picks_the_passages(store, tiny_llama):
                                                GenerationParams(max_new_tokens=5))])[0]
     assert answer.text == same.text
     assert drafted(q, "  ") == q and drafted(q, "In 1962.") == f"{q}\nIn 1962."
+    # draft_from: the same documents' cartridges in another store write it, alone (here the store itself)
+    alone = store.ask(q, cartridges=["railway"], max_new_tokens=6, temperature=0.0)
+    assert store.drafted_plan(q, 6, draft_from=store, budget=40, passages=20)[1] == alone.text
+    with pytest.raises(ConfigError, match="draft_from='elsewhere' must be a CartridgeStore"):
+        store.ask(q, budget=40, passages=20, draft=6, draft_from="elsewhere")
+    with pytest.raises(ConfigError, match="draft=0 writes none"):
+        store.ask(q, budget=40, passages=20, draft_from=store)
     for bad, why in [({"draft": -1}, "draft=-1 must be a number of tokens"),
                      ({"draft": True}, "draft=True must be a number of tokens"),
                      ({"draft": 4, "budget": 40, "passages": 0}, "draft=4 ranks passages against a first answer, "

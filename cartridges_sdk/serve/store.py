@@ -518,32 +518,44 @@ class CartridgeStore:
 
     def ask(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
             retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
-            draft: int = 0, runtime: Any = "auto", runtime_options: dict[str, Any] | None = None,
-            **gen: Any) -> StoreAnswer:
+            draft: int = 0, draft_from: CartridgeStore | None = None, runtime: Any = "auto",
+            runtime_options: dict[str, Any] | None = None, **gen: Any) -> StoreAnswer:
         """Answer `question` with the named cartridges (composed in order), or with those it is routed to: the
         best `k`, or as many as fit in `budget` tokens (`within`); and, with `passages` tokens, passages of the
         stored corpora after them, the budget shared (`plan`). With `draft` N, a first answer of at most N tokens
         (greedy, from the same plan) is written before the answer, and the passages are ranked against the
         question and it: the cartridges put the document's own words for the answer into the search, where the
-        question has only the user's (docs/vs-rag.md, "A first answer picks the passages")."""
+        question has only the user's (docs/vs-rag.md, "A first answer picks the passages"); `draft_from`, another
+        store of the same documents whose cartridges alone write it (`drafted_plan`)."""
         settings = {"k": k, "budget": budget, "passages": passages, "retrieval": retrieval,
                     "passages_from": passages_from, "cartridges": cartridges}
-        plan, first = self.drafted_plan(question, draft, runtime=runtime, runtime_options=runtime_options, **settings)
+        plan, first = self.drafted_plan(question, draft, draft_from=draft_from, runtime=runtime,
+                                        runtime_options=runtime_options, **settings)
         parts = plan.parts(self)
         text = self._answer(question, plan, runtime, runtime_options, parts=parts, **gen)
         return StoreAnswer(text=text, cartridges=plan.cartridges, versions=versions(parts[:len(plan.cartridges)]),
                            passages=plan.passages, draft=first)
 
-    def drafted_plan(self, question: str, draft: int, *, runtime: Any = "auto",
-                     runtime_options: dict[str, Any] | None = None, **settings: Any) -> tuple[Plan, str | None]:
+    def drafted_plan(self, question: str, draft: int, *, draft_from: CartridgeStore | None = None,
+                     runtime: Any = "auto", runtime_options: dict[str, Any] | None = None,
+                     **settings: Any) -> tuple[Plan, str | None]:
         """`plan(question, **settings)`, its passages ranked against the question and a first answer of at most
-        `draft` tokens from the plan as it was (`ask`'s `draft`), and that first answer; `draft` 0: the plan, and
-        None."""
+        `draft` tokens (`ask`'s `draft`), and that first answer; `draft` 0: the plan, and None. The first answer is
+        the plan's own, or, with `draft_from`, that of the same documents' cartridges in that store alone (a
+        self-studied store whose cartridges know the document better than this one's, for one)."""
         check_draft(self.model, draft, settings.get("passages"), settings.get("budget"))
+        if draft_from is not None and not isinstance(draft_from, CartridgeStore):
+            raise ConfigError(f"draft_from={draft_from!r:.60} must be a CartridgeStore holding the same documents.")
+        if draft_from is not None and not draft:
+            raise ConfigError("draft_from says whose cartridges write the first answer, and draft=0 writes none; give "
+                              "draft=N (its tokens), or drop draft_from.")
         plan = self.plan(question, **settings)
         if not draft:
             return plan, None
-        first = self._answer(question, plan, runtime, runtime_options, max_new_tokens=draft, temperature=0.0)
+        source, drafting = self, plan
+        if draft_from is not None:
+            source, drafting = draft_from, draft_from.plan(question, cartridges=list(plan.cartridges))
+        first = source._answer(question, drafting, runtime, runtime_options, max_new_tokens=draft, temperature=0.0)
         return self.plan(question, **settings, query=drafted(question, first)), first
 
     def _answer(self, question: str, plan: Plan, runtime: Any, runtime_options: dict[str, Any] | None,
