@@ -89,6 +89,16 @@ def test_ask_a_store_with_passages(files, capsys, default_lm):
     drafted = store.ask(question, budget=200, passages=64, draft=4, max_new_tokens=8)
     assert out.strip() == drafted.text.strip() and drafted.draft is not None
     assert f"passages from: {', '.join(sorted({p.name for p in drafted.passages}))}" in err
+    # another store's cartridges write it: here the same store's, alone
+    assert main(args + ["--budget", "200", "--passages", "64", "--draft", "4", "--draft-from", str(files / "store")]) == 0
+    out, _ = capsys.readouterr()
+    assert out.strip() == store.ask(question, budget=200, passages=64, draft=4, draft_from=store,
+                                    max_new_tokens=8).text.strip()
+    for bad, said in [(["--draft-from", str(files / "store")], "no --draft N asks for one"),
+                      (["--draft", "4", "--draft-from", str(files / "nowhere")], "no such store folder")]:
+        assert main(args + ["--budget", "200", "--passages", "64", *bad]) == 2
+        assert said in capsys.readouterr().err
+    assert not (files / "nowhere").exists()
 
 
 def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
