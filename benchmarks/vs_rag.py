@@ -13,7 +13,10 @@ conversations, `--recipe reader` by a named recipe) and one RAG index (passages 
   tokens of KV each: the same budget as RAG's prompt, held as KV instead of prompt text;
 - ``hybrid:N``: an N-token cartridge, then passages filling the budget; ``default``: `store.ask(q, budget=TOKENS)`;
   ``opening:N`` (with `--scope document`): the document's first N tokens (default: a quarter of the budget) as
-  exact KV, then its passages.
+  exact KV, then its passages;
+- ``+draft`` after a method with passages (``hybrid+draft:64``, ``default+draft``): its passages ranked against the
+  question and a first answer (`store.ask(..., draft=48)`), written by its own plan or, with `--draft-from METHOD`,
+  by that stored method's cartridges alone (``--draft-from selfstudy:192``).
 
 Quality: gold-answer closure (how much of the none-to-ICL drop in the gold answer's NLL a method recovers) and, on
 multiple-choice sets, two accuracies: ``letter``, the share where the letter the reader ranks first (options listed,

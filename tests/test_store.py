@@ -188,6 +188,8 @@ def test_a_first_answer_picks_the_passages(store, tiny_llama):
             store.ask(q, max_new_tokens=2, **bad)
     with pytest.raises(ConfigError, match="query='' must be a non-empty text"):
         store.plan(q, budget=40, passages=20, query="")
+    with pytest.raises(ConfigError, match="query= says what passages are ranked against, and this answer gets none"):
+        store.plan(q, budget=40, query="Who built the lighthouse?")
 
 
 def test_a_readers_budget_is_shared_with_passages_by_default(store, tiny_llama, monkeypatch):

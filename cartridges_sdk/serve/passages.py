@@ -284,6 +284,9 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     auto = fills(store.model, passages, budget)  # then the best k cartridges, and passages fill what they leave
     asked, passages = passages, check_settings(passages, retrieval, passages_from, budget)
     check_sought(store.model, asked, budget, retrieval, passages_from)
+    if query is not None and not sought(store.model, asked, budget):
+        raise ConfigError("query= says what passages are ranked against, and this answer gets none; give passages=N "
+                          "(prompt tokens of them) or a reader's budget, or drop query.")
     if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
         raise ConfigError(f"rerank={rerank!r} must be a number of candidates (0: BM25 alone).")
     if cartridges is not None:
