@@ -75,14 +75,10 @@ DRAFT = 48  # the first answer's tokens, for a '+draft' method (`store.ask(..., 
 _OPTION = re.compile(r"^\s*\(?([A-Z])[).]\s+(.*\S)\s*$", re.MULTILINE)
 
 
-def base_of(kind: str) -> tuple[str, set[str]]:
-    """A method's kind without its ``+rerank`` and ``+draft`` (in either order), and those it had."""
-    base, added = kind, set()
-    for _ in range(2):
-        for extra in ("rerank", "draft"):
-            if base.endswith(f"+{extra}"):
-                base, added = base.removesuffix(f"+{extra}"), added | {extra}
-    return base, added
+def base_of(method: str) -> tuple[str, set[str]]:
+    """A method's kind without its size and what follows it after ``+`` (``rerank``, ``draft``), and those."""
+    base, *extras = method.partition(":")[0].split("+")
+    return base, set(extras)
 
 
 def method_spec(method: str, tokens: int) -> tuple[str, int]:
@@ -92,9 +88,9 @@ def method_spec(method: str, tokens: int) -> tuple[str, int]:
     (`store.plan(..., rerank=RERANK)`); one with passages (`DRAFTED`) in ``+draft``: its passages ranked against the
     question and a first answer (`store.ask(..., draft=DRAFT)`)."""
     kind, _, size = method.partition(":")
-    base, added = base_of(kind)
-    if (base not in METHODS or ("rerank" in added and base not in STORED) or ("draft" in added and base not in DRAFTED)
-            or (size and (base not in SIZED or not size.isdigit()))):
+    base, added = base_of(method)
+    if (base not in METHODS or not added <= {"rerank", "draft"} or ("rerank" in added and base not in STORED)
+            or ("draft" in added and base not in DRAFTED) or (size and (base not in SIZED or not size.isdigit()))):
         raise ConfigError(f"method {method!r}: use one of {list(METHODS)}, with '+rerank' after one of "
                           f"{list(STORED)}, '+draft' after one of {list(DRAFTED)}, or ':TOKENS' after one of "
                           f"{list(SIZED)}.")
@@ -107,8 +103,8 @@ def method_spec(method: str, tokens: int) -> tuple[str, int]:
 
 
 def label(method: str, scope: str = "store") -> str:
-    kind, _, size = method.partition(":")
-    base, added = base_of(kind)
+    size = method.partition(":")[2]
+    base, added = base_of(method)
     text = (LABELS[base] + (", reranked" if "rerank" in added else "")
             + (", passages picked with a first answer" if "draft" in added else "")
             + (f", {size}-token cartridge" if size else ""))
@@ -166,7 +162,7 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
     # other compaction settings, other stores
     compacted = f"-{settings_tag(compaction)}" if compaction else ""
     for method in methods:
-        kind = base_of(method.partition(":")[0])[0]
+        kind = base_of(method)[0]
         if kind not in STORED and kind != "default":
             continue
         if kind == "default":  # sync's default size: the same store as a compacted method of that size
@@ -191,7 +187,7 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
     (`--scope document`), its cartridge answers, as ``store.ask(question, cartridges=[document])`` would, and a
     hybrid's passages come from that document alone (``passages_from="routed"``). A ``+draft`` method's first
     answer is its own plan's, or that of `draft_from`'s cartridges (`store.drafted_plan`)."""
-    base, added = base_of(method.partition(":")[0])
+    base, added = base_of(method)
     rerank = RERANK if "rerank" in added and document is None else 0
     draft = DRAFT if "draft" in added else 0
     named = {} if document is None else {"cartridges": [document]}
@@ -249,13 +245,15 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
         raise ConfigError(f"{list(openings)} read the opening of the question's own document; use scope='document' "
                           "(--scope document).")
     if draft_from is not None:
-        if base_of(method_spec(draft_from, tokens)[0])[0] not in STORED or "+" in draft_from:
+        method_spec(draft_from, tokens)
+        drafter, extras = base_of(draft_from)
+        if extras or drafter not in STORED:
             raise ConfigError(f"draft_from={draft_from!r}: use a stored method, one of {list(STORED)} (':TOKENS').")
-        if not any("draft" in base_of(m.partition(":")[0])[1] for m in methods):
+        if not any("draft" in base_of(m)[1] for m in methods):
             raise ConfigError(f"draft_from={draft_from!r} writes the first answers of '+draft' methods, and none is "
                               "asked for; add one (hybrid+draft:64), or drop it.")
         methods = list(methods) + ([draft_from] if draft_from not in methods else [])
-    drafted = [m for m in methods if base_of(m.partition(":")[0]) == ("default", {"draft"})]
+    drafted = [m for m in methods if base_of(m) == ("default", {"draft"})]
     if drafted and not sought(lm, None, tokens):
         raise ConfigError(f"{drafted[0]}: {lm.name}'s default budget is all cartridges, so there are no passages for a "
                           "first answer to pick; use hybrid+draft:N.")
