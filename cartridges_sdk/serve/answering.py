@@ -19,8 +19,8 @@ from ..checks import at_least_one
 from ..errors import ConfigError
 from ..generation import Completion, GenerationParams, GenerationRequest, Message
 from ..plugins import ContinuousRuntime
-from .passages import Passage, check_settings, check_sought, sought
-from .store import CartridgeStore
+from .passages import Passage, check_draft, check_settings, check_sought, sought
+from .store import CartridgeStore, check_draft_from
 from .records import document_record
 
 CALL_SETTINGS = ("max_tokens", "temperature", "top_p", "seed")  # what a framework call may set, by OpenAI's names
@@ -124,6 +124,7 @@ class Selection:
     passages: tuple[Passage, ...] = ()
     prefix_ids: tuple[int, ...] = ()
     passages_kv: Any = attrs.field(default=None, eq=False)
+    draft: str | None = None  # the first answer the passages were ranked against (`CartridgeStore.ask`'s draft)
 
     def kv(self) -> list[Cartridge]:
         """What goes before the prompt: the cartridges, then the passages' KV (if read apart)."""
@@ -142,6 +143,8 @@ class Selection:
                                "versions": [c.version for c in self.cartridges]}
         if self.passages:
             out["passages"] = [{"source": p.name, "score": round(p.score, 4)} for p in self.passages]
+        if self.draft is not None:
+            out["draft"] = self.draft
         return out
 
 
@@ -159,7 +162,9 @@ class Usage:
 class Answerer:
     """Answers chat turns with `cartridge`, or with `store`'s cartridges: `names` when given, else the best `k` for
     the question (or as many as fit `budget` tokens); with `passages` tokens, the store's best passages after them,
-    the budget shared (`CartridgeStore.plan`). `runtime` is a runtime name or object, as for `lm.chat`."""
+    the budget shared (`CartridgeStore.plan`), ranked against the question and a first answer of at most `draft`
+    tokens when given (written by `draft_from`'s cartridges when given: `CartridgeStore.drafted_plan`). `runtime` is
+    a runtime name or object, as for `lm.chat`."""
 
     cartridge: Cartridge | None = None
     store: CartridgeStore | None = None
@@ -171,6 +176,8 @@ class Answerer:
     passages: int | None = None  # None: a reader with a budget fills what the cartridges leave (`passages.fills`)
     retrieval: str | None = None  # None: bm25, where passages are sought; given where none are, refused
     passages_from: str | None = None  # None: the whole store
+    draft: int = 0  # tokens of a first answer that picks the passages (0: none)
+    draft_from: CartridgeStore | None = None  # None: the answering plan's cartridges write it
 
     def __attrs_post_init__(self) -> None:
         if (self.cartridge is None) == (self.store is None):
@@ -184,13 +191,16 @@ class Answerer:
             raise ConfigError(f"store={self.store!r:.60} must be a CartridgeStore (CartridgeStore(folder, lm)).")
         check_settings(self.passages, self.retrieval, self.passages_from, self.budget)
         if self.store is None:
-            given = [f"{n}={v!r}" for n, v in (("passages", self.passages), ("retrieval", self.retrieval),
-                                               ("passages_from", self.passages_from)) if v]
+            given = [f"{n}={v!r:.60}" for n, v in (("passages", self.passages), ("retrieval", self.retrieval),
+                                                   ("passages_from", self.passages_from), ("draft", self.draft),
+                                                   ("draft_from", self.draft_from)) if v]
             if given:
                 raise ConfigError(f"{given[0]} asks for passages, which are retrieved from a store's documents; "
                                   f"build it with store=, or drop {given[0].split('=')[0]}.")
         else:
             check_sought(self.store.model, self.passages, self.budget, self.retrieval, self.passages_from)
+            check_draft(self.store.model, self.draft, self.passages, self.budget)
+            check_draft_from(self.draft_from, self.draft)
 
     @property
     def model(self) -> Any:
@@ -207,15 +217,22 @@ class Answerer:
             return Selection((Chosen(record.get("name") or "cartridge", self.cartridge, version=record.get("sha256"),
                                      origin=record.get("origin")),))
         names = list(names) if names else list(self.names) if self.names else None
-        plan = self.store.plan(question, k=self.k, budget=self.budget, passages=self.passages,
-                               retrieval=self.retrieval, passages_from=self.passages_from, cartridges=names)
+        settings = {"k": self.k, "budget": self.budget, "passages": self.passages, "retrieval": self.retrieval,
+                    "passages_from": self.passages_from, "cartridges": names}
+        if self.draft:  # the first answer is generated: it holds the engine its drafter answers on, as answers do
+            drafter = (self.draft_from or self.store).model._runtime(self.runtime, self.runtime_options)
+            with engine_lock(drafter):
+                plan, first = self.store.drafted_plan(question, self.draft, draft_from=self.draft_from,
+                                                      runtime=drafter, **settings)
+        else:
+            plan, first = self.store.plan(question, **settings), None
         out = []
         for name, score in zip(plan.cartridges, plan.scores):
             cartridge = self.store.get(name)
             record = document_record(cartridge) or {}
             out.append(Chosen(name, cartridge, score, record.get("sha256"), record.get("origin"),
                               self.store.corpus_path(name)))
-        return Selection(tuple(out), plan.passages, plan.prefix_ids, plan.passages_kv)
+        return Selection(tuple(out), plan.passages, plan.prefix_ids, plan.passages_kv, first)
 
     def plan(self, turns: Sequence[Message], names: Sequence[str] | None, call: dict[str, Any],
              defaults: dict[str, Any], stop: Sequence[str] = ()) -> tuple[Selection, dict[str, Any]]:

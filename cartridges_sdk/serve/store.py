@@ -113,6 +113,15 @@ def _best(names: list[str], scores: Any, k: int) -> list[tuple[str, float]]:
     return sorted(((names[i], float(scores[i])) for i in candidates.tolist()), key=lambda item: (-item[1], item[0]))[:k]
 
 
+def check_draft_from(draft_from: Any, draft: int) -> None:
+    """Refuse a `draft_from` that is not a store, or one given with no first answer (`draft` 0) for it to write."""
+    if draft_from is not None and not isinstance(draft_from, CartridgeStore):
+        raise ConfigError(f"draft_from={draft_from!r:.60} must be a CartridgeStore holding the same documents.")
+    if draft_from is not None and not draft:
+        raise ConfigError("draft_from says whose cartridges write the first answer, and draft=0 writes none; give "
+                          "draft=N (its tokens), or drop draft_from.")
+
+
 def _listing(root: Path) -> dict[str, os.DirEntry]:
     with os.scandir(root) as entries:
         return {e.name: e for e in entries}
@@ -544,11 +553,7 @@ class CartridgeStore:
         the plan's own, or, with `draft_from`, that of the same documents' cartridges in that store alone (a
         self-studied store whose cartridges know the document better than this one's, for one)."""
         check_draft(self.model, draft, settings.get("passages"), settings.get("budget"))
-        if draft_from is not None and not isinstance(draft_from, CartridgeStore):
-            raise ConfigError(f"draft_from={draft_from!r:.60} must be a CartridgeStore holding the same documents.")
-        if draft_from is not None and not draft:
-            raise ConfigError("draft_from says whose cartridges write the first answer, and draft=0 writes none; give "
-                              "draft=N (its tokens), or drop draft_from.")
+        check_draft_from(draft_from, draft)
         plan = self.plan(question, **settings)
         if not draft:
             return plan, None

@@ -104,6 +104,15 @@ def test_passages_after_the_cartridge_give_the_sdks_answer_and_are_named(store, 
     assert "".join(c.content for c in llm.stream(QUESTION)) == expected.text
     with pytest.raises(ValueError, match="leaves nothing of budget=48"):
         ChatCartridges(store=store, budget=48, passages=48)
+    # a first answer picks the passages: the SDK's answer, and the draft said beside the passages it picked
+    drafted = store.ask(QUESTION, budget=128, passages=48, draft=6, draft_from=store, max_new_tokens=8)
+    got = ChatCartridges(store=store, budget=128, passages=48, draft=6, draft_from=store, max_tokens=8).invoke(QUESTION)
+    assert got.content == drafted.text and got.response_metadata["draft"] == drafted.draft
+    assert [p["source"] for p in got.response_metadata["passages"]] == [p.name for p in drafted.passages]
+    with pytest.raises(ValueError, match="draft=6 ranks passages against a first answer, and this answer gets none"):
+        ChatCartridges(store=store, budget=128, draft=6)
+    with pytest.raises(ValueError, match="draft_from says whose cartridges.*draft=0"):
+        ChatCartridges(store=store, budget=128, passages=48, draft_from=store)
     # how passages are found, where none are sought, is refused rather than ignored
     with pytest.raises(ValueError, match="retrieval='dense' says how passages are found.*budget is all cartridges"):
         ChatCartridges(store=store, budget=128, retrieval="dense")

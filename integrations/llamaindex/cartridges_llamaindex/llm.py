@@ -37,6 +37,10 @@ class CartridgeLLM(CustomLLM):
     retrieval: str | None = Field(default=None, description="how passages are ranked: bm25 (None) or dense")
     passages_from: str | None = Field(default=None, description="passages of the whole store (None), or 'routed': "
                                       "only of the answering cartridges' documents")
+    draft: int = Field(default=0, description="tokens of a first answer the passages are ranked against with the "
+                       "question (0: none), as CartridgeStore.ask's draft")
+    draft_from: Any = Field(default=None, description="a CartridgeStore of the same documents whose cartridges write "
+                            "the first answer (None: the answering cartridges)")
     runtime: Any = Field(default="auto", description="a runtime name (\"auto\": the fastest installed) or object")
     runtime_options: dict[str, Any] | None = None
     max_tokens: int = Field(default=256, description="new tokens per answer")
@@ -50,7 +54,8 @@ class CartridgeLLM(CustomLLM):
     @model_validator(mode="after")
     def _build(self) -> CartridgeLLM:
         self._answerer = Answerer(self.cartridge, self.store, self.k, self.budget, self.cartridges, self.runtime,
-                                  self.runtime_options, self.passages, self.retrieval, self.passages_from)
+                                  self.runtime_options, self.passages, self.retrieval, self.passages_from,
+                                  self.draft, self.draft_from)
         return self
 
     @classmethod

@@ -80,6 +80,16 @@ def test_passages_are_answered_with_and_shown_as_source_nodes(store):
     llm = CartridgeLLM(store=store, budget=128, passages=48, max_tokens=8)
     completion = llm.complete(QUESTION)
     assert completion.text == expected.text and completion.raw["passages"][0]["source"] == "harrow"
+    drafted = store.ask(QUESTION, budget=128, passages=48, draft=6, max_new_tokens=8)
+    response = CartridgeQueryEngine(store, budget=128, passages=48, draft=6, max_tokens=8).query(QUESTION)
+    assert response.response == drafted.text and response.metadata["draft"] == drafted.draft
+    assert [n.node.metadata["source"] for n in response.source_nodes[1:]] == [p.name for p in drafted.passages]
+    assert CartridgeLLM(store=store, budget=128, passages=48, draft=6, max_tokens=8).complete(QUESTION).text == \
+        drafted.text
+    with pytest.raises(ValueError, match="draft=6 asks for passages, which are retrieved from a store"):
+        CartridgeLLM(cartridge=store.get("harrow"), draft=6)
+    with pytest.raises(ValueError, match="draft=-1 must be a number of tokens"):
+        CartridgeQueryEngine(store, budget=128, passages=48, draft=-1)
     with pytest.raises(ValueError, match="passages=8 asks for passages, which are retrieved from a store"):
         CartridgeLLM(cartridge=store.get("harrow"), passages=8)
     with pytest.raises(ValueError, match="retrieval='dense' asks for passages.*or drop retrieval"):
