@@ -53,6 +53,24 @@ def test_a_readers_budget_names_the_passages_that_fill_it(served, client, tiny_l
     assert got.usage.prompt_tokens > plain.usage.prompt_tokens  # the passages count among the prompt's tokens
 
 
+def test_a_first_answer_picks_the_passages_as_store_ask_does(served, client):
+    _, store, _ = served
+    want = store.ask("Who logged storms?", cartridges=["c3"], passages=24, draft=5, max_new_tokens=8)
+    assert want.draft and want.passages
+    got = ask(client, "c3", "Who logged storms?", extra_body={"passages": 24, "draft": 5})
+    assert got.choices[0].message.content == want.text and got.model_extra["draft"] == want.draft
+    assert [p["source"] for p in got.model_extra["passages"]] == [p.name for p in want.passages]
+    streamed = list(ask(client, "c3", "Who logged storms?", stream=True, extra_body={"passages": 24, "draft": 5}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want.text
+    assert ask(client, "c3", "Who logged storms?", extra_body={"draft": 0}).model_extra.get("draft") is None
+    for body, why in (({"draft": 5}, "'draft' says how passages are found, and this request gets none"),
+                      ({"passages": 24, "draft": -1}, "'draft' .* must be an int from 0 to 256"),
+                      ({"passages": 24, "draft": True}, "'draft' .* must be an int from 0 to 256")):
+        with pytest.raises(openai.BadRequestError, match=why) as refused:
+            ask(client, "c3", "Who logged storms?", extra_body=body)
+        assert refused.value.body["param"] == "draft"
+
+
 def test_answers_equal_the_python_apis_streamed_and_not(served, client, tiny_llama):
     _, store, _ = served
     want = tiny_llama.ask("Who logged storms?", cartridges=[store.get("c3")], max_new_tokens=8)

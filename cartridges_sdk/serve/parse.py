@@ -14,8 +14,9 @@ from .settings import ServeConfig
 
 ROLES = ("system", "user", "assistant")
 # this server's own fields, beside OpenAI's: how many cartridges are routed to, and the passages put after them
-ROUTING = {"k", "budget", "passages", "retrieval", "passages_from"}
+ROUTING = {"k", "budget", "passages", "retrieval", "passages_from", "draft"}
 MAX_PASSAGE_TOKENS = 8192
+MAX_DRAFT_TOKENS = 256  # a first answer's tokens: each is decoded before the answer starts
 # request fields this server reads; others are refused by name (an ignored setting would answer something else)
 FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
           "stream_options", "n", "user", "cartridges", "presence_penalty", "frequency_penalty"}
@@ -155,6 +156,11 @@ def _check_passages(body: dict[str, Any]) -> None:
                                  or not 0 <= passages <= MAX_PASSAGE_TOKENS):
         raise BadRequest(400, f"'passages' (prompt tokens of the store's passages after the cartridges) must be an int "
                          f"from 0 to {MAX_PASSAGE_TOKENS}.", "passages")
+    draft = body.get("draft")
+    if draft is not None and (isinstance(draft, bool) or not isinstance(draft, int)
+                              or not 0 <= draft <= MAX_DRAFT_TOKENS):
+        raise BadRequest(400, f"'draft' (tokens of a first answer the passages are ranked against) must be an int "
+                         f"from 0 to {MAX_DRAFT_TOKENS}.", "draft")
     for field, allowed in (("retrieval", RETRIEVALS), ("passages_from", PASSAGES_FROM)):
         # where no passages are looked for, `server.resolve` refuses it: that turns on the model (`passages.sought`)
         if field in body and body[field] not in allowed:

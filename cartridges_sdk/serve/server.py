@@ -40,7 +40,7 @@ from .engine import Engine, Job
 from .guard import BadRequest, Guard
 from .answering import last_user_text
 from .parse import parse_request, read_json
-from .passages import Passage, fills, sought
+from .passages import Passage, drafted, fills, sought
 from .records import versions
 from .replies import answer, completion_body, error_response, stream_events
 from .settings import ServeConfig
@@ -85,10 +85,11 @@ async def _refused(request: Request, exc: BadRequest) -> JSONResponse:
 
 
 def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, messages: list[dict[str, str]],
-            params: GenerationParams, grant: Grant | None) -> Resolved:
+            params: GenerationParams, grant: Grant | None, query: str | None = None) -> Resolved:
     """The request's cartridge names and cartridges (routed, for model='auto'), the passages after them (with
-    'passages') and token counts, checked against the context. Runs off the event loop: it may read files, rebuild
-    the routing or passage index and tokenize a long conversation."""
+    'passages'; ranked against `query`, else the last user turn) and token counts, checked against the context.
+    Runs off the event loop: it may read files, rebuild the routing or passage index and tokenize a long
+    conversation."""
     state.refresh()
     if names == [state.lm.name] and state.lm.name not in state.store:  # the bare model, no cartridge
         names = []
@@ -97,12 +98,12 @@ def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, m
         names, scope = routed(state, body, messages, grant)
     cartridges = cartridges_for(state, names, grant)
     wanted = sought(state.lm, body.get("passages"), body.get("budget"))
-    ignored = [f for f in ("retrieval", "passages_from") if f in body and not wanted]
+    ignored = [f for f in ("retrieval", "passages_from", "draft") if body.get(f) not in (None, 0) and not wanted]
     if ignored:  # an ignored setting would answer something else than asked for
         raise BadRequest(400, f"'{ignored[0]}' says how passages are found, and this request gets none: "
                          f"{state.lm.name}'s budget is all cartridges unless 'passages' (tokens of them) is sent.",
                          ignored[0])
-    found, prefix, apart = passages_for(state, body, messages, names, scope) if wanted else ((), (), None)
+    found, prefix, apart = passages_for(state, body, messages, names, scope, query) if wanted else ((), (), None)
     answering = cartridges + ([apart] if apart is not None else [])  # the passages' KV, read apart, after them
     prompt_tokens, used = check_fits(state.lm, messages, answering, params, prefix)
     read = apart.num_tokens if apart is not None else 0  # passages count as prompt tokens however they are read
@@ -150,7 +151,8 @@ def routed(state: ServerState, body: dict[str, Any], messages: list[dict[str, st
 
 
 def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[str, str]], names: list[str],
-                 scope: list[str] | None) -> tuple[tuple[Passage, ...], tuple[int, ...], Cartridge | None]:
+                 scope: list[str] | None,
+                 query: str | None = None) -> tuple[tuple[Passage, ...], tuple[int, ...], Cartridge | None]:
     """The passages best matching the last user turn: as prompt tokens, or, behind cartridges, their KV read apart
     (`passages.read_apart`). Of the documents the request may see (`scope`), or only the answering cartridges' own;
     in a store whose cartridges say whom they are about (records), always only their own: a passage of someone
@@ -167,7 +169,7 @@ def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[s
     try:
         plan = state.store.plan(last_user_text(messages), cartridges=names, budget=body.get("budget"),
                                 passages=body.get("passages"), retrieval=body.get("retrieval", "bm25"),
-                                passages_from=source, among=scope)
+                                passages_from=source, among=scope, query=query)
     except ConfigError as err:
         raise BadRequest(400, str(err), "passages") from None
     return plan.passages, plan.prefix_ids, plan.passages_kv
@@ -277,6 +279,13 @@ async def chat(request: Request):
     if names is not None:  # the names asked for, refused ones too: a key probing for others' shows in the log
         record["asked"] = [shown(n) for n in names]  # every one: the request's size limit bounds them
     got = await asyncio.to_thread(resolve, state, body, names, messages, params, grant)
+    first = None
+    if body.get("draft"):  # a first answer with what the question found, then passages found with its words too
+        draft = GenerationParams.from_kwargs({"max_new_tokens": body["draft"], "temperature": 0.0})
+        first = (await answer(submit(state, GenerationRequest(messages, got.cartridges, draft,
+                                                              prefix_ids=got.prefix_ids), False), request)).text
+        query = drafted(last_user_text(messages), first)
+        got = await asyncio.to_thread(resolve, state, body, got.names, messages, params, grant, query)
     names = got.names
     record["cartridges"] = names
     if got.passages:
@@ -290,6 +299,8 @@ async def chat(request: Request):
     sources = {"cartridges": names, "versions": list(versions(got.cartridges[:len(names)]))}
     if sought(state.lm, body.get("passages"), body.get("budget")):  # a reader's budget fills passages too
         sources["passages"] = [{"source": p.name, "score": round(p.score, 4)} for p in got.passages]
+    if first is not None:
+        sources["draft"] = first
     usage = {"prompt_tokens": got.prompt_tokens, "cartridge_tokens": got.cartridge_tokens}
     if stream:
         return StreamingResponse(stream_events(job, rid, body["model"], sources, usage, include_usage, state.scrub,
