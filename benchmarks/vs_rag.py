@@ -362,7 +362,9 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
     ICL is timed at `icl_users` only: on a CPU its prefill is compute-bound, so 32 users take 32 times one.
     `stores` holds the stored methods' stores, of ``cartridge`` (the routed cartridge's `tokens` of KV) and
     ``default`` (`store.plan(question, budget=tokens)`; for a reader its cartridge, then passages each request reads
-    apart, which count among its prompt tokens and its first-token time)."""
+    apart, which count among its prompt tokens and its first-token time), and ``default+draft`` (the same store, a
+    first answer of `DRAFT` tokens before the plan it gives, `store.drafted_plan`: its decode counts in the
+    first-token time; one user only, as each request drafts on its own)."""
     q = corpus.questions[0].question
     turn = [{"role": "user", "content": q}]
     doc = lm.encode(corpus.text)
@@ -382,6 +384,14 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
         setups["default"] = (lm.prompt_ids(turn, prefix_ids=planned.prefix_ids, after_cartridge=bool(parts)), parts,
                              lambda: default.plan(q, budget=tokens).parts(default),
                              planned.passages_kv.num_tokens if planned.passages_kv is not None else 0)
+    if "default+draft" in stores:
+        drafting = stores["default+draft"]
+        planned = drafting.drafted_plan(q, DRAFT, budget=tokens)[0]
+        parts = planned.parts(drafting)
+        setups["default+draft"] = (
+            lm.prompt_ids(turn, prefix_ids=planned.prefix_ids, after_cartridge=bool(parts)), parts,
+            lambda: drafting.drafted_plan(q, DRAFT, budget=tokens)[0].parts(drafting),
+            planned.passages_kv.num_tokens if planned.passages_kv is not None else 0)
     per_token = kv_bytes_per_token(lm)
     out = []
     for method, (prompt, parts, plan, apart) in setups.items():
@@ -390,7 +400,8 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
         ahead = prompt[: len(prompt) - len(after)] if method != "none" else prompt[:2]  # "none": 2 tokens, ~nothing
         context = (parts[0] if len(parts) == 1 else Cartridge.compose(parts)) if parts \
             else Cartridge.from_prefix(lm, ahead, len(ahead))
-        for n in users if method != "icl" else [u for u in users if u in icl_users]:
+        for n in users if method not in ("icl", "default+draft") else [
+                u for u in users if u in (icl_users if method == "icl" else (1,))]:
             out.append({"method": method, "users": n, "prompt_tokens": len(prompt) + apart,
                         "kv_mib_per_user": round((held + decode) * per_token / 2**20, 2),
                         "first_token_s": round(first_token_seconds(lm, [prompt] * n, parts, plan), 3),
@@ -491,6 +502,7 @@ def main() -> None:
         compacted = f"-{settings_tag(compaction)}" if compaction else ""
         folders = {"cartridge": work / f"compact-{args.tokens}{compacted}",
                    "default": work / f"compact-{SyncConfig().for_model(lm).tokens}{compacted}"}
+        folders["default+draft"] = folders["default"]
         stores = {m: CartridgeStore(f, lm) for m, f in folders.items() if m in methods}  # those the run built
         result["speed"] = speed(lm, corpus, args.tokens, retriever, stores,
                                 [int(u) for u in args.users.split(",")], args.decode,

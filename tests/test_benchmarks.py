@@ -418,8 +418,11 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     small = vs_rag.CartridgeStore(tmp_path / "work" / "compact-8", lm)
     planned = small.plan(corpus.questions[0].question, budget=16)
     assert planned.passages_kv.num_tokens == 8
-    timed = vs_rag.speed(lm, corpus, 16, retriever, {"default": small}, [1], 2)
+    timed = vs_rag.speed(lm, corpus, 16, retriever, {"default": small, "default+draft": small}, [1, 2], 2)
     default = next(r for r in timed if r["method"] == "default")
+    # a first answer before the plan: timed for one user (each request drafts alone), its passages as many tokens
+    drafted = [r for r in timed if r["method"] == "default+draft"]
+    assert [r["users"] for r in drafted] == [1] and drafted[0]["prompt_tokens"] == default["prompt_tokens"]
     assert default["prompt_tokens"] == by["cartridge", 1]["prompt_tokens"] + 8
     assert default["kv_mib_per_user"] == by["cartridge", 1]["kv_mib_per_user"]
     calls = []
