@@ -418,7 +418,11 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     small = vs_rag.CartridgeStore(tmp_path / "work" / "compact-8", lm)
     planned = small.plan(corpus.questions[0].question, budget=16)
     assert planned.passages_kv.num_tokens == 8
+    drafts = []
+    monkeypatch.setattr(small, "drafted_plan", lambda *a, **kw: drafts.append(a) or vs_rag.CartridgeStore.drafted_plan(
+        small, *a, **kw))
     timed = vs_rag.speed(lm, corpus, 16, retriever, {"default": small, "default+draft": small}, [1, 2], 2)
+    assert len(drafts) == 2 and drafts[0][1] == vs_rag.DRAFT  # planned once to size it, once within the timing
     default = next(r for r in timed if r["method"] == "default")
     # a first answer before the plan: timed for one user (each request drafts alone), its passages as many tokens
     drafted = [r for r in timed if r["method"] == "default+draft"]

@@ -62,9 +62,17 @@ def test_a_first_answer_picks_the_passages_as_store_ask_does(served, client):
     assert [p["source"] for p in got.model_extra["passages"]] == [p.name for p in want.passages]
     streamed = list(ask(client, "c3", "Who logged storms?", stream=True, extra_body={"passages": 24, "draft": 5}))
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want.text
+    assert streamed[0].model_extra["draft"] == want.draft
+    # a conversation drafts its last user turn alone, as store.ask drafts its question
+    turns = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hello."},
+             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Who logged storms?"}]
+    chat = client.chat.completions.create(model="c3", messages=turns, max_tokens=8, temperature=0,
+                                          extra_body={"passages": 24, "draft": 5})
+    assert chat.model_extra["draft"] == want.draft
     assert ask(client, "c3", "Who logged storms?", extra_body={"draft": 0}).model_extra.get("draft") is None
     for body, why in (({"draft": 5}, "'draft' says how passages are found, and this request gets none"),
                       ({"passages": 24, "draft": -1}, "'draft' .* must be an int from 0 to 256"),
+                      ({"passages": 24, "draft": 257}, "'draft' .* must be an int from 0 to 256"),
                       ({"passages": 24, "draft": True}, "'draft' .* must be an int from 0 to 256")):
         with pytest.raises(openai.BadRequestError, match=why) as refused:
             ask(client, "c3", "Who logged storms?", extra_body=body)

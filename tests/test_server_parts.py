@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import attrs
 import pytest
 
 from cartridges_sdk import Cartridge, CartridgeStore, ConfigError
@@ -95,6 +96,23 @@ def test_passages_fill_the_budget_after_the_routed_cartridge_and_stay_within_wha
     assert rag.cartridges == [] and len(rag.prefix_ids) == 12
     assert refused(resolve, state, {"passages": 12, "passages_from": "routed"}, [state.lm.name], QUESTION, params,
                    None).param == "passages_from"
+
+
+def test_after_a_first_answer_the_same_cartridges_answer_with_passages_found_with_its_words(state):
+    params = GenerationParams(max_new_tokens=4)
+    body = {"budget": 30, "passages": 10, "draft": 4}
+    got = resolve(state, body, None, QUESTION, params, Grant("clinic", allow=("tides", "bees")))
+    assert got.names == ["tides"] and [p.name for p in got.passages] == ["tides"] and got.scope == ["bees", "tides"]
+    # the first answer's words find the bees' passage; routing is not done again, and the key's scope holds
+    again = resolve(state, body, None, QUESTION, params, None, "clover honey in June", got)
+    assert again.names == ["tides"] and [p.name for p in again.passages][0] == "bees" and again.scope == got.scope
+    barred = resolve(state, body, None, QUESTION, params, None, "clover honey in June",
+                     attrs.evolve(got, scope=["tides"]))
+    assert barred.passages == ()  # the bees' passage is outside the first resolution's scope, and no other matches
+    # the first answer must fit the context too: a draft is refused where max_tokens would be
+    long = [{"role": "user", "content": "When do the harbour tides rise? " * (state.lm.max_context // 10)}]
+    assert refused(resolve, state, {"passages": 10, "draft": 4}, ["tides"], long, GenerationParams(max_new_tokens=1),
+                   None).param == "messages"
 
 
 def test_a_readers_budget_is_filled_with_passages_when_the_request_names_none(state, monkeypatch):

@@ -220,7 +220,9 @@ class Answerer:
         settings = {"k": self.k, "budget": self.budget, "passages": self.passages, "retrieval": self.retrieval,
                     "passages_from": self.passages_from, "cartridges": names}
         if self.draft:  # the first answer is generated: it holds the engine its drafter answers on, as answers do
-            drafter = (self.draft_from or self.store).model._runtime(self.runtime, self.runtime_options)
+            # (planning too, inside drafted_plan: seconds at most, where a rebuilt passage index is the longest)
+            source = self.draft_from if self.draft_from is not None else self.store
+            drafter = source.model._runtime(self.runtime, self.runtime_options)
             with engine_lock(drafter):
                 plan, first = self.store.drafted_plan(question, self.draft, draft_from=self.draft_from,
                                                       runtime=drafter, **settings)

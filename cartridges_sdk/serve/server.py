@@ -85,17 +85,22 @@ async def _refused(request: Request, exc: BadRequest) -> JSONResponse:
 
 
 def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, messages: list[dict[str, str]],
-            params: GenerationParams, grant: Grant | None, query: str | None = None) -> Resolved:
+            params: GenerationParams, grant: Grant | None, query: str | None = None,
+            first: Resolved | None = None) -> Resolved:
     """The request's cartridge names and cartridges (routed, for model='auto'), the passages after them (with
     'passages'; ranked against `query`, else the last user turn) and token counts, checked against the context.
-    Runs off the event loop: it may read files, rebuild the routing or passage index and tokenize a long
-    conversation."""
+    Given the `first` resolution (before a draft), its cartridges answer and its passages' scope holds: only the
+    passages are found again. Runs off the event loop: it may read files, rebuild the routing or passage index and
+    tokenize a long conversation."""
     state.refresh()
-    if names == [state.lm.name] and state.lm.name not in state.store:  # the bare model, no cartridge
-        names = []
-    scope = None if grant is None else state.visible(grant)
-    if names is None:
-        names, scope = routed(state, body, messages, grant)
+    if first is not None:
+        names, scope = first.names, first.scope
+    else:
+        if names == [state.lm.name] and state.lm.name not in state.store:  # the bare model, no cartridge
+            names = []
+        scope = None if grant is None else state.visible(grant)
+        if names is None:
+            names, scope = routed(state, body, messages, grant)
     cartridges = cartridges_for(state, names, grant)
     wanted = sought(state.lm, body.get("passages"), body.get("budget"))
     ignored = [f for f in ("retrieval", "passages_from", "draft") if body.get(f) not in (None, 0) and not wanted]
@@ -107,7 +112,9 @@ def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, m
     answering = cartridges + ([apart] if apart is not None else [])  # the passages' KV, read apart, after them
     prompt_tokens, used = check_fits(state.lm, messages, answering, params, prefix)
     read = apart.num_tokens if apart is not None else 0  # passages count as prompt tokens however they are read
-    return Resolved(names, answering, found, prefix, prompt_tokens + read, used - read)
+    if body.get("draft") and first is None:  # the first answer reads the same cartridges and passages
+        check_fits(state.lm, draft_turn(messages), answering, draft_params(body["draft"]), prefix)
+    return Resolved(names, answering, found, prefix, prompt_tokens + read, used - read, scope)
 
 
 @attrs.frozen
@@ -122,6 +129,16 @@ class Resolved:
     prefix_ids: tuple[int, ...]
     prompt_tokens: int
     cartridge_tokens: int
+    scope: list[str] | None = None  # the documents passages may come from (None: all)
+
+
+def draft_turn(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """What a first answer answers: the last user turn alone, as `CartridgeStore.ask`'s draft does."""
+    return [{"role": "user", "content": last_user_text(messages)}]
+
+
+def draft_params(tokens: int) -> GenerationParams:
+    return GenerationParams.from_kwargs({"max_new_tokens": tokens, "temperature": 0.0})
 
 
 def routed(state: ServerState, body: dict[str, Any], messages: list[dict[str, str]],
@@ -279,15 +296,16 @@ async def chat(request: Request):
     if names is not None:  # the names asked for, refused ones too: a key probing for others' shows in the log
         record["asked"] = [shown(n) for n in names]  # every one: the request's size limit bounds them
     got = await asyncio.to_thread(resolve, state, body, names, messages, params, grant)
+    record["cartridges"] = got.names
     first = None
     if body.get("draft"):  # a first answer with what the question found, then passages found with its words too
-        draft = GenerationParams.from_kwargs({"max_new_tokens": body["draft"], "temperature": 0.0})
-        first = (await answer(submit(state, GenerationRequest(messages, got.cartridges, draft,
+        turn = draft_turn(messages)
+        first = (await answer(submit(state, GenerationRequest(turn, got.cartridges, draft_params(body["draft"]),
                                                               prefix_ids=got.prefix_ids), False), request)).text
-        query = drafted(last_user_text(messages), first)
-        got = await asyncio.to_thread(resolve, state, body, got.names, messages, params, grant, query)
+        record["draft_tokens"] = body["draft"]
+        query = drafted(turn[0]["content"], first)
+        got = await asyncio.to_thread(resolve, state, body, None, messages, params, grant, query, got)
     names = got.names
-    record["cartridges"] = names
     if got.passages:
         record["passages"] = sorted({p.name for p in got.passages})
     job = request.scope[JOB] = submit(state, GenerationRequest(messages, got.cartridges, params,
