@@ -36,6 +36,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -377,21 +378,20 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
     if "cartridge" in stores:
         routed = stores["cartridge"]
         setups["cartridge"] = (after, [routed.get(routed.route(q)[0].name)], None, 0)
+
+    def planned(store: CartridgeStore, planning: Callable[[], Any]) -> tuple:
+        """A method whose every request plans its KV (`planning`): planned once here for its prompt and sizes."""
+        plan = planning()
+        parts = plan.parts(store)
+        return (lm.prompt_ids(turn, prefix_ids=plan.prefix_ids, after_cartridge=bool(parts)), parts,
+                lambda: planning().parts(store), plan.passages_kv.num_tokens if plan.passages_kv is not None else 0)
+
     if "default" in stores:
         default = stores["default"]
-        planned = default.plan(q, budget=tokens)
-        parts = planned.parts(default)
-        setups["default"] = (lm.prompt_ids(turn, prefix_ids=planned.prefix_ids, after_cartridge=bool(parts)), parts,
-                             lambda: default.plan(q, budget=tokens).parts(default),
-                             planned.passages_kv.num_tokens if planned.passages_kv is not None else 0)
+        setups["default"] = planned(default, lambda: default.plan(q, budget=tokens))
     if "default+draft" in stores:
         drafting = stores["default+draft"]
-        planned = drafting.drafted_plan(q, DRAFT, budget=tokens)[0]
-        parts = planned.parts(drafting)
-        setups["default+draft"] = (
-            lm.prompt_ids(turn, prefix_ids=planned.prefix_ids, after_cartridge=bool(parts)), parts,
-            lambda: drafting.drafted_plan(q, DRAFT, budget=tokens)[0].parts(drafting),
-            planned.passages_kv.num_tokens if planned.passages_kv is not None else 0)
+        setups["default+draft"] = planned(drafting, lambda: drafting.drafted_plan(q, DRAFT, budget=tokens)[0])
     per_token = kv_bytes_per_token(lm)
     out = []
     for method, (prompt, parts, plan, apart) in setups.items():
