@@ -11,7 +11,8 @@ conversations, `--recipe reader` by a named recipe) and one RAG index (passages 
 - ``bm25`` / ``dense``: RAG's best passages, up to `--tokens` prompt tokens;
 - ``cartridge`` / ``selfstudy``: the cartridge the store routes the question to (`store.route`, top 1), `--tokens`
   tokens of KV each: the same budget as RAG's prompt, held as KV instead of prompt text;
-- ``hybrid:N``: an N-token cartridge, then passages filling the budget; ``default``: `store.ask(q, budget=TOKENS)`;
+- ``hybrid:N``: an N-token cartridge, then passages filling the budget; ``hybrid-selfstudy:N/M``: M-token
+  cartridges cut to their first N (`store.ask(..., trim=True)`); ``default``: `store.ask(q, budget=TOKENS)`;
   ``opening:N`` (with `--scope document`): the document's first N tokens (default: a quarter of the budget) as
   exact KV, then its passages;
 - ``+draft`` after a method with passages (``hybrid+draft:64``, ``default+draft``): its passages ranked against the
@@ -89,12 +90,15 @@ def method_spec(method: str, tokens: int) -> tuple[str, int]:
     (`store.plan(..., rerank=RERANK)`); one with passages (`DRAFTED`) in ``+draft``: its passages ranked against the
     question and a first answer (`store.ask(..., draft=DRAFT)`)."""
     kind, _, size = method.partition(":")
+    size, _, whole = size.partition("/")
     base, added = base_of(method)
     if (base not in METHODS or not added <= {"rerank", "draft"} or ("rerank" in added and base not in STORED)
-            or ("draft" in added and base not in DRAFTED) or (size and (base not in SIZED or not size.isdigit()))):
+            or ("draft" in added and base not in DRAFTED) or (size and (base not in SIZED or not size.isdigit()))
+            or (whole and (not base.startswith("hybrid") or not whole.isdigit() or int(whole) <= int(size)))):
         raise ConfigError(f"method {method!r}: use one of {list(METHODS)}, with '+rerank' after one of "
-                          f"{list(STORED)}, '+draft' after one of {list(DRAFTED)}, or ':TOKENS' after one of "
-                          f"{list(SIZED)}.")
+                          f"{list(STORED)}, '+draft' after one of {list(DRAFTED)}, ':TOKENS' after one of "
+                          f"{list(SIZED)}, or ':TOKENS/MADE' after a hybrid one (MADE-token cartridges cut to TOKENS, "
+                          "MADE > TOKENS).")
     shared = base.startswith("hybrid") or base == "opening"  # passages fill what the cartridge leaves
     default = tokens // 4 if base == "opening" else tokens // 2 if shared else tokens
     size_ = int(size) if size else default
@@ -103,12 +107,19 @@ def method_spec(method: str, tokens: int) -> tuple[str, int]:
     return kind, size_
 
 
+def made_size(method: str, tokens: int) -> int:
+    """The size a stored method's cartridges are made at: ``hybrid-selfstudy:160/192`` answers with 192-token
+    cartridges cut to 160 (`store.plan(..., trim=True)`); without ``/``, the size they answer at."""
+    whole = method.partition(":")[2].partition("/")[2]
+    return int(whole) if whole else method_spec(method, tokens)[1]
+
+
 def label(method: str, scope: str = "store") -> str:
     size = method.partition(":")[2]
     base, added = base_of(method)
     text = (LABELS[base] + (", reranked" if "rerank" in added else "")
             + (", passages picked with a first answer" if "draft" in added else "")
-            + (f", {size}-token cartridge" if size else ""))
+            + (f", {size.replace('/', '-token cut of a ')}-token cartridge" if size else ""))
     if scope == "document":  # nothing is routed: the question's own document answers, and RAG reads only it
         text = text.replace("routed cartridges", "its cartridge").replace("routed cartridge", "its own cartridge")
         text = text.replace("budget=TOKENS", "cartridges=[its own], budget=TOKENS")
@@ -171,7 +182,7 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
             folder = work / f"compact-{key[1]}{compacted}"
         else:
             trained = kind.endswith("selfstudy")
-            size = method_spec(method, tokens)[1]
+            size = made_size(method, tokens)
             key = ("selfstudy" if trained else "compact", size)
             folder = work / (f"selfstudy-{size}-{tag}{compacted}" if trained else f"compact-{size}{compacted}")
         if key not in made:
@@ -200,7 +211,8 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
         elif base.startswith("hybrid"):
             size = method_spec(method, tokens)[1]
             plan = store.drafted_plan(question, draft, draft_from=draft_from if draft else None, budget=tokens,
-                                      passages=tokens - size, rerank=rerank, **named, **own)[0]
+                                      passages=tokens - size, rerank=rerank, trim=made_size(method, tokens) > size,
+                                      **named, **own)[0]
         elif base == "multi":
             plan = store.plan(question, budget=tokens, passages=0, rerank=rerank, **named)  # cartridges alone
         else:

@@ -299,7 +299,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     data = _write(tmp_path / "set.jsonl", [(TEXT[:half], FREE), (TEXT[half:], MC)])
     assert vs_rag.options(MC[1][0]) == ("Which sea?", ["the north one", "the south one", "the east one"])
     methods_ = ["none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default",
-                "cartridge+rerank", "multi:8", "hybrid+draft:8"]
+                "cartridge+rerank", "multi:8", "hybrid+draft:8", "hybrid-selfstudy+draft:4/8"]
     result = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", methods_,
                                 {"num_conversations": 2, "document_windows": 2}, draft_from="selfstudy")
     assert result["questions"] == 4 and result["methods"] == methods_  # the drafter is among them already
@@ -309,7 +309,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     else:
         assert set(result["closure"].values()) == {None}
     stored = {"cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default", "cartridge+rerank", "multi:8",
-              "hybrid+draft:8"}
+              "hybrid+draft:8", "hybrid-selfstudy+draft:4/8"}
     assert set(result["mc_accuracy"]) == set(methods_) and set(result["routed_right"]) == stored
     # the letter the reader picks, options listed: read from the closure's own passes, as measure.choose reads it
     assert set(result["mc_letter"]) == set(methods_) and result["mc_questions"] == 2
@@ -318,7 +318,14 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     # every method is held to the budget: cartridge tokens plus passage tokens
     assert all(0 < r["context_tokens"][k] <= 16 for r in result["rows"] for k in ("bm25", "dense"))
     assert all(r["context_tokens"][k] == 16 for r in result["rows"]
-               for k in ("cartridge", "selfstudy", "hybrid:8", "cartridge+rerank", "hybrid+draft:8"))
+               for k in ("cartridge", "selfstudy", "hybrid:8", "cartridge+rerank", "hybrid+draft:8",
+                         "hybrid-selfstudy+draft:4/8"))
+    # ':4/8': the 8-token self-studied cartridges cut to 4 (no store of 4-token ones is made), passages the rest
+    assert not any(p.name.startswith("selfstudy-4-") for p in (tmp_path / "work").iterdir())
+    assert vs_rag.made_size("hybrid-selfstudy+draft:4/8", 16) == 8 and vs_rag.made_size("hybrid:8", 16) == 8
+    for bad in ("selfstudy:4/8", "hybrid:8/4", "hybrid:4/x"):
+        with pytest.raises(vs_rag.ConfigError, match="':TOKENS/MADE' after a hybrid one"):
+            vs_rag.method_spec(bad, 16)
     assert all(r["context_tokens"]["multi:8"] in (8, 16) for r in result["rows"])  # documents sharing a word
     with pytest.raises(vs_rag.ConfigError, match="smaller than the budget"):
         vs_rag.method_spec("hybrid:16", 16)

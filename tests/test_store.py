@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import attrs
+
 import pytest
 import torch
 
@@ -190,6 +192,56 @@ def test_a_first_answer_picks_the_passages(store, tiny_llama):
         store.plan(q, budget=40, passages=20, query="")
     with pytest.raises(ConfigError, match="query= says what passages are ranked against, and this answer gets none"):
         store.plan(q, budget=40, query="Who built the lighthouse?")
+
+
+def test_trim_cuts_the_cartridges_to_what_the_passages_leave_of_the_budget(store, tiny_llama):
+    from cartridges_sdk.serve.passages import read_apart, trim_sizes
+
+    q = "When did the railway to Colby close?"
+    # a 12-token cartridge cut to its first 8 is the 8-token one: attention reads the kept keys as before
+    whole = store.get("railway")
+    cut = whole.truncated(8)
+    exact = Cartridge.from_prefix(tiny_llama, CORPORA["railway"], 8)
+    ids = tiny_llama.encode(q)
+    torch.testing.assert_close(cut.logits(ids), exact.logits(ids), rtol=1e-4, atol=1e-4)
+    assert cut.num_tokens == 8 and whole.num_tokens == 12 and whole.truncated(12) is whole
+    reported = Cartridge(whole.keys, whole.values, attrs.evolve(whole.meta, extra={"quality": {"recovered": 0.9}}))
+    assert reported.quality and reported.truncated(8).quality is None  # measured on all 12 tokens, not these 8
+    # 12-token cartridges do not fit the 10 that 20 passage tokens leave of 30: the best is taken whole, over budget
+    over = store.plan(q, budget=30, passages=20)
+    assert over.cartridges == ("railway",) and over.sizes == () and over.passages_kv.num_tokens == 20
+    # ... or, with trim, cut to fit, the passages read apart after its 10 tokens
+    plan = store.plan(q, budget=30, passages=20, trim=True)
+    assert plan.cartridges == ("railway",) and plan.sizes == (10,) and plan.passages[0].name == "railway"
+    parts = plan.parts(store)
+    assert [p.num_tokens for p in parts] == [10, 20]
+    torch.testing.assert_close(parts[0].keys[-1], whole.keys[-1][:, :10])
+    again = read_apart(tiny_llama, passage_ids(tiny_llama, plan.passages, 20, after_cartridge=False)[0], 10)
+    torch.testing.assert_close(parts[1].keys[-1], again.keys[-1])
+    answer = store.ask(q, budget=30, passages=20, trim=True, max_new_tokens=5)
+    runtime = tiny_llama._runtime("hf", None)
+    same = runtime.generate([GenerationRequest([{"role": "user", "content": q}], parts,
+                                               GenerationParams(max_new_tokens=5))])[0]
+    assert answer.text == same.text and answer.cartridges == ("railway",)
+    # named cartridges share what is left; one that fits stays whole
+    assert store.plan(q, cartridges=["railway", "orchard"], budget=40, passages=20, trim=True).sizes == (10, 10)
+    assert store.plan(q, cartridges=["railway"], budget=40, passages=20, trim=True).sizes == (12,)
+    assert trim_sizes([4, 12, 12], 20) == (4, 8, 8) and trim_sizes([30, 3], 20) == (17, 3)
+    # the first answer written by the whole cartridges alone (draft_from the store itself), the answer cut
+    first = store.ask(q, cartridges=["railway"], max_new_tokens=4, temperature=0.0).text
+    drafted_, draft = store.drafted_plan(q, 4, draft_from=store, budget=30, passages=20, trim=True)
+    assert draft == first and drafted_.sizes == (10,)
+    for bad, why in [({"budget": 30, "trim": True}, "trim=True cuts the cartridges to what passages leave"),
+                     ({"passages": 20, "trim": True}, "trim=True cuts the cartridges to what passages leave"),
+                     ({"budget": 30, "passages": 20, "trim": "yes"}, "trim='yes' must be True or False"),
+                     ({"budget": 30, "passages": 27, "trim": True, "cartridges": ["railway", "orchard"]},
+                      "2 cartridges cannot be cut to fit 3")]:
+        with pytest.raises(ConfigError, match=why):
+            store.plan(q, **bad)
+    with pytest.raises(ConfigError, match="greater than the cartridge's 1 frozen"):
+        whole.truncated(1)
+    with pytest.raises(ConfigError, match="cut each part before composing"):
+        Cartridge.compose([whole, store.get("orchard")]).truncated(20)
 
 
 def test_a_readers_budget_is_shared_with_passages_by_default(store, tiny_llama, monkeypatch):

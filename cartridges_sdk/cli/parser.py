@@ -192,10 +192,14 @@ def _ask(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retrieval", choices=["bm25", "dense"], help="how passages are ranked (default bm25)")
     p.add_argument("--passages-from", choices=["store", "routed"],
                    help="passages of the whole store (the default), or only of the routed cartridges' documents")
+    p.add_argument("--trim", action="store_true", help="with --store, --budget and --passages: cut cartridges larger "
+                   "than what the passages leave of the budget to their first tokens, rather than routing past them "
+                   "(a self-studied store's, docs/vs-rag.md)")
     p.add_argument("--draft", type=int, default=0, help="with --store and passages: write a first answer of at most "
                    "this many tokens, and rank the passages against the question and it (default 0: off)")
     p.add_argument("--draft-from", default=None, metavar="STORE", help="with --draft: another store of the same "
-                   "documents (a self-studied one) whose cartridges write the first answer (default: --store's plan)")
+                   "documents (a self-studied one; or --store itself, its cartridges whole, with --trim) whose "
+                   "cartridges alone write the first answer (default: --store's plan)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)

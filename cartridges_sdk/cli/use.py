@@ -30,7 +30,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
                           "cartridges; not both, not neither.")
     routing = {"--k": args.k != 1, "--budget": args.budget is not None, "--passages": args.passages is not None,
                "--retrieval": args.retrieval is not None, "--passages-from": args.passages_from is not None,
-               "--draft": bool(args.draft), "--draft-from": args.draft_from is not None}
+               "--trim": args.trim, "--draft": bool(args.draft), "--draft-from": args.draft_from is not None}
     stray = [flag for flag, given in routing.items() if given and not args.store]
     if stray:
         raise ConfigError(f"{stray[0]} picks a store's cartridges or passages; add --store FOLDER, or drop it.")
@@ -49,6 +49,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
             if how and not sought(lm, args.passages, args.budget):
                 raise ConfigError(f"{how[0]} says how passages are found, and this question gets none: {lm.name}'s "
                                   "budget is all cartridges unless --passages N (tokens of them) is given.")
+            if args.trim and (args.budget is None or not args.passages):
+                raise ConfigError("--trim cuts the cartridges to what --passages leave of --budget; give both "
+                                  "(--budget 256 --passages 96), or drop --trim.")
             store = CartridgeStore(args.store, lm)
             if args.draft_from and not args.draft:
                 raise ConfigError("--draft-from says whose cartridges write the first answer, and no --draft N asks "
@@ -56,10 +59,12 @@ def cmd_ask(args: argparse.Namespace) -> int:
             if args.draft_from and not Path(args.draft_from).is_dir():
                 raise ConfigError(f"--draft-from {args.draft_from}: no such store folder; give one that "
                                   "`cartridges sync` made for the same documents.")
-            drafter = CartridgeStore(args.draft_from, lm) if args.draft_from else None
+            same = args.draft_from and Path(args.draft_from).resolve() == Path(args.store).resolve()
+            drafter = store if same else CartridgeStore(args.draft_from, lm) if args.draft_from else None
             answer = store.ask(args.question, k=args.k, budget=args.budget, passages=args.passages,
-                               retrieval=args.retrieval, passages_from=args.passages_from, draft=args.draft,
-                               draft_from=drafter, runtime=args.runtime, runtime_options=options, **gen)
+                               retrieval=args.retrieval, passages_from=args.passages_from, trim=args.trim,
+                               draft=args.draft, draft_from=drafter, runtime=args.runtime, runtime_options=options,
+                               **gen)
             print(answer.text)
             sources = sorted({p.name for p in answer.passages})
             print(f"(cartridges: {', '.join(answer.cartridges)}"

@@ -19,7 +19,7 @@ from ..checks import at_least_one
 from ..errors import ConfigError
 from ..generation import Completion, GenerationParams, GenerationRequest, Message
 from ..plugins import ContinuousRuntime
-from .passages import Passage, check_draft, check_settings, check_sought, sought
+from .passages import Passage, check_draft, check_settings, check_sought, check_trim, sought
 from .store import CartridgeStore, check_draft_from
 from .records import document_record
 
@@ -163,8 +163,9 @@ class Answerer:
     """Answers chat turns with `cartridge`, or with `store`'s cartridges: `names` when given, else the best `k` for
     the question (or as many as fit `budget` tokens); with `passages` tokens, the store's best passages after them,
     the budget shared (`CartridgeStore.plan`), ranked against the question and a first answer of at most `draft`
-    tokens when given (written by `draft_from`'s cartridges when given: `CartridgeStore.drafted_plan`). `runtime` is
-    a runtime name or object, as for `lm.chat`."""
+    tokens when given (written by `draft_from`'s cartridges when given: `CartridgeStore.drafted_plan`); with `trim`,
+    cartridges larger than what the passages leave of `budget` cut to fit. `runtime` is a runtime name or object,
+    as for `lm.chat`."""
 
     cartridge: Cartridge | None = None
     store: CartridgeStore | None = None
@@ -178,6 +179,7 @@ class Answerer:
     passages_from: str | None = None  # None: the whole store
     draft: int = 0  # tokens of a first answer that picks the passages (0: none)
     draft_from: CartridgeStore | None = None  # None: the answering plan's cartridges write it
+    trim: bool = False  # cut cartridges larger than what `passages` leave of `budget` (`CartridgeStore.plan`)
 
     def __attrs_post_init__(self) -> None:
         if (self.cartridge is None) == (self.store is None):
@@ -193,7 +195,7 @@ class Answerer:
         if self.store is None:
             given = [f"{n}={v!r:.60}" for n, v in (("passages", self.passages), ("retrieval", self.retrieval),
                                                    ("passages_from", self.passages_from), ("draft", self.draft),
-                                                   ("draft_from", self.draft_from)) if v]
+                                                   ("draft_from", self.draft_from), ("trim", self.trim)) if v]
             if given:
                 raise ConfigError(f"{given[0]} asks for passages, which are retrieved from a store's documents; "
                                   f"build it with store=, or drop {given[0].split('=')[0]}.")
@@ -201,6 +203,7 @@ class Answerer:
             check_sought(self.store.model, self.passages, self.budget, self.retrieval, self.passages_from)
             check_draft(self.store.model, self.draft, self.passages, self.budget)
             check_draft_from(self.draft_from, self.draft)
+            check_trim(self.trim, self.passages, self.budget)
 
     @property
     def model(self) -> Any:
@@ -218,7 +221,7 @@ class Answerer:
                                      origin=record.get("origin")),))
         names = list(names) if names else list(self.names) if self.names else None
         settings = {"k": self.k, "budget": self.budget, "passages": self.passages, "retrieval": self.retrieval,
-                    "passages_from": self.passages_from, "cartridges": names}
+                    "passages_from": self.passages_from, "cartridges": names, "trim": self.trim}
         if self.draft:  # the first answer is generated: it holds the engine its drafter answers on, as answers do
             # (planning too, inside drafted_plan: seconds at most, where a rebuilt passage index is the longest)
             source = self.draft_from if self.draft_from is not None else self.store
@@ -229,8 +232,9 @@ class Answerer:
         else:
             plan, first = self.store.plan(question, **settings), None
         out = []
-        for name, score in zip(plan.cartridges, plan.scores):
+        for i, (name, score) in enumerate(zip(plan.cartridges, plan.scores)):
             cartridge = self.store.get(name)
+            cartridge = cartridge.truncated(plan.sizes[i]) if plan.sizes else cartridge  # `trim`: cut to fit
             record = document_record(cartridge) or {}
             out.append(Chosen(name, cartridge, score, record.get("sha256"), record.get("origin"),
                               self.store.corpus_path(name)))

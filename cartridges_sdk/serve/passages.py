@@ -168,6 +168,33 @@ class PassageIndex:
         return out
 
 
+def check_trim(trim: Any, passages: int | None, budget: int | None) -> None:
+    """Refuse a `trim` that is not a bool, or one with no share to cut the cartridges to (both `budget` and
+    `passages` given)."""
+    if not isinstance(trim, bool):
+        raise ConfigError(f"trim={trim!r:.60} must be True or False.")
+    if trim and (budget is None or not passages):
+        raise ConfigError(f"trim=True cuts the cartridges to what passages leave of the budget, and budget={budget} "
+                          f"passages={passages} leave no such share; give budget=N and passages=M (0 < M < N), or "
+                          "drop trim.")
+
+
+def trim_sizes(sizes: Sequence[int], room: int) -> tuple[int, ...]:
+    """What each cartridge of `sizes` keeps so that together they fit `room` tokens: the smaller ones whole, the
+    larger ones cut to an equal share of what those leave (at least 2 tokens each: the sink and one more)."""
+    if room < 2 * len(sizes):
+        raise ConfigError(f"{len(sizes)} cartridges cannot be cut to fit {room} tokens (at least 2 each); give a "
+                          "larger budget, fewer passage tokens, or a smaller k.")
+    kept = list(sizes)
+    left, waiting = room, sorted(range(len(sizes)), key=lambda i: sizes[i])
+    while waiting:
+        share = left // len(waiting)
+        i = waiting.pop(0)
+        kept[i] = max(2, min(sizes[i], share))
+        left -= kept[i]
+    return tuple(kept)
+
+
 def candidates(room: int) -> int:
     """How many passages to rank to fill `room` prompt tokens: enough if most are cut short, at least 8."""
     return max(8, room // 32)
@@ -224,12 +251,16 @@ class Plan:
     passages: tuple[Passage, ...] = ()
     prefix_ids: tuple[int, ...] = ()  # passages with no cartridge in front: the prompt's first tokens
     scores: tuple[float | None, ...] = ()  # each cartridge's routing score (None: named, not routed)
+    sizes: tuple[int, ...] = ()  # with `trim`: the tokens each cartridge is cut to (`Cartridge.truncated`)
     # passages behind cartridges: their KV, read apart (`read_apart`), to be placed after the cartridges
     passages_kv: Any = attrs.field(default=None, eq=False)
 
     def parts(self, store: Any) -> list[Any]:
         """The KV that goes before the question: the cartridges (from `store`), then the passages read apart."""
-        return [store.get(n) for n in self.cartridges] + ([self.passages_kv] if self.passages_kv is not None else [])
+        cut = self.sizes or (None,) * len(self.cartridges)
+        carts = [store.get(n) if size is None else store.get(n).truncated(size)
+                 for n, size in zip(self.cartridges, cut)]
+        return carts + ([self.passages_kv] if self.passages_kv is not None else [])
 
 
 def read_apart(lm: Any, ids: Sequence[int], start: int) -> Any:
@@ -266,7 +297,7 @@ def drafted(question: str, first: str) -> str:
 
 def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
          retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
-         among: Sequence[str] | None = None, rerank: int = 0, query: str | None = None) -> Plan:
+         among: Sequence[str] | None = None, rerank: int = 0, query: str | None = None, trim: bool = False) -> Plan:
     """What answers `question` from `store` (a CartridgeStore).
 
     Cartridges: the named ones (`cartridges`), else the best `k` routed, else (with `budget`) as many as fit in
@@ -277,7 +308,9 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     (``"routed"``), ranked by `retrieval` (None: bm25); given for an answer that gets no passages, these two are
     refused, not ignored. With `rerank` N, the best N by BM25 are ranked again with the question's likelihood after
     each (`rerank.py`). Passages are ranked against `query` (None: the question), as `CartridgeStore.ask`'s
-    `draft` ranks them against the question and a first answer."""
+    `draft` ranks them against the question and a first answer. Routing takes at least the best cartridge even
+    where it is larger than `budget - passages`, as named ones are taken; `trim` cuts such cartridges to their
+    first tokens (`trim_sizes`), so that the whole budget is kept."""
     if query is not None and (not isinstance(query, str) or not query.strip()):
         raise ConfigError(f"query={query!r:.60} must be a non-empty text to rank passages against (None: the "
                           "question).")
@@ -289,6 +322,7 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
                           "(prompt tokens of them) or a reader's budget, or drop query.")
     if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
         raise ConfigError(f"rerank={rerank!r} must be a number of candidates (0: BM25 alone).")
+    check_trim(trim, asked, budget)
     if cartridges is not None:
         routes = [(n, None) for n in cartridges]
     elif rerank:
@@ -305,16 +339,17 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
         routes = [(r.name, r.score) for r in store.route(question, k, among=among)]
     names = tuple(n for n, _ in routes)
     scores = tuple(s for _, s in routes)
+    sizes = trim_sizes([store.get(n).num_tokens for n in names], budget - passages) if trim else ()
     if not passages and not auto:
         return Plan(names, scores=scores)
-    used = sum(store.get(n).num_tokens for n in names)
+    used = sum(sizes) if trim else sum(store.get(n).num_tokens for n in names)
     room = budget - used if auto else passages if budget is None else max(passages, budget - used)
     if room <= 0:  # the cartridges fill the budget: nothing left to fill
-        return Plan(names, scores=scores)
+        return Plan(names, scores=scores, sizes=sizes)
     pool = list(names) if passages_from == "routed" else among
     found = store.passages(query or question, k=candidates(room), retrieval=retrieval or "bm25", among=pool)
     ids, kept = passage_ids(store.model, found, room, after_cartridge=False)
     if not names or not kept:  # no cartridge in front (RAG alone), or no passage found: nothing to read apart
-        return Plan(names, tuple(kept), tuple(ids) if kept else (), scores)
-    return Plan(names, tuple(kept), scores=scores, passages_kv=read_apart(store.model, ids, used))
+        return Plan(names, tuple(kept), tuple(ids) if kept else (), scores, sizes)
+    return Plan(names, tuple(kept), scores=scores, sizes=sizes, passages_kv=read_apart(store.model, ids, used))
 

@@ -27,7 +27,8 @@ class ChatCartridges(BaseChatModel):
     them (`budget` then counts both; `retrieval` bm25 (None) or dense; `passages_from` "store" (None) or "routed",
     refused where no passages are sought; `passages` left at None, a reader's answer with a `budget` fills what its
     cartridges leave, as `CartridgeStore.plan` says; `draft` N ranks them against the question and a first answer
-    of at most N tokens, written by `draft_from`'s cartridges when given, as `CartridgeStore.ask` does). A call may
+    of at most N tokens, written by `draft_from`'s cartridges when given, as `CartridgeStore.ask` does; `trim` cuts
+    cartridges larger than what the passages leave of the budget). A call may
     name its own with ``invoke(..., cartridges=[...])``: store names, or the documents `CartridgeRetriever`
     returned. Each answer's ``response_metadata["cartridges"]`` says which cartridges gave it (and
     ``["passages"]`` which passages, ``["draft"]`` the first answer that picked them)."""
@@ -42,6 +43,7 @@ class ChatCartridges(BaseChatModel):
     passages_from: str | None = None
     draft: int = 0
     draft_from: Any = None
+    trim: bool = False
     runtime: Any = "auto"
     runtime_options: dict[str, Any] | None = None
     max_tokens: int = 256
@@ -57,7 +59,7 @@ class ChatCartridges(BaseChatModel):
         with langchain_errors():
             self._answerer = Answerer(self.cartridge, self.store, self.k, self.budget, self.cartridges, self.runtime,
                                       self.runtime_options, self.passages, self.retrieval, self.passages_from,
-                                      self.draft, self.draft_from)
+                                      self.draft, self.draft_from, self.trim)
         return self
 
     @property
@@ -70,7 +72,8 @@ class ChatCartridges(BaseChatModel):
         source = {"cartridge": self.cartridge.fingerprint} if self.cartridge is not None else {
             "store": str(self.store.root), "cartridges": self.cartridges, "k": self.k, "budget": self.budget,
             "passages": self.passages, "retrieval": self.retrieval, "passages_from": self.passages_from,
-            "draft": self.draft, "draft_from": None if self.draft_from is None else str(self.draft_from.root)}
+            "draft": self.draft, "draft_from": None if self.draft_from is None else str(self.draft_from.root),
+            "trim": self.trim}
         return {"model": self._answerer.model.name, **source,
                 # "auto" as the runtime it stands for here: llama.cpp's answers are not HF's
                 "runtime": runtime_name(self.runtime, self._answerer.model) if isinstance(self.runtime, str)

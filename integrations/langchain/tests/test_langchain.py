@@ -113,6 +113,13 @@ def test_passages_after_the_cartridge_give_the_sdks_answer_and_are_named(store, 
         ChatCartridges(store=store, budget=128, draft=6)
     with pytest.raises(ValueError, match="draft_from says whose cartridges.*draft=0"):
         ChatCartridges(store=store, budget=128, passages=48, draft_from=store)
+    # trim: the 64-token cartridge cut to the 48 that 48 tokens of passages leave of 96, as the SDK cuts it
+    cut = store.ask(QUESTION, budget=96, passages=48, trim=True, max_new_tokens=8)
+    trimmed = ChatCartridges(store=store, budget=96, passages=48, trim=True, max_tokens=8)
+    assert trimmed.invoke(QUESTION).content == cut.text
+    assert [c.cartridge.num_tokens for c in trimmed._answerer.choose(QUESTION)] == [48]
+    with pytest.raises(ValueError, match="trim=True cuts the cartridges to what passages leave of the budget"):
+        ChatCartridges(store=store, budget=96, trim=True)
     # how passages are found, where none are sought, is refused rather than ignored
     with pytest.raises(ValueError, match="retrieval='dense' says how passages are found.*budget is all cartridges"):
         ChatCartridges(store=store, budget=128, retrieval="dense")

@@ -20,16 +20,17 @@ class CartridgeQueryEngine(BaseQueryEngine):
     """Answers a query with the best `k` cartridges of `store` for it (or as many as fit `budget` tokens), and with
     `passages` tokens of the store's best passages after them (the budget shared; both kinds are source nodes),
     ranked against the query and a first answer of `draft` tokens when given (by `draft_from`'s cartridges when
-    given; the response's metadata has it as ``draft``). `streaming=True` returns a `StreamingResponse`; `gen`
+    given; the response's metadata has it as ``draft``); `trim` cuts cartridges larger than what the passages leave
+    of the budget. `streaming=True` returns a `StreamingResponse`; `gen`
     are generation settings (max_tokens, temperature, ...)."""
 
     def __init__(self, store: Any, *, k: int = 1, budget: int | None = None, passages: int | None = None,
                  retrieval: str | None = None, passages_from: str | None = None, draft: int = 0,
-                 draft_from: Any = None, runtime: Any = "auto", streaming: bool = False,
+                 draft_from: Any = None, trim: bool = False, runtime: Any = "auto", streaming: bool = False,
                  callback_manager: CallbackManager | None = None, **gen: Any):
         self._answerer = Answerer(store=store, k=k, budget=budget, runtime=runtime, passages=passages,
                                   retrieval=retrieval, passages_from=passages_from, draft=draft,
-                                  draft_from=draft_from)
+                                  draft_from=draft_from, trim=trim)
         self._streaming = streaming
         self._gen = {"max_new_tokens": gen.pop("max_tokens", 256), **gen}
         self._answerer.request([{"role": "user", "content": "?"}], Selection(()), **self._gen)  # bad settings fail here

@@ -90,6 +90,14 @@ def test_passages_are_answered_with_and_shown_as_source_nodes(store):
         CartridgeLLM(cartridge=store.get("harrow"), draft=6)
     with pytest.raises(ValueError, match="draft=-1 must be a number of tokens"):
         CartridgeQueryEngine(store, budget=128, passages=48, draft=-1)
+    # trim: the 64-token cartridge cut to the 48 that 48 tokens of passages leave of 96, as the SDK cuts it
+    cut = store.ask(QUESTION, budget=96, passages=48, trim=True, max_new_tokens=8)
+    response = CartridgeQueryEngine(store, budget=96, passages=48, trim=True, max_tokens=8).query(QUESTION)
+    assert response.response == cut.text and response.source_nodes[0].node.metadata["tokens"] == 48
+    assert CartridgeLLM(store=store, budget=96, passages=48, trim=True, max_tokens=8).complete(QUESTION).text == \
+        cut.text
+    with pytest.raises(ValueError, match="trim=True asks for passages, which are retrieved from a store"):
+        CartridgeLLM(cartridge=store.get("harrow"), trim=True)
     with pytest.raises(ValueError, match="passages=8 asks for passages, which are retrieved from a store"):
         CartridgeLLM(cartridge=store.get("harrow"), passages=8)
     with pytest.raises(ValueError, match="retrieval='dense' asks for passages.*or drop retrieval"):
