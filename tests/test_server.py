@@ -79,6 +79,21 @@ def test_a_first_answer_picks_the_passages_as_store_ask_does(served, client):
         assert refused.value.body["param"] == "draft"
 
 
+def test_trim_cuts_the_routed_cartridge_as_store_ask_does(served, client):
+    _, store, _ = served
+    want = store.ask("Who logged storms?", budget=24, passages=20, trim=True, max_new_tokens=8)
+    got = ask(client, "auto", "Who logged storms?", extra_body={"budget": 24, "passages": 20, "trim": True})
+    assert got.choices[0].message.content == want.text and got.model_extra["cartridges"] == list(want.cartridges)
+    assert got.usage.model_extra["cartridge_tokens"] == 4  # cut to what 20 tokens of passages leave of 24
+    whole = ask(client, "auto", "Who logged storms?", extra_body={"budget": 24, "passages": 20})
+    assert whole.usage.model_extra["cartridge_tokens"] == store.get(want.cartridges[0]).num_tokens > 4
+    for body, why in (({"budget": 24, "trim": True}, "'trim' cuts the routed cartridges"),
+                      ({"budget": 24, "passages": 20, "trim": 1}, "'trim' .* must be true or false")):
+        with pytest.raises(openai.BadRequestError, match=why) as refused:
+            ask(client, "auto", "Who logged storms?", extra_body=body)
+        assert refused.value.body["param"] == "trim"
+
+
 def test_answers_equal_the_python_apis_streamed_and_not(served, client, tiny_llama):
     _, store, _ = served
     want = tiny_llama.ask("Who logged storms?", cartridges=[store.get("c3")], max_new_tokens=8)

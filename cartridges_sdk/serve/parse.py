@@ -14,7 +14,7 @@ from .settings import ServeConfig
 
 ROLES = ("system", "user", "assistant")
 # this server's own fields, beside OpenAI's: how many cartridges are routed to, and the passages put after them
-ROUTING = {"k", "budget", "passages", "retrieval", "passages_from", "draft"}
+ROUTING = {"k", "budget", "passages", "retrieval", "passages_from", "draft", "trim"}
 MAX_PASSAGE_TOKENS = 8192
 MAX_DRAFT_TOKENS = 256  # a first answer's tokens: each is decoded before the answer starts
 # request fields this server reads; others are refused by name (an ignored setting would answer something else)
@@ -169,6 +169,13 @@ def _check_passages(body: dict[str, Any]) -> None:
     if passages and budget is not None and passages >= budget:
         raise BadRequest(400, f"'passages' ({passages}) leaves nothing of 'budget' ({budget}) for cartridges; send "
                          "fewer passage tokens or a larger budget ('budget' counts cartridges and passages).", "passages")
+    trim = body.get("trim")
+    if trim is not None and not isinstance(trim, bool):
+        raise BadRequest(400, "'trim' (cut routed cartridges larger than what 'passages' leave of 'budget') must be "
+                         "true or false.", "trim")
+    if trim and (budget is None or not passages):
+        raise BadRequest(400, "'trim' cuts the routed cartridges to what 'passages' leave of 'budget'; send both "
+                         "(with model 'auto'), or drop 'trim'.", "trim")
 
 
 def _names(body: dict[str, Any], model: str) -> list[str] | None:

@@ -108,7 +108,9 @@ def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, m
         raise BadRequest(400, f"'{ignored[0]}' says how passages are found, and this request gets none: "
                          f"{state.lm.name}'s budget is all cartridges unless 'passages' (tokens of them) is sent.",
                          ignored[0])
-    found, prefix, apart = passages_for(state, body, messages, names, scope, query) if wanted else ((), (), None)
+    found, prefix, apart, sizes = passages_for(state, body, messages, names, scope, query) if wanted else \
+        ((), (), None, ())
+    cartridges = [c.truncated(n) for c, n in zip(cartridges, sizes)] if sizes else cartridges  # 'trim': cut to fit
     answering = cartridges + ([apart] if apart is not None else [])  # the passages' KV, read apart, after them
     prompt_tokens, used = check_fits(state.lm, messages, answering, params, prefix)
     read = apart.num_tokens if apart is not None else 0  # passages count as prompt tokens however they are read
@@ -169,9 +171,10 @@ def routed(state: ServerState, body: dict[str, Any], messages: list[dict[str, st
 
 def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[str, str]], names: list[str],
                  scope: list[str] | None,
-                 query: str | None = None) -> tuple[tuple[Passage, ...], tuple[int, ...], Cartridge | None]:
+                 query: str | None = None) -> tuple[tuple[Passage, ...], tuple[int, ...], Cartridge | None,
+                                                    tuple[int, ...]]:
     """The passages best matching the last user turn: as prompt tokens, or, behind cartridges, their KV read apart
-    (`passages.read_apart`). Of the documents the request may see (`scope`), or only the answering cartridges' own;
+    (`passages.read_apart`); and, with 'trim', the tokens each cartridge is cut to (`Plan.sizes`). Of the documents the request may see (`scope`), or only the answering cartridges' own;
     in a store whose cartridges say whom they are about (records), always only their own: a passage of someone
     else's record never reaches the answer."""
     source = body.get("passages_from", "store")
@@ -186,10 +189,10 @@ def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[s
     try:
         plan = state.store.plan(last_user_text(messages), cartridges=names, budget=body.get("budget"),
                                 passages=body.get("passages"), retrieval=body.get("retrieval", "bm25"),
-                                passages_from=source, among=scope, query=query)
+                                passages_from=source, among=scope, query=query, trim=bool(body.get("trim")))
     except ConfigError as err:
         raise BadRequest(400, str(err), "passages") from None
-    return plan.passages, plan.prefix_ids, plan.passages_kv
+    return plan.passages, plan.prefix_ids, plan.passages_kv, plan.sizes
 
 
 def about(state: ServerState, asked: tuple[str, ...], among: list[str] | None) -> list[str] | None:
