@@ -94,7 +94,8 @@ def method_spec(method: str, tokens: int) -> tuple[str, int]:
     base, added = base_of(method)
     if (base not in METHODS or not added <= {"rerank", "draft"} or ("rerank" in added and base not in STORED)
             or ("draft" in added and base not in DRAFTED) or (size and (base not in SIZED or not size.isdigit()))
-            or (whole and (not base.startswith("hybrid") or not whole.isdigit() or int(whole) <= int(size)))):
+            or (whole and (not base.startswith("hybrid") or not size or not whole.isdigit()
+                           or int(whole) <= int(size)))):
         raise ConfigError(f"method {method!r}: use one of {list(METHODS)}, with '+rerank' after one of "
                           f"{list(STORED)}, '+draft' after one of {list(DRAFTED)}, ':TOKENS' after one of "
                           f"{list(SIZED)}, or ':TOKENS/MADE' after a hybrid one (MADE-token cartridges cut to TOKENS, "

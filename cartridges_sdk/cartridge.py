@@ -119,16 +119,18 @@ class Cartridge:
         0.5B reader better than the whole cartridge with 64 (docs/vs-rag.md, "Cutting the self-studied cartridge").
         Attention reads keys in any order, so the kept tokens answer as they did, without the cut ones."""
         whole = isinstance(num_tokens, numbers.Integral) and not isinstance(num_tokens, bool)
+        if whole and num_tokens >= self.num_tokens:
+            return self
         if not whole or num_tokens <= self.num_frozen:
             raise ConfigError(f"truncated({num_tokens!r}): keep an int of tokens greater than the cartridge's "
                               f"{self.num_frozen} frozen attention-sink token(s).")
-        if num_tokens >= self.num_tokens:
-            return self
-        if self.meta.parts:
-            raise ConfigError("truncated() would cut a composed cartridge's last parts; cut each part before "
-                              "composing.")
+        # a composed cartridge (sync composes one for a document longer than the context) keeps its first parts,
+        # the last kept one clipped: no part reads a later one
+        parts = tuple({**part, "num_tokens": min(part["num_tokens"], num_tokens - part["offset"]),
+                       "num_frozen": min(part.get("num_frozen", 0), num_tokens - part["offset"])}
+                      for part in self.meta.parts if part["offset"] < num_tokens)
         extra = {k: v for k, v in self.meta.extra.items() if k != "quality"}  # measured on the whole cartridge
-        meta = attrs.evolve(self.meta, num_tokens=int(num_tokens), extra=extra)
+        meta = attrs.evolve(self.meta, num_tokens=int(num_tokens), parts=parts, extra=extra)
         return Cartridge([k[:, :num_tokens] for k in self.keys], [v[:, :num_tokens] for v in self.values], meta,
                          lm=self.lm)
 

@@ -222,7 +222,7 @@ def test_trim_cuts_the_cartridges_to_what_the_passages_leave_of_the_budget(store
     runtime = tiny_llama._runtime("hf", None)
     same = runtime.generate([GenerationRequest([{"role": "user", "content": q}], parts,
                                                GenerationParams(max_new_tokens=5))])[0]
-    assert answer.text == same.text and answer.cartridges == ("railway",)
+    assert answer.text == same.text and answer.cartridges == ("railway",) and answer.sizes == (10,)
     # named cartridges share what is left; one that fits stays whole
     assert store.plan(q, cartridges=["railway", "orchard"], budget=40, passages=20, trim=True).sizes == (10, 10)
     assert store.plan(q, cartridges=["railway"], budget=40, passages=20, trim=True).sizes == (12,)
@@ -235,13 +235,20 @@ def test_trim_cuts_the_cartridges_to_what_the_passages_leave_of_the_budget(store
                      ({"passages": 20, "trim": True}, "trim=True cuts the cartridges to what passages leave"),
                      ({"budget": 30, "passages": 20, "trim": "yes"}, "trim='yes' must be True or False"),
                      ({"budget": 30, "passages": 27, "trim": True, "cartridges": ["railway", "orchard"]},
-                      "2 cartridges cannot be cut to fit 3")]:
+                      "2 cartridge\\(s\\) cannot be cut to fit 3")]:
         with pytest.raises(ConfigError, match=why):
             store.plan(q, **bad)
     with pytest.raises(ConfigError, match="greater than the cartridge's 1 frozen"):
         whole.truncated(1)
-    with pytest.raises(ConfigError, match="cut each part before composing"):
-        Cartridge.compose([whole, store.get("orchard")]).truncated(20)
+    # a composed cartridge (sync composes one for a document longer than the context) keeps its first parts
+    both = Cartridge.compose([whole, store.get("orchard")])
+    torch.testing.assert_close(both.truncated(20).logits(ids), Cartridge.compose([whole, store.get("orchard")
+                                                                                  .truncated(8)]).logits(ids))
+    assert [p["num_tokens"] for p in both.truncated(20).meta.parts] == [12, 8]
+    assert [p["num_tokens"] for p in both.truncated(10).meta.parts] == [10]
+    # a cartridge of one token (a one-token document's) is kept whole, and nothing is cut below its sinks
+    tiny = Cartridge.from_prefix(tiny_llama, "Colby", 1, num_frozen=0)
+    assert tiny.truncated(1) is tiny and trim_sizes([1, 12], 6) == (1, 5)
 
 
 def test_a_readers_budget_is_shared_with_passages_by_default(store, tiny_llama, monkeypatch):

@@ -67,7 +67,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
                                **gen)
             print(answer.text)
             sources = sorted({p.name for p in answer.passages})
-            print(f"(cartridges: {', '.join(answer.cartridges)}"
+            named = list(answer.cartridges)
+            for i, (name, kept) in enumerate(zip(answer.cartridges, answer.sizes)):  # --trim: say what was cut
+                whole = store.get(name).num_tokens
+                named[i] += f" (its first {kept} of {whole} tokens)" if kept < whole else ""
+            print(f"(cartridges: {', '.join(named)}"
                   + (f"; passages from: {', '.join(sources)}" if sources else "") + ")", file=sys.stderr)
         elif args.stream:
             pieces = lm.chat([{"role": "user", "content": args.question}], cartridges, stream=True,

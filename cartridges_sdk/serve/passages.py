@@ -179,18 +179,19 @@ def check_trim(trim: Any, passages: int | None, budget: int | None) -> None:
                           "drop trim.")
 
 
-def trim_sizes(sizes: Sequence[int], room: int) -> tuple[int, ...]:
+def trim_sizes(sizes: Sequence[int], room: int, least: int = 2) -> tuple[int, ...]:
     """What each cartridge of `sizes` keeps so that together they fit `room` tokens: the smaller ones whole, the
-    larger ones cut to an equal share of what those leave (at least 2 tokens each: the sink and one more)."""
-    if room < 2 * len(sizes):
-        raise ConfigError(f"{len(sizes)} cartridges cannot be cut to fit {room} tokens (at least 2 each); give a "
-                          "larger budget, fewer passage tokens, or a smaller k.")
+    larger ones cut to an equal share of what those leave, each share at least `least` tokens (a cut cartridge
+    keeps its frozen sink tokens and one more)."""
+    if room < least * len(sizes):
+        raise ConfigError(f"{len(sizes)} cartridge(s) cannot be cut to fit {room} tokens (at least {least} each); "
+                          "give a larger budget, fewer passage tokens, or a smaller k.")
     kept = list(sizes)
     left, waiting = room, sorted(range(len(sizes)), key=lambda i: sizes[i])
-    while waiting:
+    while waiting:  # the shares only grow as smaller cartridges take less than theirs, so none is below `least`
         share = left // len(waiting)
         i = waiting.pop(0)
-        kept[i] = max(2, min(sizes[i], share))
+        kept[i] = min(sizes[i], share)
         left -= kept[i]
     return tuple(kept)
 
@@ -339,7 +340,12 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
         routes = [(r.name, r.score) for r in store.route(question, k, among=among)]
     names = tuple(n for n, _ in routes)
     scores = tuple(s for _, s in routes)
-    sizes = trim_sizes([store.get(n).num_tokens for n in names], budget - passages) if trim else ()
+    if trim:
+        carts = [store.get(n) for n in names]
+        least = max([c.num_frozen for c in carts] + [1]) + 1  # a cut cartridge keeps its sink tokens and one more
+        sizes = trim_sizes([c.num_tokens for c in carts], budget - passages, least)
+    else:
+        sizes = ()
     if not passages and not auto:
         return Plan(names, scores=scores)
     used = sum(sizes) if trim else sum(store.get(n).num_tokens for n in names)

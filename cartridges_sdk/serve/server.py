@@ -174,9 +174,9 @@ def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[s
                  query: str | None = None) -> tuple[tuple[Passage, ...], tuple[int, ...], Cartridge | None,
                                                     tuple[int, ...]]:
     """The passages best matching the last user turn: as prompt tokens, or, behind cartridges, their KV read apart
-    (`passages.read_apart`); and, with 'trim', the tokens each cartridge is cut to (`Plan.sizes`). Of the documents the request may see (`scope`), or only the answering cartridges' own;
-    in a store whose cartridges say whom they are about (records), always only their own: a passage of someone
-    else's record never reaches the answer."""
+    (`passages.read_apart`), of the documents the request may see (`scope`) or only the answering cartridges'
+    own; in a store whose cartridges say whom they are about (records), always only their own: a passage of someone
+    else's record never reaches the answer. With 'trim', also the tokens each cartridge is cut to (`Plan.sizes`)."""
     source = body.get("passages_from", "store")
     records = bool(state.store.subjects())
     if records:

@@ -62,13 +62,15 @@ class Route:
 class StoreAnswer:
     """An answer from the store, which cartridges gave it (composed in this order), and for each the version of the
     document it stands for (its SHA-256; None for a cartridge that sync did not make); and the passages put after
-    them, if any; and the first answer that picked those passages (`ask`'s `draft`), if one was written."""
+    them, if any; and the first answer that picked those passages (`ask`'s `draft`), if one was written; and, with
+    `trim`, the tokens of each cartridge that answered (`Plan.sizes`; empty: all of them)."""
 
     text: str
     cartridges: tuple[str, ...]
     versions: tuple[str | None, ...] = ()
     passages: tuple[Passage, ...] = ()
     draft: str | None = None
+    sizes: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -547,7 +549,7 @@ class CartridgeStore:
         parts = plan.parts(self)
         text = self._answer(question, plan, runtime, runtime_options, parts=parts, **gen)
         return StoreAnswer(text=text, cartridges=plan.cartridges, versions=versions(parts[:len(plan.cartridges)]),
-                           passages=plan.passages, draft=first)
+                           passages=plan.passages, draft=first, sizes=plan.sizes)
 
     def drafted_plan(self, question: str, draft: int, *, draft_from: CartridgeStore | None = None,
                      runtime: Any = "auto", runtime_options: dict[str, Any] | None = None,

@@ -94,8 +94,9 @@ def test_passages_are_answered_with_and_shown_as_source_nodes(store):
     cut = store.ask(QUESTION, budget=96, passages=48, trim=True, max_new_tokens=8)
     response = CartridgeQueryEngine(store, budget=96, passages=48, trim=True, max_tokens=8).query(QUESTION)
     assert response.response == cut.text and response.source_nodes[0].node.metadata["tokens"] == 48
-    assert CartridgeLLM(store=store, budget=96, passages=48, trim=True, max_tokens=8).complete(QUESTION).text == \
-        cut.text
+    llm = CartridgeLLM(store=store, budget=96, passages=48, trim=True, max_tokens=8)
+    assert llm.complete(QUESTION).text == cut.text and cut.sizes == (48,)
+    assert [c.cartridge.num_tokens for c in llm._answerer.choose(QUESTION)] == [48]
     with pytest.raises(ValueError, match="trim=True asks for passages, which are retrieved from a store"):
         CartridgeLLM(cartridge=store.get("harrow"), trim=True)
     with pytest.raises(ValueError, match="passages=8 asks for passages, which are retrieved from a store"):
