@@ -2,6 +2,9 @@
 
 A cartridge of ``p`` tokens holds, for every layer, ``keys`` and ``values`` of shape ``[kv_heads, p, head_dim]``.
 Keys are stored after RoPE for positions ``0..p-1``; whatever follows the cartridge starts at position ``p``.
+
+Longer than 400 lines because `Cartridge` is the SDK's one public object: its constructors, files, composition and
+cutting, binding and answering are its own methods, each short, so that a user finds all of them on it.
 """
 
 from __future__ import annotations
@@ -114,21 +117,17 @@ class Cartridge:
         return sum(t.numel() * t.element_size() for t in [*self.keys, *self.values])
 
     def truncated(self, num_tokens: int) -> Cartridge:
-        """Its first `num_tokens` tokens (itself when it has no more): a cartridge cut to fit a budget it shares
-        with passages. A self-studied cartridge cut from 192 to 160 tokens, with 96 tokens of passages, answers a
-        0.5B reader better than the whole cartridge with 64 (docs/vs-rag.md, "Cutting the self-studied cartridge").
-        Attention reads keys in any order, so the kept tokens answer as they did, without the cut ones."""
+        """Its first `num_tokens` tokens (itself if it has no more), to fit a budget shared with passages
+        (`CartridgeStore.plan(trim=True)`, docs/sync.md); a composed one keeps its first parts, the last clipped."""
         whole = isinstance(num_tokens, numbers.Integral) and not isinstance(num_tokens, bool)
         if whole and num_tokens >= self.num_tokens:
             return self
         if not whole or num_tokens <= self.num_frozen:
             raise ConfigError(f"truncated({num_tokens!r}): keep an int of tokens greater than the cartridge's "
                               f"{self.num_frozen} frozen attention-sink token(s).")
-        # a composed cartridge (sync composes one for a document longer than the context) keeps its first parts,
-        # the last kept one clipped: no part reads a later one
-        parts = tuple({**part, "num_tokens": min(part["num_tokens"], num_tokens - part["offset"]),
-                       "num_frozen": min(part.get("num_frozen", 0), num_tokens - part["offset"])}
-                      for part in self.meta.parts if part["offset"] < num_tokens)
+        parts = tuple({**p, "num_tokens": min(p["num_tokens"], num_tokens - p["offset"]),
+                       "num_frozen": min(p.get("num_frozen", 0), num_tokens - p["offset"])}
+                      for p in self.meta.parts if p["offset"] < num_tokens)
         extra = {k: v for k, v in self.meta.extra.items() if k != "quality"}  # measured on the whole cartridge
         meta = attrs.evolve(self.meta, num_tokens=int(num_tokens), parts=parts, extra=extra)
         return Cartridge([k[:, :num_tokens] for k in self.keys], [v[:, :num_tokens] for v in self.values], meta,
