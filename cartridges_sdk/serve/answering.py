@@ -19,7 +19,7 @@ from ..checks import at_least_one
 from ..errors import ConfigError
 from ..generation import Completion, GenerationParams, GenerationRequest, Message
 from ..plugins import ContinuousRuntime
-from .passages import Passage, check_draft, check_settings, check_sought, check_trim, sought
+from .passages import Passage, check_draft, check_settings, check_sought, check_trim, cut, sought
 from .store import CartridgeStore, check_draft_from
 from .records import document_record
 
@@ -232,9 +232,8 @@ class Answerer:
         else:
             plan, first = self.store.plan(question, **settings), None
         out = []
-        for i, (name, score) in enumerate(zip(plan.cartridges, plan.scores)):
-            cartridge = self.store.get(name)
-            cartridge = cartridge.truncated(plan.sizes[i]) if plan.sizes else cartridge  # `trim`: cut to fit
+        answering = cut([self.store.get(n) for n in plan.cartridges], plan.sizes)  # `trim`: cut to fit
+        for name, score, cartridge in zip(plan.cartridges, plan.scores, answering):
             record = document_record(cartridge) or {}
             out.append(Chosen(name, cartridge, score, record.get("sha256"), record.get("origin"),
                               self.store.corpus_path(name)))

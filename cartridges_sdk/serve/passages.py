@@ -196,6 +196,11 @@ def trim_sizes(sizes: Sequence[int], room: int, least: int = 2) -> tuple[int, ..
     return tuple(kept)
 
 
+def cut(cartridges: Sequence[Any], sizes: Sequence[int]) -> list[Any]:
+    """`cartridges` each cut to its first `sizes` tokens (`Plan.sizes`, from `trim`); no sizes: as they are."""
+    return [c.truncated(n) for c, n in zip(cartridges, sizes)] if sizes else list(cartridges)
+
+
 def candidates(room: int) -> int:
     """How many passages to rank to fill `room` prompt tokens: enough if most are cut short, at least 8."""
     return max(8, room // 32)
@@ -258,9 +263,7 @@ class Plan:
 
     def parts(self, store: Any) -> list[Any]:
         """The KV that goes before the question: the cartridges (from `store`), then the passages read apart."""
-        cut = self.sizes or (None,) * len(self.cartridges)
-        carts = [store.get(n) if size is None else store.get(n).truncated(size)
-                 for n, size in zip(self.cartridges, cut)]
+        carts = cut([store.get(n) for n in self.cartridges], self.sizes)
         return carts + ([self.passages_kv] if self.passages_kv is not None else [])
 
 
@@ -340,15 +343,13 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
         routes = [(r.name, r.score) for r in store.route(question, k, among=among)]
     names = tuple(n for n, _ in routes)
     scores = tuple(s for _, s in routes)
-    if trim:
-        carts = [store.get(n) for n in names]
-        least = max([c.num_frozen for c in carts] + [1]) + 1  # a cut cartridge keeps its sink tokens and one more
-        sizes = trim_sizes([c.num_tokens for c in carts], budget - passages, least)
-    else:
-        sizes = ()
-    if not passages and not auto:
+    if not passages and not auto:  # (never with trim, which needs passages)
         return Plan(names, scores=scores)
-    used = sum(sizes) if trim else sum(store.get(n).num_tokens for n in names)
+    carts = [store.get(n) for n in names]
+    # a cut cartridge keeps its sink tokens and one more
+    sizes = trim_sizes([c.num_tokens for c in carts], budget - passages,
+                       max([c.num_frozen for c in carts] + [1]) + 1) if trim else ()
+    used = sum(sizes) if trim else sum(c.num_tokens for c in carts)
     room = budget - used if auto else passages if budget is None else max(passages, budget - used)
     if room <= 0:  # the cartridges fill the budget: nothing left to fill
         return Plan(names, scores=scores, sizes=sizes)

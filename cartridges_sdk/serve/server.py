@@ -40,7 +40,7 @@ from .engine import Engine, Job
 from .guard import BadRequest, Guard
 from .answering import last_user_text
 from .parse import parse_request, read_json
-from .passages import Passage, drafted, fills, sought
+from .passages import Passage, cut, drafted, fills, sought
 from .records import versions
 from .replies import answer, completion_body, error_response, stream_events
 from .settings import ServeConfig
@@ -110,7 +110,7 @@ def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, m
                          ignored[0])
     found, prefix, apart, sizes = passages_for(state, body, messages, names, scope, query) if wanted else \
         ((), (), None, ())
-    cartridges = [c.truncated(n) for c, n in zip(cartridges, sizes)] if sizes else cartridges  # 'trim': cut to fit
+    cartridges = cut(cartridges, sizes)  # 'trim': cut to fit
     answering = cartridges + ([apart] if apart is not None else [])  # the passages' KV, read apart, after them
     prompt_tokens, used = check_fits(state.lm, messages, answering, params, prefix)
     read = apart.num_tokens if apart is not None else 0  # passages count as prompt tokens however they are read
