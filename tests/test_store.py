@@ -177,7 +177,12 @@ def test_a_first_answer_picks_the_passages(store, tiny_llama):
     assert drafted(q, "  ") == q and drafted(q, "In 1962.") == f"{q}\nIn 1962."
     # draft_from: the same documents' cartridges in another store write it, alone (here the store itself)
     alone = store.ask(q, cartridges=["railway"], max_new_tokens=6, temperature=0.0)
+    searches = []
+    found = store.passages
+    store.passages = lambda *a, **kw: searches.append(a) or found(*a, **kw)  # noqa: E731
     assert store.drafted_plan(q, 6, draft_from=store, budget=40, passages=20)[1] == alone.text
+    assert searches == [(drafted(q, alone.text),)]  # passages sought once, with the first answer: none go unused
+    del store.passages
     with pytest.raises(ConfigError, match="draft_from='elsewhere' must be a CartridgeStore"):
         store.ask(q, budget=40, passages=20, draft=6, draft_from="elsewhere")
     with pytest.raises(ConfigError, match="draft=0 writes none"):

@@ -301,7 +301,8 @@ def drafted(question: str, first: str) -> str:
 
 def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
          retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
-         among: Sequence[str] | None = None, rerank: int = 0, query: str | None = None, trim: bool = False) -> Plan:
+         among: Sequence[str] | None = None, rerank: int = 0, query: str | None = None, trim: bool = False,
+         find: bool = True) -> Plan:
     """What answers `question` from `store` (a CartridgeStore).
 
     Cartridges: the named ones (`cartridges`), else the best `k` routed, else (with `budget`) as many as fit in
@@ -314,7 +315,8 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     each (`rerank.py`). Passages are ranked against `query` (None: the question), as `CartridgeStore.ask`'s
     `draft` ranks them against the question and a first answer. Routing takes at least the best cartridge even
     where it is larger than `budget - passages`, as named ones are taken; `trim` cuts such cartridges to their
-    first tokens (`trim_sizes`), so that the whole budget is kept."""
+    first tokens (`trim_sizes`), so that the whole budget is kept. `find` False stops before the passages: the
+    cartridges alone, for a first answer written by another store's cartridges."""
     if query is not None and (not isinstance(query, str) or not query.strip()):
         raise ConfigError(f"query={query!r:.60} must be a non-empty text to rank passages against (None: the "
                           "question).")
@@ -343,7 +345,7 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
         routes = [(r.name, r.score) for r in store.route(question, k, among=among)]
     names = tuple(n for n, _ in routes)
     scores = tuple(s for _, s in routes)
-    if not passages and not auto:  # (never with trim, which needs passages)
+    if not find or (not passages and not auto):  # (never with trim, which needs passages)
         return Plan(names, scores=scores)
     carts = [store.get(n) for n in names]
     # a cut cartridge keeps its sink tokens and one more

@@ -560,12 +560,13 @@ class CartridgeStore:
         self-studied store whose cartridges know the document better than this one's, for one)."""
         check_draft(self.model, draft, settings.get("passages"), settings.get("budget"))
         check_draft_from(draft_from, draft)
-        plan = self.plan(question, **settings)
         if not draft:
-            return plan, None
-        source, drafting = self, plan
-        if draft_from is not None:
-            source, drafting = draft_from, draft_from.plan(question, cartridges=list(plan.cartridges))
+            return self.plan(question, **settings), None
+        if draft_from is None:  # this plan's cartridges and passages write the first answer
+            source, drafting = self, self.plan(question, **settings)
+        else:  # its cartridges alone: the passages found for the question would go unused
+            routed = plan(self, question, **settings, find=False)
+            source, drafting = draft_from, draft_from.plan(question, cartridges=list(routed.cartridges))
         first = source._answer(question, drafting, runtime, runtime_options, max_new_tokens=draft, temperature=0.0)
         return self.plan(question, **settings, query=drafted(question, first)), first
 
