@@ -228,6 +228,12 @@ def test_trim_cuts_the_cartridges_to_what_the_passages_leave_of_the_budget(store
     same = runtime.generate([GenerationRequest([{"role": "user", "content": q}], parts,
                                                GenerationParams(max_new_tokens=5))])[0]
     assert answer.text == same.text and answer.cartridges == ("railway",) and answer.sizes == (10,)
+    # the plan answers with the cartridges it sized the cut and placed the passages by, even if a sync replaces one
+    store.add("railway", Cartridge.from_prefix(tiny_llama, CORPORA["railway"], 6), corpus=CORPORA["railway"],
+              replace=True)
+    assert store.get("railway").num_tokens == 6
+    torch.testing.assert_close(plan.parts(store)[0].keys[-1], whole.keys[-1][:, :10])
+    store.add("railway", whole, corpus=CORPORA["railway"], replace=True)
     # named cartridges share what is left; one that fits stays whole
     assert store.plan(q, cartridges=["railway", "orchard"], budget=40, passages=20, trim=True).sizes == (10, 10)
     assert store.plan(q, cartridges=["railway"], budget=40, passages=20, trim=True).sizes == (12,)

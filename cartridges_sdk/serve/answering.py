@@ -19,7 +19,7 @@ from ..checks import at_least_one
 from ..errors import ConfigError
 from ..generation import Completion, GenerationParams, GenerationRequest, Message
 from ..plugins import ContinuousRuntime
-from .passages import Passage, check_draft, check_settings, check_sought, check_trim, cut, sought
+from .passages import Passage, check_draft, check_settings, check_sought, check_trim, sought
 from .store import CartridgeStore, check_draft_from
 from .records import document_record
 
@@ -232,7 +232,7 @@ class Answerer:
         else:
             plan, first = self.store.plan(question, **settings), None
         out = []
-        answering = cut([self.store.get(n) for n in plan.cartridges], plan.sizes)  # `trim`: cut to fit
+        answering = plan.answering(self.store)  # as the plan read them; `trim`: cut to fit
         for name, score, cartridge in zip(plan.cartridges, plan.scores, answering):
             record = document_record(cartridge) or {}
             out.append(Chosen(name, cartridge, score, record.get("sha256"), record.get("origin"),

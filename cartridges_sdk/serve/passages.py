@@ -260,11 +260,17 @@ class Plan:
     sizes: tuple[int, ...] = ()  # with `trim`: the tokens each cartridge is cut to (`Cartridge.truncated`)
     # passages behind cartridges: their KV, read apart (`read_apart`), to be placed after the cartridges
     passages_kv: Any = attrs.field(default=None, eq=False)
+    # the cartridges as the plan read them (whole), where it sized anything by them: a sync replacing one later
+    # cannot leave the answer with another version than the passages were placed after or the cut was sized for
+    read: tuple[Any, ...] = attrs.field(default=(), eq=False, repr=False)
+
+    def answering(self, store: Any) -> list[Any]:
+        """The cartridges that answer, as the plan read them (else from `store`), cut to `sizes`."""
+        return cut(list(self.read) or [store.get(n) for n in self.cartridges], self.sizes)
 
     def parts(self, store: Any) -> list[Any]:
-        """The KV that goes before the question: the cartridges (from `store`), then the passages read apart."""
-        carts = cut([store.get(n) for n in self.cartridges], self.sizes)
-        return carts + ([self.passages_kv] if self.passages_kv is not None else [])
+        """The KV that goes before the question: the cartridges (`answering`), then the passages read apart."""
+        return self.answering(store) + ([self.passages_kv] if self.passages_kv is not None else [])
 
 
 def read_apart(lm: Any, ids: Sequence[int], start: int) -> Any:
@@ -354,11 +360,12 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     used = sum(sizes) if trim else sum(c.num_tokens for c in carts)
     room = budget - used if auto else passages if budget is None else max(passages, budget - used)
     if room <= 0:  # the cartridges fill the budget: nothing left to fill
-        return Plan(names, scores=scores, sizes=sizes)
+        return Plan(names, scores=scores, sizes=sizes, read=tuple(carts))
     pool = list(names) if passages_from == "routed" else among
     found = store.passages(query or question, k=candidates(room), retrieval=retrieval or "bm25", among=pool)
     ids, kept = passage_ids(store.model, found, room, after_cartridge=False)
     if not names or not kept:  # no cartridge in front (RAG alone), or no passage found: nothing to read apart
-        return Plan(names, tuple(kept), tuple(ids) if kept else (), scores, sizes)
-    return Plan(names, tuple(kept), scores=scores, sizes=sizes, passages_kv=read_apart(store.model, ids, used))
+        return Plan(names, tuple(kept), tuple(ids) if kept else (), scores, sizes, read=tuple(carts))
+    return Plan(names, tuple(kept), scores=scores, sizes=sizes, passages_kv=read_apart(store.model, ids, used),
+                read=tuple(carts))
 

@@ -40,7 +40,7 @@ from .engine import Engine, Job
 from .guard import BadRequest, Guard
 from .answering import last_user_text
 from .parse import parse_request, read_json
-from .passages import Passage, cut, drafted, fills, sought
+from .passages import Passage, Plan, drafted, fills, sought
 from .records import versions
 from .replies import answer, completion_body, error_response, stream_events
 from .settings import ServeConfig
@@ -108,9 +108,10 @@ def resolve(state: ServerState, body: dict[str, Any], names: list[str] | None, m
         raise BadRequest(400, f"'{ignored[0]}' says how passages are found, and this request gets none: "
                          f"{state.lm.name}'s budget is all cartridges unless 'passages' (tokens of them) is sent.",
                          ignored[0])
-    found, prefix, apart, sizes = passages_for(state, body, messages, names, scope, query) if wanted else \
-        ((), (), None, ())
-    cartridges = cut(cartridges, sizes)  # 'trim': cut to fit
+    plan = passages_for(state, body, messages, names, scope, query) if wanted else None
+    found, prefix, apart = (plan.passages, plan.prefix_ids, plan.passages_kv) if plan else ((), (), None)
+    if plan is not None:  # as the plan read them, which it placed the passages after; 'trim': cut to fit
+        cartridges = plan.answering(state.store)
     answering = cartridges + ([apart] if apart is not None else [])  # the passages' KV, read apart, after them
     prompt_tokens, used = check_fits(state.lm, messages, answering, params, prefix)
     read = apart.num_tokens if apart is not None else 0  # passages count as prompt tokens however they are read
@@ -171,12 +172,12 @@ def routed(state: ServerState, body: dict[str, Any], messages: list[dict[str, st
 
 def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[str, str]], names: list[str],
                  scope: list[str] | None,
-                 query: str | None = None) -> tuple[tuple[Passage, ...], tuple[int, ...], Cartridge | None,
-                                                    tuple[int, ...]]:
+                 query: str | None = None) -> Plan:
     """The passages best matching the last user turn: as prompt tokens, or, behind cartridges, their KV read apart
     (`passages.read_apart`), of the documents the request may see (`scope`) or only the answering cartridges'
     own; in a store whose cartridges say whom they are about (records), always only their own: a passage of someone
-    else's record never reaches the answer. With 'trim', also the tokens each cartridge is cut to (`Plan.sizes`)."""
+    else's record never reaches the answer. The plan (`passages.plan`) holds them, and the cartridges as it read them
+    (with 'trim', cut: `Plan.answering`)."""
     source = body.get("passages_from", "store")
     records = bool(state.store.subjects())
     if records:
@@ -192,7 +193,7 @@ def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[s
                                 passages_from=source, among=scope, query=query, trim=bool(body.get("trim")))
     except ConfigError as err:
         raise BadRequest(400, str(err), "passages") from None
-    return plan.passages, plan.prefix_ids, plan.passages_kv, plan.sizes
+    return plan
 
 
 def about(state: ServerState, asked: tuple[str, ...], among: list[str] | None) -> list[str] | None:
