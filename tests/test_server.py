@@ -88,7 +88,8 @@ def test_trim_cuts_the_routed_cartridge_as_store_ask_does(served, client):
     whole = ask(client, "auto", "Who logged storms?", extra_body={"budget": 24, "passages": 20})
     assert whole.usage.model_extra["cartridge_tokens"] == store.get(want.cartridges[0]).num_tokens > 4
     for body, why in (({"budget": 24, "trim": True}, "'trim' cuts the routed cartridges"),
-                      ({"budget": 24, "passages": 20, "trim": 1}, "'trim' .* must be true or false")):
+                      ({"budget": 24, "passages": 20, "trim": 1}, "'trim' .* must be true or false"),
+                      ({"budget": 24, "passages": 23, "trim": True}, "1 cartridge\\(s\\) cannot be cut to fit 1")):
         with pytest.raises(openai.BadRequestError, match=why) as refused:
             ask(client, "auto", "Who logged storms?", extra_body=body)
         assert refused.value.body["param"] == "trim"

@@ -179,12 +179,17 @@ def check_trim(trim: Any, passages: int | None, budget: int | None) -> None:
                           "drop trim.")
 
 
+class TrimError(ConfigError):
+    """`trim` cannot cut the cartridges to fit: too many for the room the passages leave (the server's 400 names
+    'trim')."""
+
+
 def trim_sizes(sizes: Sequence[int], room: int, least: int = 2) -> tuple[int, ...]:
     """What each cartridge of `sizes` keeps so that together they fit `room` tokens: the smaller ones whole, the
     larger ones cut to an equal share of what those leave, each share at least `least` tokens (a cut cartridge
     keeps its frozen sink tokens and one more)."""
     if room < least * len(sizes):
-        raise ConfigError(f"{len(sizes)} cartridge(s) cannot be cut to fit {room} tokens (at least {least} each); "
+        raise TrimError(f"{len(sizes)} cartridge(s) cannot be cut to fit {room} tokens (at least {least} each); "
                           "give a larger budget, fewer passage tokens, or a smaller k.")
     kept = list(sizes)
     left, waiting = room, sorted(range(len(sizes)), key=lambda i: sizes[i])

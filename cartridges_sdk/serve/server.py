@@ -40,7 +40,7 @@ from .engine import Engine, Job
 from .guard import BadRequest, Guard
 from .answering import last_user_text
 from .parse import parse_request, read_json
-from .passages import Passage, Plan, drafted, fills, sought
+from .passages import Passage, Plan, TrimError, drafted, fills, sought
 from .records import versions
 from .replies import answer, completion_body, error_response, stream_events
 from .settings import ServeConfig
@@ -192,7 +192,7 @@ def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[s
                                 passages=body.get("passages"), retrieval=body.get("retrieval", "bm25"),
                                 passages_from=source, among=scope, query=query, trim=bool(body.get("trim")))
     except ConfigError as err:
-        raise BadRequest(400, str(err), "passages") from None
+        raise BadRequest(400, str(err), "trim" if isinstance(err, TrimError) else "passages") from None
     return plan
 
 
