@@ -190,7 +190,7 @@ def trim_sizes(sizes: Sequence[int], room: int, least: int = 2) -> tuple[int, ..
     keeps its frozen sink tokens and one more)."""
     if room < least * len(sizes):
         raise TrimError(f"{len(sizes)} cartridge(s) cannot be cut to fit {room} tokens (at least {least} each); "
-                          "give a larger budget, fewer passage tokens, or a smaller k.")
+                        "give a larger budget, fewer passage tokens, or a smaller k.")
     kept = list(sizes)
     left, waiting = room, sorted(range(len(sizes)), key=lambda i: sizes[i])
     while waiting:  # the shares only grow as smaller cartridges take less than theirs, so none is below `least`
