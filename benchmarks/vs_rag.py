@@ -164,6 +164,23 @@ def build_store(lm, texts: dict[str, str], folder: Path, tokens: int, selfstudy:
     return store, (time.perf_counter() - start if built else None)
 
 
+def store_of(lm, method: str, tokens: int, work: Path, selfstudy: dict,
+             compaction: dict | None = None) -> tuple[tuple[str, int], Path] | None:
+    """A stored method's kind of cartridge and size, and the folder of its store under `work` (other settings,
+    other folders); None for a method that answers from no store."""
+    kind = base_of(method)[0]
+    if kind not in STORED and kind != "default":
+        return None
+    compacted = f"-{settings_tag(compaction)}" if compaction else ""
+    if kind == "default":  # sync's default size: the same store as a compacted method of that size
+        size = SyncConfig().for_model(lm).tokens
+        return ("compact", size), work / f"compact-{size}{compacted}"
+    trained = kind.endswith("selfstudy")
+    size = made_size(method, tokens)
+    folder = f"selfstudy-{size}-{settings_tag(selfstudy)}" if trained else f"compact-{size}"
+    return ("selfstudy" if trained else "compact", size), work / f"{folder}{compacted}"
+
+
 def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods: Sequence[str],
                  selfstudy: dict, compaction: dict | None = None,
                  train: Sequence[str] | None = None) -> tuple[dict, dict]:
@@ -171,26 +188,38 @@ def build_stores(lm, corpora: Sequence[Corpus], tokens: int, work: Path, methods
     use it), and each method's build seconds. Self-study trains the cartridges of `train` (None: all)."""
     texts = {c.name: c.text for c in corpora}
     stores, seconds, made = {}, {}, {}
-    tag = settings_tag(selfstudy)
-    # other compaction settings, other stores
-    compacted = f"-{settings_tag(compaction)}" if compaction else ""
     for method in methods:
-        kind = base_of(method)[0]
-        if kind not in STORED and kind != "default":
+        found = store_of(lm, method, tokens, work, selfstudy, compaction)
+        if found is None:
             continue
-        if kind == "default":  # sync's default size: the same store as a compacted method of that size
-            key = ("compact", SyncConfig().for_model(lm).tokens)
-            folder = work / f"compact-{key[1]}{compacted}"
-        else:
-            trained = kind.endswith("selfstudy")
-            size = made_size(method, tokens)
-            key = ("selfstudy" if trained else "compact", size)
-            folder = work / (f"selfstudy-{size}-{tag}{compacted}" if trained else f"compact-{size}{compacted}")
+        key, folder = found
         if key not in made:
             made[key] = build_store(lm, texts, folder, key[1], selfstudy if key[0] == "selfstudy" else None,
                                     compaction, train)
         stores[method], seconds[method] = made[key]
     return stores, seconds
+
+
+def method_plan(store: CartridgeStore, method: str, question: str, tokens: int, document: str | None = None,
+                draft_from: CartridgeStore | None = None) -> Any:
+    """The plan a stored method answers `question` with (`stored_context`); a ConfigError where nothing is
+    routed."""
+    base, added = base_of(method)
+    rerank = RERANK if "rerank" in added and document is None else 0
+    draft = DRAFT if "draft" in added else 0
+    named = {} if document is None else {"cartridges": [document]}
+    own = {} if document is None else {"passages_from": "routed"}  # where passages are sought: refused elsewhere
+    if base == "default":
+        return store.drafted_plan(question, draft, draft_from=draft_from if draft else None, budget=tokens,
+                                  **named, **(own if sought(store.model, None, tokens) else {}))[0]
+    if base.startswith("hybrid"):
+        size = method_spec(method, tokens)[1]
+        return store.drafted_plan(question, draft, draft_from=draft_from if draft else None, budget=tokens,
+                                  passages=tokens - size, rerank=rerank, trim=made_size(method, tokens) > size,
+                                  **named, **own)[0]
+    if base == "multi":
+        return store.plan(question, budget=tokens, passages=0, rerank=rerank, **named)  # cartridges alone
+    return store.plan(question, k=1, rerank=rerank, **named)
 
 
 def stored_context(store: CartridgeStore, method: str, question: str, tokens: int,
@@ -200,24 +229,8 @@ def stored_context(store: CartridgeStore, method: str, question: str, tokens: in
     (`--scope document`), its cartridge answers, as ``store.ask(question, cartridges=[document])`` would, and a
     hybrid's passages come from that document alone (``passages_from="routed"``). A ``+draft`` method's first
     answer is its own plan's, or that of `draft_from`'s cartridges (`store.drafted_plan`)."""
-    base, added = base_of(method)
-    rerank = RERANK if "rerank" in added and document is None else 0
-    draft = DRAFT if "draft" in added else 0
-    named = {} if document is None else {"cartridges": [document]}
-    own = {} if document is None else {"passages_from": "routed"}  # where passages are sought: refused elsewhere
     try:
-        if base == "default":
-            plan = store.drafted_plan(question, draft, draft_from=draft_from if draft else None, budget=tokens,
-                                      **named, **(own if sought(store.model, None, tokens) else {}))[0]
-        elif base.startswith("hybrid"):
-            size = method_spec(method, tokens)[1]
-            plan = store.drafted_plan(question, draft, draft_from=draft_from if draft else None, budget=tokens,
-                                      passages=tokens - size, rerank=rerank, trim=made_size(method, tokens) > size,
-                                      **named, **own)[0]
-        elif base == "multi":
-            plan = store.plan(question, budget=tokens, passages=0, rerank=rerank, **named)  # cartridges alone
-        else:
-            plan = store.plan(question, k=1, rerank=rerank, **named)
+        plan = method_plan(store, method, question, tokens, document, draft_from)
     except ConfigError:
         if document is not None:  # nothing is routed, so a refusal is a bad setting, never "answered with nothing"
             raise
@@ -371,14 +384,17 @@ def first_token_seconds(lm, prompts: Sequence[Sequence[int]], cartridges: Sequen
 
 
 def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: Mapping[str, CartridgeStore],
-          users: Sequence[int], decode: int, icl_users: Sequence[int] = (1,)) -> list[dict]:
+          users: Sequence[int], decode: int, icl_users: Sequence[int] = (1,),
+          draft_from: CartridgeStore | None = None) -> list[dict]:
     """Per method and number of concurrent users: prompt tokens, KV bytes per user, time to first token, decode rate.
     ICL is timed at `icl_users` only: on a CPU its prefill is compute-bound, so 32 users take 32 times one.
     `stores` holds the stored methods' stores, of ``cartridge`` (the routed cartridge's `tokens` of KV) and
     ``default`` (`store.plan(question, budget=tokens)`; for a reader its cartridge, then passages each request reads
     apart, which count among its prompt tokens and its first-token time), and ``default+draft`` (the same store, a
     first answer of `DRAFT` tokens before the plan it gives, `store.drafted_plan`: its decode counts in the
-    first-token time; one user only, as each request drafts on its own)."""
+    first-token time; one user only, as each request drafts on its own), and any ``hybrid`` method's (planned as
+    the run answers, `method_plan`, routed; a ``+draft`` one's first answer by `draft_from`'s cartridges when
+    given, and for one user)."""
     q = corpus.questions[0].question
     turn = [{"role": "user", "content": q}]
     doc = lm.encode(corpus.text)
@@ -405,6 +421,10 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
     if "default+draft" in stores:
         drafting = stores["default+draft"]
         setups["default+draft"] = planned(drafting, lambda: drafting.drafted_plan(q, DRAFT, budget=tokens)[0])
+    for method, store in stores.items():
+        if base_of(method)[0].startswith("hybrid"):
+            setups[method] = planned(store, lambda s=store, m=method: method_plan(s, m, q, tokens,
+                                                                               draft_from=draft_from))
     per_token = kv_bytes_per_token(lm)
     out = []
     for method, (prompt, parts, plan, apart) in setups.items():
@@ -413,8 +433,8 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
         ahead = prompt[: len(prompt) - len(after)] if method != "none" else prompt[:2]  # "none": 2 tokens, ~nothing
         context = (parts[0] if len(parts) == 1 else Cartridge.compose(parts)) if parts \
             else Cartridge.from_prefix(lm, ahead, len(ahead))
-        for n in users if method not in ("icl", "default+draft") else [
-                u for u in users if u in (icl_users if method == "icl" else (1,))]:
+        alone = method == "icl" or "draft" in base_of(method)[1]  # timed at icl_users, or one user
+        for n in users if not alone else [u for u in users if u in (icl_users if method == "icl" else (1,))]:
             out.append({"method": method, "users": n, "prompt_tokens": len(prompt) + apart,
                         "kv_mib_per_user": round((held + decode) * per_token / 2**20, 2),
                         "first_token_s": round(first_token_seconds(lm, [prompt] * n, parts, plan), 3),
@@ -512,14 +532,14 @@ def main() -> None:
         work = args.work / f"{args.model}-{first}-{args.docs}"
         retriever = Retriever("bm25", [p for _, p in passages([c.text for c in load_corpora(
             args.data_dir / DATASETS[first], list(range(args.docs)))])], work)
-        compacted = f"-{settings_tag(compaction)}" if compaction else ""
-        folders = {"cartridge": work / f"compact-{args.tokens}{compacted}",
-                   "default": work / f"compact-{SyncConfig().for_model(lm).tokens}{compacted}"}
-        folders["default+draft"] = folders["default"]
-        stores = {m: CartridgeStore(f, lm) for m, f in folders.items() if m in methods}  # those the run built
+        timed = [m for m in methods if m in ("cartridge", "default", "default+draft")
+                 or base_of(m)[0].startswith("hybrid")]  # of those the run built
+        stores = {m: CartridgeStore(store_of(lm, m, args.tokens, work, selfstudy, compaction)[1], lm) for m in timed}
+        drafter = CartridgeStore(store_of(lm, args.draft_from, args.tokens, work, selfstudy, compaction)[1], lm) \
+            if args.draft_from else None
         result["speed"] = speed(lm, corpus, args.tokens, retriever, stores,
                                 [int(u) for u in args.users.split(",")], args.decode,
-                                [int(u) for u in args.icl_users.split(",") if u])
+                                [int(u) for u in args.icl_users.split(",") if u], drafter)
     result.update({"seconds": round(time.perf_counter() - start, 1), "commit": provenance.commit(),
                    "dirty": provenance.dirty(), "machine": provenance.machine()})
     out = args.out or Path("benchmarks/results") / f"vs_rag-{args.model}-{args.tokens}.json"

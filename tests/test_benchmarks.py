@@ -436,6 +436,19 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     assert [r["users"] for r in drafted] == [1] and drafted[0]["prompt_tokens"] == default["prompt_tokens"]
     assert default["prompt_tokens"] == by["cartridge", 1]["prompt_tokens"] + 8
     assert default["kv_mib_per_user"] == by["cartridge", 1]["kv_mib_per_user"]
+    # a hybrid method is timed as the run plans it: the cut path ('4/8': the self-studied 8-token cartridge cut to
+    # 4, then 12 tokens of passages found with a first answer the drafter's cartridges write) for one user
+    cut_path = "hybrid-selfstudy+draft:4/8"
+    folder = vs_rag.store_of(lm, cut_path, 16, tmp_path / "work", {"num_conversations": 2, "document_windows": 2})[1]
+    assert folder.name == "selfstudy-8-document_windows=2-num_conversations=2" and folder.is_dir()
+    studied = vs_rag.CartridgeStore(folder, lm)
+    hybrids = vs_rag.speed(lm, corpus, 16, retriever, {cut_path: studied, "hybrid:8": small}, [1, 2], 2,
+                           draft_from=studied)
+    assert [(r["method"], r["users"]) for r in hybrids if r["method"] not in ("none", "icl", "rag")] == [
+        (cut_path, 1), ("hybrid:8", 1), ("hybrid:8", 2)]
+    cut = next(r for r in hybrids if r["method"] == cut_path)
+    assert cut["prompt_tokens"] == by["cartridge", 1]["prompt_tokens"] + 12
+    assert cut["kv_mib_per_user"] == by["cartridge", 1]["kv_mib_per_user"]
     calls = []
     assert vs_rag.first_token_seconds(lm, [[1, 2]] * 3, [], lambda: calls.append(1) or []) > 0 and len(calls) == 3
     asked_of_own = {"model": lm.name, "tokens": 16, "scope": "document", "sets": {"set": own}}
