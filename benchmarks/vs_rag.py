@@ -388,13 +388,12 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
           draft_from: CartridgeStore | None = None) -> list[dict]:
     """Per method and number of concurrent users: prompt tokens, KV bytes per user, time to first token, decode rate.
     ICL is timed at `icl_users` only: on a CPU its prefill is compute-bound, so 32 users take 32 times one.
-    `stores` holds the stored methods' stores, of ``cartridge`` (the routed cartridge's `tokens` of KV) and
+    `stores` holds the stored methods' stores, of ``cartridge`` (the routed cartridge's `tokens` of KV),
     ``default`` (`store.plan(question, budget=tokens)`; for a reader its cartridge, then passages each request reads
-    apart, which count among its prompt tokens and its first-token time), and ``default+draft`` (the same store, a
-    first answer of `DRAFT` tokens before the plan it gives, `store.drafted_plan`: its decode counts in the
-    first-token time; one user only, as each request drafts on its own), and any ``hybrid`` method's (planned as
-    the run answers, `method_plan`, routed; a ``+draft`` one's first answer by `draft_from`'s cartridges when
-    given, and for one user)."""
+    apart, which count among its prompt tokens and its first-token time), and ``default+draft`` and any ``hybrid``
+    method, planned as the run answers them (`method_plan`, routed). A ``+draft`` method writes a first answer of
+    `DRAFT` tokens before the plan it gives (by `draft_from`'s cartridges when given, as the quality rows do), whose
+    decode counts in the first-token time; it is timed for one user only, as each request drafts on its own."""
     q = corpus.questions[0].question
     turn = [{"role": "user", "content": q}]
     doc = lm.encode(corpus.text)
@@ -418,11 +417,8 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
     if "default" in stores:
         default = stores["default"]
         setups["default"] = planned(default, lambda: default.plan(q, budget=tokens))
-    if "default+draft" in stores:
-        drafting = stores["default+draft"]
-        setups["default+draft"] = planned(drafting, lambda: drafting.drafted_plan(q, DRAFT, budget=tokens)[0])
     for method, store in stores.items():
-        if base_of(method)[0].startswith("hybrid"):
+        if method == "default+draft" or base_of(method)[0].startswith("hybrid"):
             setups[method] = planned(store, lambda s=store, m=method: method_plan(s, m, q, tokens,
                                                                                draft_from=draft_from))
     per_token = kv_bytes_per_token(lm)
