@@ -388,12 +388,13 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
           draft_from: CartridgeStore | None = None) -> list[dict]:
     """Per method and number of concurrent users: prompt tokens, KV bytes per user, time to first token, decode rate.
     ICL is timed at `icl_users` only: on a CPU its prefill is compute-bound, so 32 users take 32 times one.
-    `stores` holds the stored methods' stores, of ``cartridge`` (the routed cartridge's `tokens` of KV),
-    ``default`` (`store.plan(question, budget=tokens)`; for a reader its cartridge, then passages each request reads
-    apart, which count among its prompt tokens and its first-token time), and ``default+draft`` and any ``hybrid``
-    method, planned as the run answers them (`method_plan`, routed). A ``+draft`` method writes a first answer of
-    `DRAFT` tokens before the plan it gives (by `draft_from`'s cartridges when given, as the quality rows do), whose
-    decode counts in the first-token time; it is timed for one user only, as each request drafts on its own."""
+    `stores` holds the stored methods' stores, of ``cartridge`` (the routed cartridge's `tokens` of KV), and of
+    ``default``, ``default+draft`` and any ``hybrid`` method, planned as the run answers them (`method_plan`,
+    routed; the default's as `store.plan(question, budget=tokens)`: for a reader its cartridge, then passages each
+    request reads apart, which count among its prompt tokens and its first-token time). A ``+draft`` method writes
+    a first answer of `DRAFT` tokens before the plan it gives (by `draft_from`'s cartridges when given, as the
+    quality rows do), whose decode counts in the first-token time; it is timed for one user only, as each request
+    drafts on its own."""
     q = corpus.questions[0].question
     turn = [{"role": "user", "content": q}]
     doc = lm.encode(corpus.text)
@@ -414,11 +415,8 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
         return (lm.prompt_ids(turn, prefix_ids=plan.prefix_ids, after_cartridge=bool(parts)), parts,
                 lambda: planning().parts(store), plan.passages_kv.num_tokens if plan.passages_kv is not None else 0)
 
-    if "default" in stores:
-        default = stores["default"]
-        setups["default"] = planned(default, lambda: default.plan(q, budget=tokens))
     for method, store in stores.items():
-        if method == "default+draft" or base_of(method)[0].startswith("hybrid"):
+        if (kind := base_of(method)[0]) == "default" or kind.startswith("hybrid"):
             setups[method] = planned(store, lambda s=store, m=method: method_plan(s, m, q, tokens,
                                                                                draft_from=draft_from))
     per_token = kv_bytes_per_token(lm)
