@@ -8,7 +8,8 @@ conversations, `--recipe reader` by a named recipe) and one RAG index (passages 
 `benchmarks/rag.py`). Each question is answered with:
 
 - ``none``: the question alone;            ``icl``: its own document in context (the ceiling);
-- ``bm25`` / ``dense``: RAG's best passages, up to `--tokens` prompt tokens;
+- ``bm25`` / ``dense`` / ``fused``: RAG's best passages, up to `--tokens` prompt tokens (``fused``: both rankings
+  added up, `serve/passages.py`);
 - ``cartridge`` / ``selfstudy``: the cartridge the store routes the question to (`store.route`, top 1), `--tokens`
   tokens of KV each: the same budget as RAG's prompt, held as KV instead of prompt text;
 - ``hybrid:N``: an N-token cartridge, then passages filling the budget; ``hybrid-selfstudy:N/M``: M-token
@@ -17,7 +18,8 @@ conversations, `--recipe reader` by a named recipe) and one RAG index (passages 
   exact KV, then its passages;
 - ``+draft`` after a method with passages (``hybrid+draft:64``, ``default+draft``): its passages ranked against the
   question and a first answer (`store.ask(..., draft=48)`), written by its own plan or, with `--draft-from METHOD`,
-  by that stored method's cartridges alone (``--draft-from selfstudy:192``).
+  by that stored method's cartridges alone (``--draft-from selfstudy:192``); ``+dense`` or ``+fused`` after one:
+  its passages ranked by that retrieval (`store.ask(..., retrieval=...)`), not BM25 (``default+fused``);
 
 Quality: gold-answer closure (how much of the none-to-ICL drop in the gold answer's NLL a method recovers) and, on
 multiple-choice sets, two accuracies: ``letter``, the share where the letter the reader ranks first (options listed,
@@ -56,9 +58,10 @@ from .naming import recipe_flags, settings_tag
 from .rag import Retriever, passages
 
 DATASETS = {"qasper": "scientific_qa_dev.jsonl", "quality": "quality_dev.jsonl", "tpo": "tpo_dev.jsonl"}
-METHODS = ("none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi", "default",
-           "opening")
+RAGS = ("bm25", "dense", "fused")  # RAG alone, passages ranked as `serve/passages.py`'s retrieval of that name
+METHODS = ("none", "icl", *RAGS, "cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi", "default", "opening")
 LABELS = {"none": "no context", "icl": "whole document in context", "bm25": "RAG, BM25", "dense": "RAG, dense (MiniLM)",
+          "fused": "RAG, BM25 and dense fused",
           "cartridge": "routed cartridge (compacted)", "selfstudy": "routed cartridge (self-studied)",
           "hybrid": "cartridge (compacted) + passages", "hybrid-selfstudy": "cartridge (self-studied) + passages",
           "multi": "routed cartridges (compacted), as many as fit",
@@ -73,12 +76,14 @@ STORED = ("cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi")
 SIZED = STORED + ("opening",)
 RERANK = 8  # BM25's candidates a '+rerank' method ranks again with the question's likelihood (serve/rerank.py)
 DRAFTED = ("hybrid", "hybrid-selfstudy", "default")  # the methods with passages a first answer can pick ('+draft')
+RANKINGS = ("dense", "fused")  # '+dense' or '+fused' after one of DRAFTED: its passages ranked so (else by BM25)
 DRAFT = 48  # the first answer's tokens, for a '+draft' method (`store.ask(..., draft=DRAFT)`)
 _OPTION = re.compile(r"^\s*\(?([A-Z])[).]\s+(.*\S)\s*$", re.MULTILINE)
 
 
 def base_of(method: str) -> tuple[str, set[str]]:
-    """A method's kind without its size and what follows it after ``+`` (``rerank``, ``draft``), and those."""
+    """A method's kind without its size and what follows it after ``+`` (``rerank``, ``draft``, ``fused``...), and
+    those."""
     base, *extras = method.partition(":")[0].split("+")
     return base, set(extras)
 
@@ -88,18 +93,21 @@ def method_spec(method: str, tokens: int) -> tuple[str, int]:
     rest of the budget; a stored method without a size uses the whole budget (a hybrid one, half of it; ``opening``,
     a quarter). A stored method's kind may end in ``+rerank``: routing's candidates ranked again
     (`store.plan(..., rerank=RERANK)`); one with passages (`DRAFTED`) in ``+draft``: its passages ranked against the
-    question and a first answer (`store.ask(..., draft=DRAFT)`)."""
+    question and a first answer (`store.ask(..., draft=DRAFT)`), and in ``+dense`` or ``+fused``: its passages ranked
+    by that retrieval instead of BM25 (`store.ask(..., retrieval=...)`)."""
     kind, _, size = method.partition(":")
     size, _, whole = size.partition("/")
     base, added = base_of(method)
-    if (base not in METHODS or not added <= {"rerank", "draft"} or ("rerank" in added and base not in STORED)
-            or ("draft" in added and base not in DRAFTED) or (size and (base not in SIZED or not size.isdigit()))
+    ranking = added & set(RANKINGS)
+    if (base not in METHODS or not added <= {"rerank", "draft", *RANKINGS} or ("rerank" in added and base not in STORED)
+            or ((ranking or "draft" in added) and base not in DRAFTED) or len(ranking) > 1
+            or (size and (base not in SIZED or not size.isdigit()))
             or (whole and (not base.startswith("hybrid") or not size or not whole.isdigit()
                            or int(whole) <= int(size)))):
         raise ConfigError(f"method {method!r}: use one of {list(METHODS)}, with '+rerank' after one of "
-                          f"{list(STORED)}, '+draft' after one of {list(DRAFTED)}, ':TOKENS' after one of "
-                          f"{list(SIZED)}, or ':TOKENS/MADE' after a hybrid one (MADE-token cartridges cut to TOKENS, "
-                          "MADE > TOKENS).")
+                          f"{list(STORED)}, '+draft' and one of {[f'+{r}' for r in RANKINGS]} after one of "
+                          f"{list(DRAFTED)}, ':TOKENS' after one of {list(SIZED)}, or ':TOKENS/MADE' after a hybrid "
+                          "one (MADE-token cartridges cut to TOKENS, MADE > TOKENS).")
     shared = base.startswith("hybrid") or base == "opening"  # passages fill what the cartridge leaves
     default = tokens // 4 if base == "opening" else tokens // 2 if shared else tokens
     size_ = int(size) if size else default
@@ -120,11 +128,12 @@ def label(method: str, scope: str = "store") -> str:
     base, added = base_of(method)
     text = (LABELS[base] + (", reranked" if "rerank" in added else "")
             + (", passages picked with a first answer" if "draft" in added else "")
+            + "".join(f", passages ranked {r}" for r in RANKINGS if r in added)
             + (f", {size.replace('/', '-token cut of a ')}-token cartridge" if size else ""))
     if scope == "document":  # nothing is routed: the question's own document answers, and RAG reads only it
         text = text.replace("routed cartridges", "its cartridge").replace("routed cartridge", "its own cartridge")
         text = text.replace("budget=TOKENS", "cartridges=[its own], budget=TOKENS")
-        text += ", in the document" if base in ("bm25", "dense") else ""
+        text += ", in the document" if base in RAGS else ""
     return text
 
 
@@ -209,6 +218,7 @@ def method_plan(store: CartridgeStore, method: str, question: str, tokens: int, 
     draft = DRAFT if "draft" in added else 0
     named = {} if document is None else {"cartridges": [document]}
     own = {} if document is None else {"passages_from": "routed"}  # where passages are sought: refused elsewhere
+    own.update({"retrieval": r for r in RANKINGS if r in added})
     if base == "default":
         return store.drafted_plan(question, draft, draft_from=draft_from if draft else None, budget=tokens,
                                   **named, **(own if sought(store.model, None, tokens) else {}))[0]
@@ -289,7 +299,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {}, compaction,
                                  None if only is None else [c.name for c in scored.values()])
     chunks = passages([c.text for c in corpora])
-    retrievers = {kind: Retriever(kind, [p for _, p in chunks], work) for kind in ("bm25", "dense") if kind in methods}
+    retrievers = {kind: Retriever(kind, [p for _, p in chunks], work) for kind in RAGS if kind in methods}
     build.update({kind: r.seconds for kind, r in retrievers.items()})
     rows = []
     for d, c in scored.items():

@@ -292,13 +292,13 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     from benchmarks import vs_rag
     from benchmarks.rag import Retriever, passages
     from cartridges_sdk.making.evaluation import answer_logprobs, choose, nll
-    from cartridges_sdk.serve.passages import PassageIndex, passage_ids
+    from cartridges_sdk.serve.passages import FUSED_K, PassageIndex, passage_ids
 
     lm = tiny_llama
     half = len(TEXT) // 2
     data = _write(tmp_path / "set.jsonl", [(TEXT[:half], FREE), (TEXT[half:], MC)])
     assert vs_rag.options(MC[1][0]) == ("Which sea?", ["the north one", "the south one", "the east one"])
-    methods_ = ["none", "icl", "bm25", "dense", "cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default",
+    methods_ = ["none", "icl", "bm25", "dense", "fused", "cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default",
                 "cartridge+rerank", "multi:8", "hybrid+draft:8", "hybrid-selfstudy+draft:4/8"]
     result = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", methods_,
                                 {"num_conversations": 2, "document_windows": 2}, draft_from="selfstudy")
@@ -316,7 +316,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     mcq = load_corpora(data, [1])[0].questions[0]
     assert result["rows"][2]["letter_right"]["none"] == (choose(lm, mcq.question, mcq.options) == mcq.gold)
     # every method is held to the budget: cartridge tokens plus passage tokens
-    assert all(0 < r["context_tokens"][k] <= 16 for r in result["rows"] for k in ("bm25", "dense"))
+    assert all(0 < r["context_tokens"][k] <= 16 for r in result["rows"] for k in ("bm25", "dense", "fused"))
     assert all(r["context_tokens"][k] == 16 for r in result["rows"]
                for k in ("cartridge", "selfstudy", "hybrid:8", "cartridge+rerank", "hybrid+draft:8",
                          "hybrid-selfstudy+draft:4/8"))
@@ -331,7 +331,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
         vs_rag.method_spec("hybrid:16", 16)
     # a first answer picks passages, so '+draft' goes only where there are passages
     assert vs_rag.method_spec("hybrid+draft:8", 16) == ("hybrid+draft", 8)
-    with pytest.raises(vs_rag.ConfigError, match="'\\+draft' after one of"):
+    with pytest.raises(vs_rag.ConfigError, match="'\\+draft' and one of .* after one of \\['hybrid'"):
         vs_rag.method_spec("cartridge+draft", 16)
     with pytest.raises(vs_rag.ConfigError, match="default budget is all cartridges.*use hybrid\\+draft:N"):
         vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "default+draft"])
@@ -344,6 +344,16 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     retriever = Retriever("bm25", [p for _, p in passages([TEXT[:half], TEXT[half:]])], tmp_path / "work")
     direct = nll(answer_logprobs(lm, q[0], q[1], document=retriever.context(lm, q[0], 16)), lm, q[1])
     assert result["rows"][0]["nll"]["bm25"] == pytest.approx(direct, abs=1e-3)
+    # '+fused' (or '+dense'): a method's passages ranked by that retrieval, as store.plan(retrieval=...) ranks them
+    assert vs_rag.method_spec("hybrid+draft+fused:8", 16) == ("hybrid+draft+fused", 8)
+    for bad in ("cartridge+fused", "hybrid+dense+fused:8", "selfstudy+dense"):
+        with pytest.raises(vs_rag.ConfigError, match=r"one of \['\+dense', '\+fused'\] after one of"):
+            vs_rag.method_spec(bad, 16)
+    compact8, name = vs_rag.CartridgeStore(tmp_path / "work" / "compact-8", lm), load_corpora(data, [0])[0].name
+    fused = vs_rag.method_plan(compact8, "hybrid+fused:8", q[0], 16, document=name)
+    assert fused == compact8.plan(q[0], cartridges=[name], budget=16, passages=8, passages_from="routed",
+                                  retrieval="fused")
+    assert fused.passages and all(p.score <= 2 / (FUSED_K + 1) for p in fused.passages)  # ranks added, not BM25's
     # asked of its own document: every stored method answers with that document's cartridge, RAG with its passages
     own = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", ["none", "icl", "bm25", "cartridge", "hybrid:8",
                                                                       "opening:4", "multi"], scope="document",

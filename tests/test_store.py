@@ -154,6 +154,36 @@ def test_passages_fill_what_the_cartridges_leave_of_the_budget(store, tiny_llama
             store.plan(q, **bad)
 
 
+def test_fused_retrieval_adds_up_the_bm25_and_dense_rankings(store):
+    from cartridges_sdk.serve.passages import FUSED_K, PassageIndex
+
+    chunks = ["The Colby railway closed in 1952, a year after the mine shut.",
+              "Trains stopped running to the coast once the line was abandoned.",
+              "The lighthouse keeper painted the tower white every spring.",
+              "Apples from the orchard ripen in late September."]
+    owners = ["railway", "railway", "lighthouse", "orchard"]
+    index = {kind: PassageIndex(owners, chunks, kind) for kind in ("bm25", "dense", "fused")}
+    q = "When did the Colby railway close?"
+    ranks = {kind: [p.text for p in index[kind].ranked(q, 10)] for kind in ("bm25", "dense")}
+    assert len(ranks["bm25"]) < len(chunks) == len(ranks["dense"])  # BM25 drops passages sharing no word
+    fused = index["fused"].ranked(q, 10)
+    want = {t: sum(1 / (FUSED_K + r.index(t) + 1) for r in ranks.values() if t in r) for t in chunks}
+    assert {p.text: p.score for p in fused} == pytest.approx(want) and len(fused) == len(chunks)
+    assert [p.score for p in fused] == sorted(want.values(), reverse=True)
+    assert fused[0].text == chunks[0] and [p.name for p in index["fused"].ranked(q, 2)] == ["railway"] * 2
+    # a question in other words than any passage's: BM25 finds nothing, and fused ranks as dense does
+    other = "Which fruit is harvested in autumn?"
+    assert index["bm25"].ranked(other, 10) == []
+    assert [p.text for p in index["fused"].ranked(other, 10)] == [p.text for p in index["dense"].ranked(other, 10)]
+    # within some documents only, as the other rankings are
+    assert {p.name for p in index["fused"].ranked(q, 10, among=["lighthouse", "orchard"])} == {"lighthouse",
+                                                                                                "orchard"}
+    # and through a store: the same ranking of its corpora's passages
+    plan = store.plan(q, k=1, passages=1000, retrieval="fused")
+    assert plan.passages and [p.score for p in plan.passages] == sorted((p.score for p in plan.passages),
+                                                                        reverse=True)
+
+
 def test_a_first_answer_picks_the_passages(store, tiny_llama):
     from cartridges_sdk.serve.passages import drafted
 

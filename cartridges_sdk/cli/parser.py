@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from ..making.settings import DEFAULT_CONVERSATIONS, DEFAULT_START, RECIPES, STARTS
+from ..serve.passages import PASSAGES_FROM, RETRIEVALS
 from .files import cmd_compact, cmd_compose, cmd_eval, cmd_init, cmd_inspect
 from .selfstudy import cmd_build, cmd_merge, cmd_synthesize, cmd_train
 from .access import cmd_forget, cmd_keys
@@ -189,8 +190,9 @@ def _ask(p: argparse.ArgumentParser) -> None:
     p.add_argument("--passages", type=int, default=None, help="with --store: at least this many prompt tokens of the "
                    "store's passages best matching the question, after the cartridges (default: with --budget and a "
                    "reader of 300M-1B parameters, what the best --k cartridges leave of it; else none)")
-    p.add_argument("--retrieval", choices=["bm25", "dense"], help="how passages are ranked (default bm25)")
-    p.add_argument("--passages-from", choices=["store", "routed"],
+    p.add_argument("--retrieval", choices=list(RETRIEVALS), help="how passages are ranked (default bm25; fused: "
+                   "BM25 and dense rankings added up)")
+    p.add_argument("--passages-from", choices=list(PASSAGES_FROM),
                    help="passages of the whole store (the default), or only of the routed cartridges' documents")
     p.add_argument("--trim", action="store_true", help="with --store, --budget and --passages: cut cartridges larger "
                    "than what the passages leave of the budget to their first tokens, rather than routing past them "

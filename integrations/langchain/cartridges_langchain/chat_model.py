@@ -24,14 +24,14 @@ ROLES = {"human": "user", "ai": "assistant", "system": "system"}
 class ChatCartridges(BaseChatModel):
     """Answers with `cartridge`, or with `store`'s cartridges: those named in `cartridges`, else the best `k` for the
     last user message (or as many as fit `budget` tokens); with `passages` tokens, the store's best passages after
-    them (`budget` then counts both; `retrieval` bm25 (None) or dense; `passages_from` "store" (None) or "routed",
-    refused where no passages are sought; `passages` left at None, a reader's answer with a `budget` fills what its
-    cartridges leave, as `CartridgeStore.plan` says; `draft` N ranks them against the question and a first answer
-    of at most N tokens, written by `draft_from`'s cartridges when given, as `CartridgeStore.ask` does; `trim` cuts
-    cartridges larger than what the passages leave of the budget). A call may
-    name its own with ``invoke(..., cartridges=[...])``: store names, or the documents `CartridgeRetriever`
-    returned. Each answer's ``response_metadata["cartridges"]`` says which cartridges gave it (and
-    ``["passages"]`` which passages, ``["draft"]`` the first answer that picked them)."""
+    them (`budget` then counts both; `retrieval` bm25 (None), dense or fused; `passages_from` "store" (None) or
+    "routed", refused where no passages are sought; `passages` left at None, a reader's answer with a `budget`
+    fills what its cartridges leave, as `CartridgeStore.plan` says; `draft` N ranks them against the question and a
+    first answer of at most N tokens, written by `draft_from`'s cartridges when given, as `CartridgeStore.ask`
+    does; `trim` cuts cartridges larger than what the passages leave of the budget). A call may name its own with
+    ``invoke(..., cartridges=[...])``: store names, or the documents `CartridgeRetriever` returned. Each answer's
+    ``response_metadata["cartridges"]`` says which cartridges gave it (and ``["passages"]`` which passages,
+    ``["draft"]`` the first answer that picked them)."""
 
     cartridge: Any = None
     store: Any = None

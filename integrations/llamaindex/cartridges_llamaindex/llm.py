@@ -34,7 +34,7 @@ class CartridgeLLM(CustomLLM):
                                "plus passages if any)")
     passages: int | None = Field(default=None, description="prompt tokens of the store's best passages after the "
                                  "cartridges (None: with a budget, a reader's fill what the cartridges leave)")
-    retrieval: str | None = Field(default=None, description="how passages are ranked: bm25 (None) or dense")
+    retrieval: str | None = Field(default=None, description="how passages are ranked: bm25 (None), dense or fused")
     passages_from: str | None = Field(default=None, description="passages of the whole store (None), or 'routed': "
                                       "only of the answering cartridges' documents")
     draft: int = Field(default=0, description="tokens of a first answer the passages are ranked against with the "
