@@ -298,8 +298,8 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     half = len(TEXT) // 2
     data = _write(tmp_path / "set.jsonl", [(TEXT[:half], FREE), (TEXT[half:], MC)])
     assert vs_rag.options(MC[1][0]) == ("Which sea?", ["the north one", "the south one", "the east one"])
-    methods_ = ["none", "icl", "bm25", "dense", "fused", "cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default",
-                "cartridge+rerank", "multi:8", "hybrid+draft:8", "hybrid-selfstudy+draft:4/8"]
+    methods_ = ["none", "icl", "bm25", "dense", "fused", "cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8",
+                "default", "cartridge+rerank", "multi:8", "hybrid+draft:8", "hybrid-selfstudy+draft:4/8"]
     result = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", methods_,
                                 {"num_conversations": 2, "document_windows": 2}, draft_from="selfstudy")
     assert result["questions"] == 4 and result["methods"] == methods_  # the drafter is among them already
