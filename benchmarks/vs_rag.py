@@ -399,7 +399,7 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
     """Per method and number of concurrent users: prompt tokens, KV bytes per user, time to first token, decode rate.
     ICL is timed at `icl_users` only: on a CPU its prefill is compute-bound, so 32 users take 32 times one.
     `stores` holds the stored methods' stores, of ``cartridge`` (the routed cartridge's `tokens` of KV), and of
-    ``default``, ``default+draft`` and any ``hybrid`` method, planned as the run answers them (`method_plan`,
+    ``default`` (``+draft``, ``+fused``...) and any ``hybrid`` method, planned as the run answers them (`method_plan`,
     routed; the default's as `store.plan(question, budget=tokens)`: for a reader its cartridge, then passages each
     request reads apart, which count among its prompt tokens and its first-token time). A ``+draft`` method writes
     a first answer of `DRAFT` tokens before the plan it gives (by `draft_from`'s cartridges when given, as the
@@ -536,7 +536,7 @@ def main() -> None:
         work = args.work / f"{args.model}-{first}-{args.docs}"
         retriever = Retriever("bm25", [p for _, p in passages([c.text for c in load_corpora(
             args.data_dir / DATASETS[first], list(range(args.docs)))])], work)
-        timed = [m for m in methods if m in ("cartridge", "default", "default+draft")
+        timed = [m for m in methods if m == "cartridge" or base_of(m)[0] == "default"
                  or base_of(m)[0].startswith("hybrid")]  # of those the run built
         stores = {m: CartridgeStore(store_of(lm, m, args.tokens, work, selfstudy, compaction)[1], lm) for m in timed}
         drafter = CartridgeStore(store_of(lm, args.draft_from, args.tokens, work, selfstudy, compaction)[1], lm) \
