@@ -49,7 +49,7 @@ from cartridges_sdk.making.settings import DEFAULT_CONVERSATIONS, RECIPES, Compa
 from cartridges_sdk.making.evaluation import answer_logprobs, nll
 from cartridges_sdk.errors import ConfigError
 from cartridges_sdk.kv import prefix_cache
-from cartridges_sdk.serve.passages import PassageIndex, candidates, passage_ids, read_apart, sought
+from cartridges_sdk.serve.passages import RETRIEVALS, PassageIndex, candidates, passage_ids, read_apart, sought
 
 from . import provenance
 from .data import EVALDATA, Corpus, load_corpora
@@ -58,7 +58,7 @@ from .naming import recipe_flags, settings_tag
 from .rag import Retriever, passages
 
 DATASETS = {"qasper": "scientific_qa_dev.jsonl", "quality": "quality_dev.jsonl", "tpo": "tpo_dev.jsonl"}
-RAGS = ("bm25", "dense", "fused")  # RAG alone, passages ranked as `serve/passages.py`'s retrieval of that name
+RAGS = RETRIEVALS  # RAG alone, passages ranked as `serve/passages.py`'s retrieval of that name
 METHODS = ("none", "icl", *RAGS, "cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi", "default", "opening")
 LABELS = {"none": "no context", "icl": "whole document in context", "bm25": "RAG, BM25", "dense": "RAG, dense (MiniLM)",
           "fused": "RAG, BM25 and dense fused",
@@ -76,7 +76,8 @@ STORED = ("cartridge", "selfstudy", "hybrid", "hybrid-selfstudy", "multi")
 SIZED = STORED + ("opening",)
 RERANK = 8  # BM25's candidates a '+rerank' method ranks again with the question's likelihood (serve/rerank.py)
 DRAFTED = ("hybrid", "hybrid-selfstudy", "default")  # the methods with passages a first answer can pick ('+draft')
-RANKINGS = ("dense", "fused")  # '+dense' or '+fused' after one of DRAFTED: its passages ranked so (else by BM25)
+RANKINGS = tuple(r for r in RETRIEVALS if r != "bm25")  # '+dense' or '+fused' after one of DRAFTED: its passages
+# ranked so (else by BM25, the SDK's default)
 DRAFT = 48  # the first answer's tokens, for a '+draft' method (`store.ask(..., draft=DRAFT)`)
 _OPTION = re.compile(r"^\s*\(?([A-Z])[).]\s+(.*\S)\s*$", re.MULTILINE)
 
@@ -86,6 +87,12 @@ def base_of(method: str) -> tuple[str, set[str]]:
     those."""
     base, *extras = method.partition(":")[0].split("+")
     return base, set(extras)
+
+
+def plans_each_answer(method: str) -> bool:
+    """Whether each answer of `method` plans its KV (`method_plan`): the default's variants and the hybrid ones."""
+    kind = base_of(method)[0]
+    return kind == "default" or kind.startswith("hybrid")
 
 
 def method_spec(method: str, tokens: int) -> tuple[str, int]:
@@ -426,7 +433,7 @@ def speed(lm, corpus: Corpus, tokens: int, retriever: Retriever | None, stores: 
                 lambda: planning().parts(store), plan.passages_kv.num_tokens if plan.passages_kv is not None else 0)
 
     for method, store in stores.items():
-        if (kind := base_of(method)[0]) == "default" or kind.startswith("hybrid"):
+        if plans_each_answer(method):
             setups[method] = planned(store, lambda s=store, m=method: method_plan(s, m, q, tokens,
                                                                                draft_from=draft_from))
     per_token = kv_bytes_per_token(lm)
@@ -536,8 +543,7 @@ def main() -> None:
         work = args.work / f"{args.model}-{first}-{args.docs}"
         retriever = Retriever("bm25", [p for _, p in passages([c.text for c in load_corpora(
             args.data_dir / DATASETS[first], list(range(args.docs)))])], work)
-        timed = [m for m in methods if m == "cartridge" or base_of(m)[0] == "default"
-                 or base_of(m)[0].startswith("hybrid")]  # of those the run built
+        timed = [m for m in methods if m == "cartridge" or plans_each_answer(m)]  # of those the run built
         stores = {m: CartridgeStore(store_of(lm, m, args.tokens, work, selfstudy, compaction)[1], lm) for m in timed}
         drafter = CartridgeStore(store_of(lm, args.draft_from, args.tokens, work, selfstudy, compaction)[1], lm) \
             if args.draft_from else None
