@@ -308,9 +308,10 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     chunks = passages([c.text for c in corpora])
     retrievers = {kind: Retriever(kind, [p for _, p in chunks], work) for kind in RAGS if kind in methods}
     build.update({kind: r.seconds for kind, r in retrievers.items()})
-    rows = []
+    rows, lengths = [], []
     for d, c in scored.items():
         ids = lm.encode(c.text)
+        lengths.append(len(ids))
         own = [i for i, (doc, _) in enumerate(chunks) if doc == d] if scope == "document" else None
         document = c.name if scope == "document" else None
         if lm.max_context and len(ids) + 512 > lm.max_context:
@@ -354,7 +355,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     return {
         "data": path.name, "scope": scope, "docs": docs, "only": None if only is None else sorted(only),
         "questions": len(rows), "methods": used,
-        "doc_tokens": round(mean([len(lm.encode(c.text)) for c in scored.values()])),
+        "doc_tokens": round(mean(lengths)),
         "nll": {m: round(mean([r["nll"][m] for r in rows]), 4) for m in used},
         "closure": {m: closure(rows, m) for m in used},
         "kl": {m: round(mean([r["kl"][m] for r in rows]), 4) for m in used},

@@ -178,10 +178,62 @@ def test_fused_retrieval_adds_up_the_bm25_and_dense_rankings(store):
     # within some documents only, as the other rankings are
     assert {p.name for p in index["fused"].ranked(q, 10, among=["lighthouse", "orchard"])} == {"lighthouse",
                                                                                                 "orchard"}
+    # fused from the two indexes as built: the same ranking; indexes of other passages are refused
+    assert PassageIndex.fusing([index["bm25"], index["dense"]]).ranked(q, 10) == fused
+    with pytest.raises(ValueError, match="same passages"):
+        PassageIndex.fusing([index["bm25"], PassageIndex(owners[:2], chunks[:2], "dense")])
     # and through a store: the same ranking of its corpora's passages
     plan = store.plan(q, k=1, passages=1000, retrieval="fused")
     assert plan.passages and [p.score for p in plan.passages] == sorted((p.score for p in plan.passages),
                                                                         reverse=True)
+
+
+def test_a_store_builds_each_passage_index_once(store, monkeypatch):
+    """Fused retrieval reuses the store's BM25 and dense indexes of the same documents: the dense one embeds every
+    passage, so building it twice would double an answer's slowest step."""
+    from cartridges_sdk.serve.passages import PassageIndex
+
+    built = []
+    real = PassageIndex.of.__func__
+
+    def counted(cls, texts, retrieval="bm25", **kw):
+        built.append((retrieval, tuple(texts)))
+        return real(cls, texts, retrieval, **kw)
+
+    monkeypatch.setattr(PassageIndex, "of", classmethod(counted))
+    q = "When did the Colby railway close?"
+    dense = store.passages(q, k=50, retrieval="dense")
+    fused = store.passages(q, k=50, retrieval="fused")
+    assert [kind for kind, _ in built] == ["dense", "bm25"]  # fused built only the BM25 index it lacked
+    assert store.passages(q, k=50, retrieval="bm25") and store.passages(q, k=50, retrieval="fused") == fused
+    assert len(built) == 2 and {p.text for p in fused} == {p.text for p in dense}
+    # within some documents: their own indexes, each built once too
+    store.passages(q, retrieval="fused", among=["railway"])
+    store.passages(q, retrieval="dense", among=["railway"])
+    assert built[2:] == [("bm25", ("railway",)), ("dense", ("railway",))]
+
+
+def test_a_store_embeds_each_document_once(store, tiny_llama):
+    """Dense indexes take each document's passage embeddings from the store, which keeps them across changes: after
+    a sync changed one document, only it is embedded again, and the ranking is the one of embedding all at once."""
+    from cartridges_sdk.serve.passages import PassageIndex
+
+    q = "When did the Colby railway close?"
+    store.passages(q, retrieval="dense")
+    assert store._embedded.made == 3
+    store.passages(q, retrieval="fused", among=["railway", "orchard"])  # another index, the same embeddings
+    assert store._embedded.made == 3
+    harbour = "The harbour at Colby silted up after the railway closed, and the slate boats stopped calling."
+    store.add("harbour", Cartridge.from_prefix(tiny_llama, harbour, 12), corpus=harbour)
+    railway = CORPORA["railway"].replace("1962", "1963")
+    store.add("railway", Cartridge.from_prefix(tiny_llama, railway, 12), corpus=railway, replace=True)
+    ranked = store.passages(q, k=50, retrieval="dense")
+    assert store._embedded.made == 5  # the new document and the changed one
+    texts = {**CORPORA, "harbour": harbour, "railway": railway}
+    whole = PassageIndex(sorted(texts), [texts[n] for n in sorted(texts)], "dense").ranked(q, 50)
+    assert [p.text for p in ranked] == [p.text for p in whole] and len(ranked) == 4
+    assert any("1963" in p.text for p in ranked) and not any("1962" in p.text for p in ranked)
+    assert [p.score for p in ranked] == pytest.approx([p.score for p in whole], abs=1e-5)
 
 
 def test_a_first_answer_picks_the_passages(store, tiny_llama):

