@@ -8,10 +8,10 @@ two differ only in what fills the budget."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cartridges_sdk.serve.passages import PASSAGE_WORDS, PassageIndex, split_passages
+from cartridges_sdk.serve.passages import FUSES, PASSAGE_WORDS, PassageIndex, split_passages
 
 
 def passages(texts: Sequence[str], words: int = PASSAGE_WORDS) -> list[tuple[int, str]]:
@@ -20,11 +20,18 @@ def passages(texts: Sequence[str], words: int = PASSAGE_WORDS) -> list[tuple[int
 
 
 class Retriever:
-    """Passages of a corpus ranked for a question, by `kind` ("bm25" or "dense"); `seconds` is the time to index."""
+    """Passages of a corpus ranked for a question, by `kind` ("bm25", "dense" or "fused"); `seconds` is the time to
+    index. A fused one made beside the BM25 and dense ones of the same passages (`built`) reuses them, its seconds
+    theirs added up: what building it alone costs."""
 
-    def __init__(self, kind: str, chunks: Sequence[str], cache: Path):
+    def __init__(self, kind: str, chunks: Sequence[str], cache: Path, *, built: Mapping[str, Retriever] | None = None):
         start = time.perf_counter()
         self.kind, self.chunks = kind, list(chunks)
+        parts = [built[k] for k in FUSES if k in (built or {}) and built[k].chunks == self.chunks]
+        if kind == "fused" and len(parts) == len(FUSES):
+            self._index = PassageIndex.fusing([p._index for p in parts])
+            self.seconds = sum(p.seconds for p in parts)
+            return
         self._index = PassageIndex([str(i) for i in range(len(self.chunks))], self.chunks, kind, cache=cache)
         self.seconds = time.perf_counter() - start
 

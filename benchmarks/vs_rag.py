@@ -306,7 +306,9 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
     stores, build = build_stores(lm, corpora, tokens, work, methods, selfstudy or {}, compaction,
                                  None if only is None else [c.name for c in scored.values()])
     chunks = passages([c.text for c in corpora])
-    retrievers = {kind: Retriever(kind, [p for _, p in chunks], work) for kind in RAGS if kind in methods}
+    retrievers: dict[str, Retriever] = {}
+    for kind in [k for k in RAGS if k in methods]:  # fused after BM25 and dense (RETRIEVALS' order), reusing them
+        retrievers[kind] = Retriever(kind, [p for _, p in chunks], work, built=retrievers)
     build.update({kind: r.seconds for kind, r in retrievers.items()})
     rows, lengths = [], []
     for d, c in scored.items():

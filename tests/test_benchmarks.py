@@ -344,6 +344,11 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     retriever = Retriever("bm25", [p for _, p in passages([TEXT[:half], TEXT[half:]])], tmp_path / "work")
     direct = nll(answer_logprobs(lm, q[0], q[1], document=retriever.context(lm, q[0], 16)), lm, q[1])
     assert result["rows"][0]["nll"]["bm25"] == pytest.approx(direct, abs=1e-3)
+    # fused RAG made beside BM25 and dense (as the run makes it) reuses their indexes: the ranking of one made alone
+    built = {k: Retriever(k, retriever.chunks, tmp_path / "work") for k in ("bm25", "dense")}
+    reused = Retriever("fused", retriever.chunks, tmp_path / "work", built=built)
+    assert reused.ranked(q[0]) == Retriever("fused", retriever.chunks, tmp_path / "work").ranked(q[0])
+    assert reused.seconds == built["bm25"].seconds + built["dense"].seconds
     # '+fused' (or '+dense'): a method's passages ranked by that retrieval, as store.plan(retrieval=...) ranks them
     assert vs_rag.method_spec("hybrid+draft+fused:8", 16) == ("hybrid+draft+fused", 8)
     for bad in ("cartridge+fused", "hybrid+dense+fused:8", "selfstudy+dense"):
