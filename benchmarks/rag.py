@@ -25,13 +25,12 @@ class Retriever:
     theirs added up: what building it alone costs."""
 
     def __init__(self, kind: str, chunks: Sequence[str], cache: Path, *, built: Mapping[str, Retriever] | None = None):
-        start = time.perf_counter()
         self.kind, self.chunks = kind, list(chunks)
-        parts = [built[k] for k in FUSES if k in (built or {}) and built[k].chunks == self.chunks]
-        if kind == "fused" and len(parts) == len(FUSES):
-            self._index = PassageIndex.fusing([p._index for p in parts])
-            self.seconds = sum(p.seconds for p in parts)
+        if kind == "fused" and built and all(k in built and built[k].chunks == self.chunks for k in FUSES):
+            self._index = PassageIndex.fusing([built[k]._index for k in FUSES])
+            self.seconds = sum(built[k].seconds for k in FUSES)
             return
+        start = time.perf_counter()
         self._index = PassageIndex([str(i) for i in range(len(self.chunks))], self.chunks, kind, cache=cache)
         self.seconds = time.perf_counter() - start
 

@@ -233,6 +233,9 @@ def test_a_store_embeds_each_document_once(store, tiny_llama):
     whole = PassageIndex(sorted(texts), [texts[n] for n in sorted(texts)], "dense").ranked(q, 50)
     assert [p.text for p in ranked] == [p.text for p in whole] and len(ranked) == 4
     assert any("1963" in p.text for p in ranked) and not any("1962" in p.text for p in ranked)
+    assert len(store._embedded) == 4  # a document's latest version only
+    store.remove("orchard")  # a removed (or forgotten) document's embeddings go with it
+    assert "orchard" not in store._embedded and len(store.passages(q, k=50, retrieval="dense")) == 3
     assert [p.score for p in ranked] == pytest.approx([p.score for p in whole], abs=1e-5)
 
 

@@ -23,7 +23,7 @@ meaning in other words; each misses what the other finds, and ranks, unlike thei
 calibration. The RAG baseline of benchmarks/ is this same retrieval with no cartridge.
 
 Embedding is dense retrieval's cost (about 75 passages a second on 2 CPU cores), so the embedder is loaded once per
-process (`embedder`), and a store keeps each document's passage embeddings across changes (`embedded`).
+process (`load_embedder`), and a store keeps each document's passage embeddings across changes (`embedded`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import threading
 import zipfile
@@ -117,9 +118,9 @@ def embedder_path(cache: Path) -> Path:
     return folder
 
 
-def embedder(cache: Path | None = None, retrieval: str = "dense") -> Any:
-    """all-MiniLM-L6-v2 (a SentenceTransformer on the CPU), loaded once per process: every dense index and every
-    question's embedding share it (`retrieval` names what needs it in the error when it is missing)."""
+def embedder_folder(cache: Path | None = None, retrieval: str = "dense") -> str:
+    """The embedder's folder (`embedder_path` in `cache`, None: the models' cache), refusing a missing
+    sentence-transformers with a fix (`retrieval` names what needs it)."""
     try:
         import sentence_transformers  # noqa: F401
     except ImportError:
@@ -127,11 +128,13 @@ def embedder(cache: Path | None = None, retrieval: str = "dense") -> Any:
                           "'cartridges-sdk[bench]'); or use retrieval='bm25'.") from None
     from ..models import default_cache_dir
 
-    return _load_embedder(str(embedder_path(cache or default_cache_dir())))
+    return str(embedder_path(cache or default_cache_dir()))
 
 
 @functools.lru_cache(maxsize=2)
-def _load_embedder(folder: str) -> Any:
+def load_embedder(folder: str) -> Any:
+    """all-MiniLM-L6-v2 (a SentenceTransformer on the CPU) from `folder`, loaded once per process: every dense
+    index and every question's embedding share it."""
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(folder, device="cpu")
@@ -141,61 +144,73 @@ _EMBEDDING = threading.Lock()  # one embedding at a time: a fast tokenizer used 
 
 
 def embed(model: Any, texts: Sequence[str]) -> np.ndarray:
-    """Unit-length embeddings of `texts`, one row each (cosine similarity is then a dot product)."""
+    """Unit-length embeddings of `texts`, one row each (cosine similarity is then a dot product). One call at a time
+    in a process: a store waits behind at most one document's, a whole corpus embedded at once holds the rest."""
     with _EMBEDDING:
         return model.encode(list(texts), normalize_embeddings=True, batch_size=32)
 
 
-def embedded(memo: Recent[np.ndarray] | None, model: Any, chunks: Sequence[str]) -> np.ndarray:
-    """`embed(model, chunks)`, one document's passages, from `memo` (by their hash) when it holds them: a store
-    keeps them across changes, so an index rebuilt after one document changed embeds that document alone."""
-    make = functools.partial(embed, model, chunks)
+Memo = Recent[tuple[str, np.ndarray]]  # a document's name -> (the hash of what was embedded, its embeddings)
+
+
+def embedded(memo: Memo | None, model: Any, folder: str, name: str, chunks: Sequence[str]) -> np.ndarray:
+    """`embed(model, chunks)` for document `name`'s passages, from `memo` when it holds them as they are now (and by
+    the same embedder, from `folder`). Held by name, a document's latest version only: a store keeps them across
+    changes, so an index rebuilt after one document changed embeds that document alone, and forgetting a document
+    drops its embeddings too."""
     if memo is None:
-        return make()
-    digest = hashlib.sha256("\0".join(chunks).encode("utf-8", "surrogatepass")).hexdigest()
-    return memo.get(digest, make)
+        return embed(model, chunks)
+    digest = hashlib.sha256(json.dumps([folder, list(chunks)]).encode("utf-8", "surrogatepass")).hexdigest()
+    make = lambda: (digest, embed(model, chunks))  # noqa: E731
+    held = memo.get(name, make)
+    if held[0] != digest:  # an older version: embedded again, in its place
+        memo.pop(name)
+        held = memo.get(name, make)
+    return held[1]
 
 
 class PassageIndex:
     """Passages (`chunks`, each of the document named in `owners`), ranked for a question by `retrieval`. A dense
-    (or fused) index takes the passages' `vectors` when they are at hand (`of`), else embeds them."""
+    index takes the passages' `vectors` when they are at hand (`of`), else embeds them; a fused one takes its BM25
+    and dense `parts` when they are built (`fusing`), else builds them."""
 
     def __init__(self, owners: Sequence[str], chunks: Sequence[str], retrieval: str = "bm25", *,
-                 cache: Path | None = None, vectors: np.ndarray | None = None):
+                 cache: Path | None = None, vectors: np.ndarray | None = None,
+                 parts: Sequence[PassageIndex] | None = None):
         self.retrieval = check_retrieval(retrieval)
         if len(owners) != len(chunks):
             raise ValueError(f"{len(owners)} owners for {len(chunks)} passages")
-        if vectors is not None and len(vectors) != len(chunks):
-            raise ValueError(f"{len(vectors)} embeddings for {len(chunks)} passages")
+        if vectors is not None and (retrieval == "bm25" or len(vectors) != len(chunks)):
+            raise ValueError(f"{len(vectors)} embeddings for {len(chunks)} passages of a {retrieval} index")
+        if parts is not None and (retrieval != "fused" or [p.retrieval for p in parts] != list(FUSES) or any(
+                (p.owners, p.chunks) != (list(owners), list(chunks)) for p in parts)):
+            raise ValueError(f"a fused index's parts are a {' and a '.join(FUSES)} index of the same passages, in "
+                             "that order")
         self.owners, self.chunks = list(owners), list(chunks)
         if not self.chunks:
             self._search = None
         elif retrieval == "fused":  # both indexes, their rankings added up in `_scores`
-            self._search = [PassageIndex(owners, chunks, kind, cache=cache, vectors=vectors) for kind in FUSES]
+            self._search = list(parts) if parts is not None else [
+                PassageIndex(owners, chunks, kind, cache=cache, vectors=vectors if kind != "bm25" else None)
+                for kind in FUSES]
         elif retrieval == "bm25":
             import bm25s
 
             self._search = bm25s.BM25()
             self._search.index(bm25s.tokenize(self.chunks, stopwords="en", show_progress=False), show_progress=False)
         else:
-            self._search = embedder(cache, retrieval)
+            self._search = load_embedder(embedder_folder(cache, retrieval))
             self._vectors = embed(self._search, self.chunks) if vectors is None else vectors
 
     @classmethod
     def fusing(cls, parts: Sequence[PassageIndex]) -> PassageIndex:
         """Fused retrieval over a BM25 and a dense index already built on the same passages (a store keeps both),
         so that neither is built again: the dense one embeds every passage, the costly part."""
-        if [p.retrieval for p in parts] != list(FUSES) or any(
-                (p.owners, p.chunks) != (parts[0].owners, parts[0].chunks) for p in parts):
-            raise ValueError(f"fusing takes a {' and a '.join(FUSES)} index of the same passages, in that order")
-        index = cls.__new__(cls)
-        index.retrieval, index.owners, index.chunks = "fused", parts[0].owners, parts[0].chunks
-        index._search = list(parts) if index.chunks else None
-        return index
+        return cls(parts[0].owners, parts[0].chunks, "fused", parts=parts)
 
     @classmethod
     def of(cls, texts: Mapping[str, str], retrieval: str = "bm25", *, cache: Path | None = None,
-           words: int = PASSAGE_WORDS, memo: Recent[np.ndarray] | None = None) -> PassageIndex:
+           words: int = PASSAGE_WORDS, memo: Memo | None = None) -> PassageIndex:
         """The passages of some documents (name -> text), `words` words each; a dense or fused index embeds each
         document's through `memo` (`embedded`), so that what it holds is not embedded again."""
         split = {name: split_passages(text, words) for name, text in texts.items()}
@@ -203,8 +218,10 @@ class PassageIndex:
         chunks = [chunk for parts in split.values() for chunk in parts]
         vectors = None
         if retrieval != "bm25" and chunks:
-            model = embedder(cache, retrieval)
-            vectors = np.concatenate([embedded(memo, model, parts) for parts in split.values() if parts])
+            folder = embedder_folder(cache, retrieval)
+            model = load_embedder(folder)
+            vectors = np.concatenate([embedded(memo, model, folder, name, parts)
+                                      for name, parts in split.items() if parts])
         return cls(owners, chunks, retrieval, cache=cache, vectors=vectors)
 
     def __len__(self) -> int:

@@ -38,7 +38,8 @@ from ..kv import Recent
 from ..lm import LM
 from .catalog import WRITE_AFTER, discard_catalog, model_key, read_catalog, write_catalog
 from .documents import CORPUS_SUFFIX, NAME, SUFFIX, name_problem
-from .passages import EMBEDDED_BYTES, FUSES, Passage, PassageIndex, Plan, check_draft, check_retrieval, drafted, plan
+from .passages import (EMBEDDED_BYTES, FUSES, Memo, Passage, PassageIndex, Plan, check_draft, check_retrieval, drafted,
+                       embedder_folder, plan)
 from .records import document_record, subject_of, versions, with_subject
 from .subjects import check_subject
 from .settings import SyncConfig
@@ -148,9 +149,9 @@ class CartridgeStore:
         # routing's (bm25 retriever, name of each corpus) by the names routed among (None: all), and passage
         # indexes by ("passages", retrieval, among); built when first asked for after a change, emptied by every one
         self._index: dict[Any, Any] = {}
-        # each document's passages embedded for dense retrieval, by their hash: kept across changes (`_index` is
-        # not), so a dense index rebuilt after a sync embeds only the documents that changed
-        self._embedded: Recent[Any] = Recent(budget=EMBEDDED_BYTES, cost=lambda v: v.nbytes)
+        # each document's passages embedded for dense retrieval, by its name (`passages.embedded`): kept across
+        # changes (`_index` is not), so a dense index rebuilt after a sync embeds only the documents that changed
+        self._embedded: Memo = Recent(budget=EMBEDDED_BYTES, cost=lambda held: held[1].nbytes)
         self._lock = threading.RLock()
         self._model_key = model_key(model.identity)
         self._catalog_read = False  # the catalog is read at the first refresh only: after it, this store is newer
@@ -274,12 +275,14 @@ class CartridgeStore:
         return forget(self, name, documents, timeout=timeout)
 
     def _drop(self, name: str) -> None:
-        """Forget `name` in memory: its entry, its loaded cartridge, the routing indexes (its files are gone), and
-        the catalog, which held its record (sync writes a new one when it is done)."""
+        """Forget `name` in memory: its entry, its loaded cartridge, its passages' embeddings, the routing and
+        passage indexes (its files are gone), and the catalog, which held its record (sync writes a new one when it
+        is done)."""
         with self._lock:
             discard_catalog(self.root)
             self._entries.pop(name, None)
             self._memory.pop(name)
+            self._embedded.pop(name)
             self._refused = {p: v for p, v in self._refused.items() if p.exists()}
             self._index = {}
 
@@ -400,6 +403,7 @@ class CartridgeStore:
             changes["removed"] = sorted(set(self._entries) - set(seen))
             for name in changes["removed"]:
                 self._memory.pop(name)
+                self._embedded.pop(name)
             self._refused = {p: v for p, v in self._refused.items() if p.exists()}
             def corpus_of(entry: _Entry | None) -> tuple[Path | None, tuple[int, int] | None]:
                 return (entry.corpus, entry.corpus_stamp) if entry is not None else (None, None)
@@ -516,6 +520,7 @@ class CartridgeStore:
         key = ("passages", retrieval, among)
         if key not in self._index:
             if retrieval == "fused":
+                embedder_folder(retrieval=retrieval)  # a missing embedder refused as fused's, not dense's
                 index = PassageIndex.fusing([self._passage_index(kind, among) for kind in FUSES])
             else:
                 texts = {name: entry.corpus.read_text("utf-8", errors="replace")
