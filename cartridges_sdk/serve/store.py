@@ -38,8 +38,8 @@ from ..kv import Recent
 from ..lm import LM
 from .catalog import WRITE_AFTER, discard_catalog, model_key, read_catalog, write_catalog
 from .documents import CORPUS_SUFFIX, NAME, SUFFIX, name_problem
-from .passages import (EMBEDDED_BYTES, FUSES, Memo, Passage, PassageIndex, Plan, check_draft, check_retrieval, drafted,
-                       embedder_folder, plan)
+from .embedding import EMBEDDED_BYTES, Memo, embedder_folder
+from .passages import FUSES, Passage, PassageIndex, Plan, check_draft, check_retrieval, drafted, plan
 from .records import document_record, subject_of, versions, with_subject
 from .subjects import check_subject
 from .settings import SyncConfig
@@ -149,7 +149,7 @@ class CartridgeStore:
         # routing's (bm25 retriever, name of each corpus) by the names routed among (None: all), and passage
         # indexes by ("passages", retrieval, among); built when first asked for after a change, emptied by every one
         self._index: dict[Any, Any] = {}
-        # each document's passages embedded for dense retrieval, by its name (`passages.embedded`): kept across
+        # each document's passages embedded for dense retrieval, by its name (`embedding.embedded`): kept across
         # changes (`_index` is not), so a dense index rebuilt after a sync embeds only the documents that changed
         self._embedded: Memo = Recent(budget=EMBEDDED_BYTES, cost=lambda held: held[1].nbytes)
         self._lock = threading.RLock()
