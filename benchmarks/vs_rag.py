@@ -468,9 +468,9 @@ def main() -> None:
                         "all --docs, so each row is a full run's (e.g. --docs 10 --only 5,6,7,8,9)")
     parser.add_argument("--questions", type=int, default=4, help="at most this many per document")
     parser.add_argument("--tokens", type=int, default=256, help="cartridge tokens, and RAG's prompt budget")
-    parser.add_argument("--methods", default="none,icl,bm25,dense,cartridge",
-                        help=f"of {','.join(METHODS)}; stored ones and opening (--scope document only) take a "
-                        "cartridge size, as hybrid:128")
+    parser.add_argument("--methods", default="none,icl,bm25,dense,fused,default",
+                        help=f"of {','.join(METHODS)} (by default the SDK's default path against each RAG); stored "
+                        "ones and opening (--scope document only) take a cartridge size, as hybrid:128")
     parser.add_argument("--draft-from", default=None, metavar="METHOD",
                         help="a stored method (selfstudy:192) whose cartridges write the '+draft' methods' first "
                         "answers (default: each method's own plan); it is scored too")
