@@ -20,6 +20,8 @@ conversations, `--recipe reader` by a named recipe) and one RAG index (passages 
   question and a first answer (`store.ask(..., draft=48)`), written by its own plan or, with `--draft-from METHOD`,
   by that stored method's cartridges alone (``--draft-from selfstudy:192``); ``+dense`` or ``+fused`` after one:
   its passages ranked by that retrieval (`store.ask(..., retrieval=...)`), not BM25 (``default+fused``);
+  ``+attention`` after a cut hybrid one (``hybrid-selfstudy+draft+attention:160/192``): the cut keeps the tokens the
+  question (and its first answer) reads most, not the first (`store.ask(..., trim="attention")`);
 
 Quality: gold-answer closure (how much of the none-to-ICL drop in the gold answer's NLL a method recovers) and, on
 multiple-choice sets, two accuracies: ``letter``, the share where the letter the reader ranks first (options listed,
@@ -101,12 +103,14 @@ def method_spec(method: str, tokens: int) -> tuple[str, int]:
     a quarter). A stored method's kind may end in ``+rerank``: routing's candidates ranked again
     (`store.plan(..., rerank=RERANK)`); one with passages (`DRAFTED`) in ``+draft``: its passages ranked against the
     question and a first answer (`store.ask(..., draft=DRAFT)`), and in ``+dense`` or ``+fused``: its passages ranked
-    by that retrieval instead of BM25 (`store.ask(..., retrieval=...)`)."""
+    by that retrieval instead of BM25 (`store.ask(..., retrieval=...)`); a cut hybrid one (``:N/M``) in
+    ``+attention``: the cut keeps what the question reads most (`store.ask(..., trim="attention")`)."""
     kind, _, size = method.partition(":")
     size, _, whole = size.partition("/")
     base, added = base_of(method)
     ranking = added & set(RANKINGS)
-    if (base not in METHODS or not added <= {"rerank", "draft", *RANKINGS} or ("rerank" in added and base not in STORED)
+    if (base not in METHODS or not added <= {"rerank", "draft", "attention", *RANKINGS}
+            or ("rerank" in added and base not in STORED) or ("attention" in added and not whole)
             or ((ranking or "draft" in added) and base not in DRAFTED) or len(ranking) > 1
             or (size and (base not in SIZED or not size.isdigit()))
             or (whole and (not base.startswith("hybrid") or not size or not whole.isdigit()
@@ -114,7 +118,7 @@ def method_spec(method: str, tokens: int) -> tuple[str, int]:
         raise ConfigError(f"method {method!r}: use one of {list(METHODS)}, with '+rerank' after one of "
                           f"{list(STORED)}, '+draft' and one of {[f'+{r}' for r in RANKINGS]} after one of "
                           f"{list(DRAFTED)}, ':TOKENS' after one of {list(SIZED)}, or ':TOKENS/MADE' after a hybrid "
-                          "one (MADE-token cartridges cut to TOKENS, MADE > TOKENS).")
+                          "one (MADE-token cartridges cut to TOKENS, MADE > TOKENS), with '+attention' only there.")
     shared = base.startswith("hybrid") or base == "opening"  # passages fill what the cartridge leaves
     default = tokens // 4 if base == "opening" else tokens // 2 if shared else tokens
     size_ = int(size) if size else default
@@ -136,6 +140,7 @@ def label(method: str, scope: str = "store") -> str:
     text = (LABELS[base] + (", reranked" if "rerank" in added else "")
             + (", passages picked with a first answer" if "draft" in added else "")
             + "".join(f", passages ranked {r}" for r in RANKINGS if r in added)
+            + (", cut by the question's attention" if "attention" in added else "")
             + (f", {size.replace('/', '-token cut of a ')}-token cartridge" if size else ""))
     if scope == "document":  # nothing is routed: the question's own document answers, and RAG reads only it
         text = text.replace("routed cartridges", "its cartridge").replace("routed cartridge", "its own cartridge")
@@ -231,8 +236,9 @@ def method_plan(store: CartridgeStore, method: str, question: str, tokens: int, 
                                   **named, **(own if sought(store.model, None, tokens) else {}))[0]
     if base.startswith("hybrid"):
         size = method_spec(method, tokens)[1]
+        cut = made_size(method, tokens) > size and ("attention" if "attention" in added else True)
         return store.drafted_plan(question, draft, draft_from=draft_from if draft else None, budget=tokens,
-                                  passages=tokens - size, rerank=rerank, trim=made_size(method, tokens) > size,
+                                  passages=tokens - size, rerank=rerank, trim=cut,
                                   **named, **own)[0]
     if base == "multi":
         return store.plan(question, budget=tokens, passages=0, rerank=rerank, **named)  # cartridges alone

@@ -133,6 +133,35 @@ class Cartridge:
         return Cartridge([k[:, :num_tokens] for k in self.keys], [v[:, :num_tokens] for v in self.values], meta,
                          lm=self.lm)
 
+    def selected(self, kept: Sequence[torch.Tensor]) -> Cartridge:
+        """The tokens `kept` of each layer and kv head (one ``[kv_heads, n]`` tensor of token indices a layer), each
+        head's in ascending order and led by the frozen sink tokens, so that the cut can keep what a question reads
+        most (`serve/attended.py`) where `truncated` keeps the first n. A kept key stays as it was trained, rotated
+        for its place in the whole cartridge; attention reads it at that place as before."""
+        kept = list(kept)
+        n = int(kept[0].shape[-1]) if kept and kept[0].ndim == 2 else -1
+        want = (self.keys[0].shape[0], n)
+        if len(kept) != self.num_layers or any(tuple(k.shape) != want for k in kept) or n < 1:
+            raise ConfigError(f"selected() takes one [kv_heads={want[0]}, n] tensor of token indices for each of the "
+                              f"{self.num_layers} layers, the same n for all; got shapes "
+                              f"{[tuple(k.shape) for k in kept][:3]}...")
+        if n >= self.num_tokens:
+            raise ConfigError(f"selected() keeps n={n} of {self.num_tokens} tokens; keep fewer, or use the whole "
+                              "cartridge.")
+        sinks = torch.arange(self.num_frozen)
+        for k in kept:
+            k = k.cpu()
+            if (k.min() < 0 or k.max() >= self.num_tokens or (k[:, 1:] <= k[:, :-1]).any()
+                    or not torch.equal(k[:, :self.num_frozen], sinks.expand(k.shape[0], -1))):
+                raise ConfigError(f"selected()'s indices must rise within 0..{self.num_tokens - 1} and begin with the "
+                                  f"{self.num_frozen} frozen sink token(s).")
+        keys, values = [], []
+        for k, v, idx in zip(self.keys, self.values, kept):
+            at = idx.to(k.device)[..., None].expand(-1, -1, k.shape[-1])
+            keys.append(k.gather(1, at))
+            values.append(v.gather(1, at))
+        return Cartridge(keys, values, self.truncated(n).meta, lm=self.lm)
+
     def __repr__(self) -> str:
         return (
             f"Cartridge(model={self.meta.model.name!r}, num_tokens={self.num_tokens}, num_frozen={self.num_frozen}, "

@@ -292,14 +292,15 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     from benchmarks import vs_rag
     from benchmarks.rag import Retriever, passages
     from cartridges_sdk.making.evaluation import answer_logprobs, choose, nll
-    from cartridges_sdk.serve.passages import FUSED_K, PassageIndex, passage_ids
+    from cartridges_sdk.serve.passages import FUSED_K, PassageIndex, drafted, passage_ids
 
     lm = tiny_llama
     half = len(TEXT) // 2
     data = _write(tmp_path / "set.jsonl", [(TEXT[:half], FREE), (TEXT[half:], MC)])
     assert vs_rag.options(MC[1][0]) == ("Which sea?", ["the north one", "the south one", "the east one"])
     methods_ = ["none", "icl", "bm25", "dense", "fused", "cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8",
-                "default", "cartridge+rerank", "multi:8", "hybrid+draft:8", "hybrid-selfstudy+draft:4/8"]
+                "default", "cartridge+rerank", "multi:8", "hybrid+draft:8", "hybrid-selfstudy+draft:4/8",
+                "hybrid-selfstudy+draft+attention:4/8"]
     result = vs_rag.run_dataset(lm, data, 2, 2, 16, tmp_path / "work", methods_,
                                 {"num_conversations": 2, "document_windows": 2}, draft_from="selfstudy")
     assert result["questions"] == 4 and result["methods"] == methods_  # the drafter is among them already
@@ -309,7 +310,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     else:
         assert set(result["closure"].values()) == {None}
     stored = {"cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default", "cartridge+rerank", "multi:8",
-              "hybrid+draft:8", "hybrid-selfstudy+draft:4/8"}
+              "hybrid+draft:8", "hybrid-selfstudy+draft:4/8", "hybrid-selfstudy+draft+attention:4/8"}
     assert set(result["mc_accuracy"]) == set(methods_) and set(result["routed_right"]) == stored
     # the letter the reader picks, options listed: read from the closure's own passes, as measure.choose reads it
     assert set(result["mc_letter"]) == set(methods_) and result["mc_questions"] == 2
@@ -319,13 +320,23 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     assert all(0 < r["context_tokens"][k] <= 16 for r in result["rows"] for k in ("bm25", "dense", "fused"))
     assert all(r["context_tokens"][k] == 16 for r in result["rows"]
                for k in ("cartridge", "selfstudy", "hybrid:8", "cartridge+rerank", "hybrid+draft:8",
-                         "hybrid-selfstudy+draft:4/8"))
+                         "hybrid-selfstudy+draft:4/8", "hybrid-selfstudy+draft+attention:4/8"))
     # ':4/8': the 8-token self-studied cartridges cut to 4 (no store of 4-token ones is made), passages the rest
     assert not any(p.name.startswith("selfstudy-4-") for p in (tmp_path / "work").iterdir())
     assert vs_rag.made_size("hybrid-selfstudy+draft:4/8", 16) == 8 and vs_rag.made_size("hybrid:8", 16) == 8
-    for bad in ("selfstudy:4/8", "hybrid:8/4", "hybrid:4/x"):
-        with pytest.raises(vs_rag.ConfigError, match="':TOKENS/MADE' after a hybrid one"):
+    for bad in ("selfstudy:4/8", "hybrid:8/4", "hybrid:4/x", "hybrid+attention:8", "cartridge+attention:4/8"):
+        with pytest.raises(vs_rag.ConfigError, match="':TOKENS/MADE' after a hybrid one .*'\\+attention' only there"):
             vs_rag.method_spec(bad, 16)
+    # '+attention': the same cut, keeping what the question and its first answer read most (trim="attention")
+    studied = vs_rag.CartridgeStore(vs_rag.store_of(lm, "selfstudy:8", 16, tmp_path / "work",
+                                                    {"num_conversations": 2, "document_windows": 2})[1], lm)
+    doc, q = load_corpora(data, [0])[0], FREE[0]
+    plan = vs_rag.method_plan(studied, "hybrid-selfstudy+draft+attention:4/8", q[0], 16, doc.name, studied)
+    first = studied.ask(q[0], cartridges=[doc.name], max_new_tokens=vs_rag.DRAFT, temperature=0.0).text
+    want = studied.plan(q[0], cartridges=[doc.name], budget=16, passages=12, passages_from="routed",
+                        trim="attention", query=drafted(q[0], first))
+    assert plan.sizes == (4,) and plan.passages == want.passages
+    torch.testing.assert_close(plan.parts(studied)[0].keys[0], want.parts(studied)[0].keys[0])
     assert all(r["context_tokens"]["multi:8"] in (8, 16) for r in result["rows"])  # documents sharing a word
     with pytest.raises(vs_rag.ConfigError, match="smaller than the budget"):
         vs_rag.method_spec("hybrid:16", 16)

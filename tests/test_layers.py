@@ -33,7 +33,7 @@ LAYERS = {
               "making.report", "making.recording", "making.compaction", "making.selfstudy", "making"],
     # serving them
     "serve": ["serve.background", "serve.words", "serve.subjects", "serve.documents", "serve.catalog", "serve.settings", "serve.records", "serve.guard",
-              "serve.sync", "serve.store_selfstudy", "serve.forget", "serve.rerank", "serve.embedding", "serve.passages", "serve.store", "serve.answering", "serve.watch", "serve.access", "serve.audit", "serve.parse",
+              "serve.sync", "serve.store_selfstudy", "serve.forget", "serve.rerank", "serve.embedding", "serve.attended", "serve.passages", "serve.store", "serve.answering", "serve.watch", "serve.access", "serve.audit", "serve.parse",
               "serve.engine", "serve.replies", "serve.state", "serve.admission", "serve.server", "serve.mcp_tool", "serve"],
     # for plugin authors' tests
     "testing": ["testing.fakes", "testing.contract", "testing.isolation", "testing.fixtures", "testing"],

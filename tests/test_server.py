@@ -87,8 +87,14 @@ def test_trim_cuts_the_routed_cartridge_as_store_ask_does(served, client):
     assert got.usage.model_extra["cartridge_tokens"] == 4  # cut to what 20 tokens of passages leave of 24
     whole = ask(client, "auto", "Who logged storms?", extra_body={"budget": 24, "passages": 20})
     assert whole.usage.model_extra["cartridge_tokens"] == store.get(want.cartridges[0]).num_tokens > 4
+    # "attention": the cut keeps what the question reads most, as store.ask(..., trim="attention") cuts it
+    want = store.ask("Who logged storms?", budget=24, passages=20, trim="attention", max_new_tokens=8)
+    got = ask(client, "auto", "Who logged storms?", extra_body={"budget": 24, "passages": 20, "trim": "attention"})
+    assert got.choices[0].message.content == want.text and got.usage.model_extra["cartridge_tokens"] == 4
     for body, why in (({"budget": 24, "trim": True}, "'trim' cuts the routed cartridges"),
                       ({"budget": 24, "passages": 20, "trim": 1}, "'trim' .* must be true or false"),
+                      ({"budget": 24, "passages": 20, "trim": "middle"}, "or one of \\['first', 'attention'\\]"),
+                      ({"budget": 24, "trim": "attention"}, "'trim' cuts the routed cartridges"),
                       ({"budget": 24, "passages": 23, "trim": True}, "1 cartridge\\(s\\) cannot be cut to fit 1")):
         with pytest.raises(openai.BadRequestError, match=why) as refused:
             ask(client, "auto", "Who logged storms?", extra_body=body)

@@ -14,6 +14,7 @@ import torch
 from benchmarks.data import DEFAULT_DATA, EVALDATA, load_corpora, only_own_words
 from cartridges_sdk import Cartridge, ConfigError, IncompatibleCartridgeError
 from cartridges_sdk.generation import GenerationParams, GenerationRequest
+from cartridges_sdk.kv import prefix_cache
 from cartridges_sdk.serve.passages import passage_ids
 from cartridges_sdk.serve.store import CartridgeStore, NotInStoreError
 
@@ -345,6 +346,80 @@ def test_trim_cuts_the_cartridges_to_what_the_passages_leave_of_the_budget(store
     # a cartridge of one token (a one-token document's) is kept whole, and nothing is cut below its sinks
     tiny = Cartridge.from_prefix(tiny_llama, "Colby", 1, num_frozen=0)
     assert tiny.truncated(1) is tiny and trim_sizes([1, 12], 6) == (1, 5)
+
+
+def test_trim_by_attention_keeps_what_the_question_reads_most(store, tiny_llama):
+    from cartridges_sdk.serve.attended import attention_mass
+
+    q = "When did the railway to Colby close?"
+    whole = store.get("railway")  # 12 tokens, cut to the 10 that 20 passage tokens leave of 30
+    plan = store.plan(q, budget=30, passages=20, trim="attention")
+    assert plan.sizes == (10,) and plan.passages == store.plan(q, budget=30, passages=20, trim=True).passages
+    cut, passages = plan.parts(store)
+    assert cut.num_tokens == 10 and passages.num_tokens == 20 and cut.meta.num_frozen == whole.meta.num_frozen
+    # the mass each cartridge token gets, read against the model's own attention weights (eager attention, every
+    # query's weights over the cartridge's keys renormalised to a softmax over them alone)
+    ids = tiny_llama.prompt_ids([{"role": "user", "content": q}], after_cartridge=True)
+    mass = attention_mass(tiny_llama, whole, ids)
+    before = tiny_llama.model.config._attn_implementation
+    tiny_llama.model.set_attn_implementation("eager")
+    try:
+        cache, p = prefix_cache(tiny_llama, [whole], batch_size=1)
+        with torch.inference_mode():
+            out = tiny_llama.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(p, p + len(ids))[None],
+                                   attention_mask=torch.ones(1, p + len(ids), dtype=torch.long),
+                                   past_key_values=cache, output_attentions=True)
+    finally:
+        tiny_llama.model.set_attn_implementation(before)
+    for layer, weights in enumerate(out.attentions):
+        over = weights[0, :, :, :12] / weights[0, :, :, :12].sum(-1, keepdim=True)  # [heads, positions, 12]
+        heads = over.shape[0]
+        want = over.sum(1).view(whole.keys[0].shape[0], heads // whole.keys[0].shape[0], 12).sum(1)
+        torch.testing.assert_close(mass[layer], want, rtol=1e-4, atol=1e-4)
+        # each kv head keeps its sink and its 9 most-read others, in order, keys and values as the whole's
+        for h in range(want.shape[0]):
+            kept = [0] + sorted(want[h, 1:].topk(9).indices.add(1).tolist())
+            torch.testing.assert_close(cut.keys[layer][h], whole.keys[layer][h, kept])
+            torch.testing.assert_close(cut.values[layer][h], whole.values[layer][h, kept])
+    # some head keeps another token than the first ten: this is not the first-tokens cut
+    assert any(not torch.equal(c, f) for c, f in zip(cut.keys, whole.truncated(10).keys))
+    # the answer reads the cut cartridge and the passages after it, as the plan gives them
+    answer = store.ask(q, budget=30, passages=20, trim="attention", max_new_tokens=5)
+    same = tiny_llama._runtime("hf", None).generate([GenerationRequest([{"role": "user", "content": q}],
+                                                                       [cut, passages],
+                                                                       GenerationParams(max_new_tokens=5))])[0]
+    assert answer.text == same.text and answer.sizes == (10,)
+    # with a first answer, what is cut by is the question and that answer, as the passages are ranked against it
+    drafted_, first = store.drafted_plan(q, 4, draft_from=store, budget=30, passages=20, trim="attention")
+    assert first.strip()
+    expected = store.plan(q, budget=30, passages=20, trim="attention", query=f"{q}\n{first}").parts(store)[0]
+    torch.testing.assert_close(drafted_.parts(store)[0].keys[0], expected.keys[0])
+    # "first" is True; anything else is refused, naming what trim takes
+    assert store.plan(q, budget=30, passages=20, trim="first").sizes == (10,)
+    torch.testing.assert_close(store.plan(q, budget=30, passages=20, trim="first").parts(store)[0].keys[0],
+                               whole.truncated(10).keys[0])
+    with pytest.raises(ConfigError, match="trim='middle' must be True or False, or one of \\['first', 'attention'\\]"):
+        store.plan(q, budget=30, passages=20, trim="middle")
+    with pytest.raises(ConfigError, match="trim='attention' cuts the cartridges to what passages leave"):
+        store.plan(q, budget=30, trim="attention")
+
+
+def test_selected_keeps_each_heads_own_tokens(store, tiny_llama):
+    whole = store.get("orchard")
+    kv_heads = whole.keys[0].shape[0]
+    kept = [torch.tensor([[0, 2, 5, 11]] * kv_heads) for _ in whole.keys]
+    kept[0][-1] = torch.tensor([0, 1, 2, 3])  # one head of one layer keeps other tokens
+    got = whole.selected(kept)
+    assert got.num_tokens == 4 and got.lm is tiny_llama
+    torch.testing.assert_close(got.keys[1], whole.keys[1][:, [0, 2, 5, 11]])
+    torch.testing.assert_close(got.values[0][-1], whole.values[0][-1, :4])
+    for bad, why in [([k[:, :3] for k in kept[:-1]], "one \\[kv_heads=.*, n\\] tensor of token indices for each"),
+                     ([torch.tensor([[2, 0, 5, 11]] * kv_heads)] * len(kept), "must rise within 0..11 and begin"),
+                     ([torch.tensor([[1, 2, 5, 11]] * kv_heads)] * len(kept), "begin with the 1 frozen sink"),
+                     ([torch.tensor([[0, 2, 5, 12]] * kv_heads)] * len(kept), "must rise within 0..11"),
+                     ([torch.arange(12).expand(kv_heads, -1)] * len(kept), "keeps n=12 of 12 tokens")]:
+        with pytest.raises(ConfigError, match=why):
+            whole.selected(bad)
 
 
 def test_a_readers_budget_is_shared_with_passages_by_default(store, tiny_llama, monkeypatch):

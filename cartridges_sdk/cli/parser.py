@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from ..making.settings import DEFAULT_CONVERSATIONS, DEFAULT_START, RECIPES, STARTS
-from ..serve.passages import PASSAGES_FROM, RETRIEVALS
+from ..serve.passages import PASSAGES_FROM, RETRIEVALS, TRIMS
 from .files import cmd_compact, cmd_compose, cmd_eval, cmd_init, cmd_inspect
 from .selfstudy import cmd_build, cmd_merge, cmd_synthesize, cmd_train
 from .access import cmd_forget, cmd_keys
@@ -197,6 +197,8 @@ def _ask(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trim", action="store_true", help="with --store, --budget and --passages: cut cartridges larger "
                    "than what the passages leave of the budget to their first tokens, rather than routing past them "
                    "(a self-studied store's, docs/vs-rag.md)")
+    p.add_argument("--trim-by", choices=list(TRIMS), default=None, help="--trim, keeping each cartridge's first "
+                   "tokens (first) or those the question reads most (attention)")
     p.add_argument("--draft", type=int, default=0, help="with --store and passages: write a first answer of at most "
                    "this many tokens, and rank the passages against the question and it (default 0: off)")
     p.add_argument("--draft-from", default=None, metavar="STORE", help="with --draft: another store of the same "

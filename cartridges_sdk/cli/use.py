@@ -30,7 +30,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
                           "cartridges; not both, not neither.")
     routing = {"--k": args.k != 1, "--budget": args.budget is not None, "--passages": args.passages is not None,
                "--retrieval": args.retrieval is not None, "--passages-from": args.passages_from is not None,
-               "--trim": args.trim, "--draft": bool(args.draft), "--draft-from": args.draft_from is not None}
+               "--trim": args.trim, "--trim-by": args.trim_by is not None, "--draft": bool(args.draft),
+               "--draft-from": args.draft_from is not None}
     stray = [flag for flag, given in routing.items() if given and not args.store]
     if stray:
         raise ConfigError(f"{stray[0]} picks a store's cartridges or passages; add --store FOLDER, or drop it.")
@@ -49,7 +50,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
             if how and not sought(lm, args.passages, args.budget):
                 raise ConfigError(f"{how[0]} says how passages are found, and this question gets none: {lm.name}'s "
                                   "budget is all cartridges unless --passages N (tokens of them) is given.")
-            if args.trim and (args.budget is None or not args.passages):
+            if (args.trim or args.trim_by) and (args.budget is None or not args.passages):
                 raise ConfigError("--trim cuts the cartridges to what --passages leave of --budget; give both "
                                   "(--budget 256 --passages 96), or drop --trim.")
             store = CartridgeStore(args.store, lm)
@@ -62,7 +63,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
             same = args.draft_from and Path(args.draft_from).resolve() == Path(args.store).resolve()
             drafter = store if same else CartridgeStore(args.draft_from, lm) if args.draft_from else None
             answer = store.ask(args.question, k=args.k, budget=args.budget, passages=args.passages,
-                               retrieval=args.retrieval, passages_from=args.passages_from, trim=args.trim,
+                               retrieval=args.retrieval, passages_from=args.passages_from,
+                               trim=args.trim_by or args.trim,
                                draft=args.draft, draft_from=drafter, runtime=args.runtime, runtime_options=options,
                                **gen)
             print(answer.text)
@@ -70,7 +72,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
             named = list(answer.cartridges)
             for i, (name, kept) in enumerate(zip(answer.cartridges, answer.sizes)):  # --trim: say what was cut
                 whole = store.get(name).num_tokens
-                named[i] += f" (its first {kept} of {whole} tokens)" if kept < whole else ""
+                how = "most read" if args.trim_by == "attention" else "first"
+                named[i] += f" (its {how} {kept} of {whole} tokens)" if kept < whole else ""
             print(f"(cartridges: {', '.join(named)}"
                   + (f"; passages from: {', '.join(sources)}" if sources else "") + ")", file=sys.stderr)
         elif args.stream:

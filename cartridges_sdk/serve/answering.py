@@ -179,7 +179,7 @@ class Answerer:
     passages_from: str | None = None  # None: the whole store
     draft: int = 0  # tokens of a first answer that picks the passages (0: none)
     draft_from: CartridgeStore | None = None  # None: the answering plan's cartridges write it
-    trim: bool = False  # cut cartridges larger than what `passages` leave of `budget` (`CartridgeStore.plan`)
+    trim: bool | str = False  # cut cartridges larger than what `passages` leave of `budget` ("attention": by it)
 
     def __attrs_post_init__(self) -> None:
         if (self.cartridge is None) == (self.store is None):

@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..generation import GenerationParams
 from .guard import BadRequest
-from .passages import PASSAGES_FROM, RETRIEVALS
+from .passages import PASSAGES_FROM, RETRIEVALS, TRIMS
 from .settings import ServeConfig
 
 ROLES = ("system", "user", "assistant")
@@ -170,9 +170,10 @@ def _check_passages(body: dict[str, Any]) -> None:
         raise BadRequest(400, f"'passages' ({passages}) leaves nothing of 'budget' ({budget}) for cartridges; send "
                          "fewer passage tokens or a larger budget ('budget' counts cartridges and passages).", "passages")
     trim = body.get("trim")
-    if trim is not None and not isinstance(trim, bool):
+    if trim is not None and not isinstance(trim, bool) and trim not in TRIMS:
         raise BadRequest(400, "'trim' (cut routed cartridges larger than what 'passages' leave of 'budget') must be "
-                         "true or false.", "trim")
+                         f"true or false, or one of {list(TRIMS)} (keep their first tokens, or those the question "
+                         "reads most).", "trim")
     if trim and (budget is None or not passages):
         raise BadRequest(400, "'trim' cuts the routed cartridges to what 'passages' leave of 'budget'; send both "
                          "(with model 'auto'), or drop 'trim'.", "trim")

@@ -39,6 +39,7 @@ from .embedding import Memo, embed, embedded, embedder_folder, load_embedder
 PASSAGE_WORDS = 50  # about 65 tokens: a 256-token budget holds three behind a 64-token cartridge (docs/vs-rag.md)
 RETRIEVALS = ("bm25", "dense", "fused")
 FUSES = ("bm25", "dense")  # the rankings "fused" adds up, in the order ties are broken
+TRIMS = ("first", "attention")  # what `trim` keeps: a cartridge's first tokens (True), or those a question reads most
 PASSAGES_FROM = ("store", "routed")  # the whole store's documents, or only those of the cartridges that answer
 RANKED = 64  # passages ranked per question before the budget is filled
 FUSED_K = 60  # reciprocal-rank fusion's usual damping: rank 1 adds 1/61, rank 5 1/65, so neither ranking's top rules
@@ -171,15 +172,17 @@ class PassageIndex:
         return [(i, float(s)) for i, s in scores if allowed is None or self.owners[i] in allowed][:k]
 
 
-def check_trim(trim: Any, passages: int | None, budget: int | None) -> None:
-    """Refuse a `trim` that is not a bool, or one with no share to cut the cartridges to (both `budget` and
-    `passages` given)."""
-    if not isinstance(trim, bool):
-        raise ConfigError(f"trim={trim!r:.60} must be True or False.")
+def check_trim(trim: Any, passages: int | None, budget: int | None) -> bool | str:
+    """`trim` as False, True (a cartridge's first tokens) or one of `TRIMS` (``"first"`` is True), refused where
+    it is none of these or where there is no share to cut the cartridges to (both `budget` and `passages` given)."""
+    if not isinstance(trim, bool) and trim not in TRIMS:
+        raise ConfigError(f"trim={trim!r:.60} must be True or False, or one of {list(TRIMS)} (what a cut keeps: the "
+                          "first tokens, or those the question attends to most).")
     if trim and (budget is None or not passages):
-        raise ConfigError(f"trim=True cuts the cartridges to what passages leave of the budget, and budget={budget} "
-                          f"passages={passages} leave no such share; give budget=N and passages=M (0 < M < N), or "
-                          "drop trim.")
+        raise ConfigError(f"trim={trim!r} cuts the cartridges to what passages leave of the budget, and "
+                          f"budget={budget} passages={passages} leave no such share; give budget=N and passages=M "
+                          "(0 < M < N), or drop trim.")
+    return True if trim == "first" else trim
 
 
 class TrimError(ConfigError):
@@ -271,9 +274,13 @@ class Plan:
     # the cartridges as the plan read them (whole), where it sized anything by them: a sync replacing one later
     # cannot leave the answer with another version than the passages were placed after or the cut was sized for
     read: tuple[Any, ...] = attrs.field(default=(), eq=False, repr=False)
+    # with trim="attention": the cartridges as cut for this question (the tokens it reads most, `attended.py`)
+    cuts: tuple[Any, ...] = attrs.field(default=(), eq=False, repr=False)
 
     def answering(self, store: Any) -> list[Any]:
-        """The cartridges that answer, as the plan read them (else from `store`), cut to `sizes`."""
+        """The cartridges that answer, as the plan read them (else from `store`), cut to `sizes` (or as `cuts`)."""
+        if self.cuts:
+            return list(self.cuts)
         return cut(list(self.read) or [store.get(n) for n in self.cartridges], self.sizes)
 
     def parts(self, store: Any) -> list[Any]:
@@ -329,8 +336,9 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     each (`rerank.py`). Passages are ranked against `query` (None: the question), as `CartridgeStore.ask`'s
     `draft` ranks them against the question and a first answer. Routing takes at least the best cartridge even
     where it is larger than `budget - passages`, as named ones are taken; `trim` cuts such cartridges to their
-    first tokens (`trim_sizes`), so that the whole budget is kept. `find` False stops before the passages: the
-    cartridges alone, for a first answer written by another store's cartridges."""
+    first tokens (`trim_sizes`), so that the whole budget is kept, or, with ``"attention"``, to the tokens the
+    question (`query`, when given) reads most in each layer and kv head (`attended.py`). `find` False stops before
+    the passages: the cartridges alone, for a first answer written by another store's cartridges."""
     if query is not None and (not isinstance(query, str) or not query.strip()):
         raise ConfigError(f"query={query!r:.60} must be a non-empty text to rank passages against (None: the "
                           "question).")
@@ -342,7 +350,7 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
                           "(prompt tokens of them) or a reader's budget, or drop query.")
     if isinstance(rerank, bool) or not isinstance(rerank, int) or rerank < 0:
         raise ConfigError(f"rerank={rerank!r} must be a number of candidates (0: BM25 alone).")
-    check_trim(trim, asked, budget)
+    trim = check_trim(trim, asked, budget)
     if cartridges is not None:
         routes = [(n, None) for n in cartridges]
     elif rerank:
@@ -366,14 +374,24 @@ def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, pa
     sizes = trim_sizes([c.num_tokens for c in carts], budget - passages,
                        max([c.num_frozen for c in carts] + [1]) + 1) if trim else ()
     used = sum(sizes) if trim else sum(c.num_tokens for c in carts)
+    cuts = attended_cuts(store.model, carts, sizes, query or question) if trim == "attention" else ()
     room = budget - used if auto else passages if budget is None else max(passages, budget - used)
     if room <= 0:  # the cartridges fill the budget: nothing left to fill
-        return Plan(names, scores=scores, sizes=sizes, read=tuple(carts))
+        return Plan(names, scores=scores, sizes=sizes, read=tuple(carts), cuts=cuts)
     pool = list(names) if passages_from == "routed" else among
     found = store.passages(query or question, k=candidates(room), retrieval=retrieval or "bm25", among=pool)
     ids, kept = passage_ids(store.model, found, room, after_cartridge=False)
     if not names or not kept:  # no cartridge in front (RAG alone), or no passage found: nothing to read apart
-        return Plan(names, tuple(kept), tuple(ids) if kept else (), scores, sizes, read=tuple(carts))
+        return Plan(names, tuple(kept), tuple(ids) if kept else (), scores, sizes, read=tuple(carts), cuts=cuts)
     return Plan(names, tuple(kept), scores=scores, sizes=sizes, passages_kv=read_apart(store.model, ids, used),
-                read=tuple(carts))
+                read=tuple(carts), cuts=cuts)
+
+
+def attended_cuts(lm: Any, cartridges: Sequence[Any], sizes: Sequence[int], text: str) -> tuple[Any, ...]:
+    """`trim="attention"`: each cartridge cut to its size by what `text` (the question, or the question and its
+    first answer, as passages are ranked against it) asked after it reads most (`attended.py`)."""
+    from .attended import attended
+
+    ids = lm.prompt_ids([{"role": "user", "content": text}], after_cartridge=True)
+    return tuple(attended(lm, c, ids, n) for c, n in zip(cartridges, sizes))
 

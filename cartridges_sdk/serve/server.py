@@ -190,7 +190,7 @@ def passages_for(state: ServerState, body: dict[str, Any], messages: list[dict[s
     try:
         plan = state.store.plan(last_user_text(messages), cartridges=names, budget=body.get("budget"),
                                 passages=body.get("passages"), retrieval=body.get("retrieval", "bm25"),
-                                passages_from=source, among=scope, query=query, trim=bool(body.get("trim")))
+                                passages_from=source, among=scope, query=query, trim=body.get("trim") or False)
     except ConfigError as err:
         raise BadRequest(400, str(err), "trim" if isinstance(err, TrimError) else "passages") from None
     return plan

@@ -535,20 +535,22 @@ class CartridgeStore:
 
     def plan(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
              retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
-             among: Sequence[str] | None = None, rerank: int = 0, query: str | None = None, trim: bool = False) -> Plan:
+             among: Sequence[str] | None = None, rerank: int = 0, query: str | None = None,
+             trim: bool | str = False) -> Plan:
         """The cartridges and passages that answer `question`, without answering (`passages.plan`): the named
         cartridges, or the best `k` routed, or as many as fit `budget` tokens; with `passages` tokens of passages
         the budget is shared (the cartridges fit in `budget - passages`, the passages fill what they leave). With
         `rerank` N, routing's best N are ranked again by the question's likelihood after each (`rerank.py`);
         passages are ranked against `query` (None: the question). With `trim`, cartridges larger than what the
-        passages leave of `budget` are cut to their first tokens (`Cartridge.truncated`) to keep the budget."""
+        passages leave of `budget` are cut to their first tokens (`Cartridge.truncated`) to keep the budget; with
+        ``trim="attention"``, to the tokens the question (`query`, when given) reads most (`serve/attended.py`)."""
         return plan(self, question, k=k, budget=budget, passages=passages, retrieval=retrieval,
                     passages_from=passages_from, cartridges=cartridges, among=among, rerank=rerank, query=query,
                     trim=trim)
 
     def ask(self, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
             retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
-            trim: bool = False, draft: int = 0, draft_from: CartridgeStore | None = None, runtime: Any = "auto",
+            trim: bool | str = False, draft: int = 0, draft_from: CartridgeStore | None = None, runtime: Any = "auto",
             runtime_options: dict[str, Any] | None = None, **gen: Any) -> StoreAnswer:
         """Answer `question` with the named cartridges (composed in order), or with those it is routed to: the
         best `k`, or as many as fit in `budget` tokens (`within`); and, with `passages` tokens, passages of the
@@ -558,7 +560,8 @@ class CartridgeStore:
         question has only the user's (docs/vs-rag.md, "A first answer picks the passages"); `draft_from`, another
         store of the same documents whose cartridges alone write it (`drafted_plan`; this store itself: its
         cartridges whole, without passages, where `trim` cuts them for the answer). With `trim`, cartridges larger
-        than what `passages` leave of `budget` are cut to fit (`plan`)."""
+        than what `passages` leave of `budget` are cut to fit (`plan`): to their first tokens, or with
+        ``trim="attention"`` to those the question and its first answer read most."""
         settings = {"k": k, "budget": budget, "passages": passages, "retrieval": retrieval,
                     "passages_from": passages_from, "cartridges": cartridges, "trim": trim}
         plan, first = self.drafted_plan(question, draft, draft_from=draft_from, runtime=runtime,

@@ -28,7 +28,8 @@ class ChatCartridges(BaseChatModel):
     "routed", refused where no passages are sought; `passages` left at None, a reader's answer with a `budget`
     fills what its cartridges leave, as `CartridgeStore.plan` says; `draft` N ranks them against the question and a
     first answer of at most N tokens, written by `draft_from`'s cartridges when given, as `CartridgeStore.ask`
-    does; `trim` cuts cartridges larger than what the passages leave of the budget). A call may name its own with
+    does; `trim` cuts cartridges larger than what the passages leave of the budget, ``"attention"`` to the tokens the
+    question reads most). A call may name its own with
     ``invoke(..., cartridges=[...])``: store names, or the documents `CartridgeRetriever` returned. Each answer's
     ``response_metadata["cartridges"]`` says which cartridges gave it (and ``["passages"]`` which passages,
     ``["draft"]`` the first answer that picked them)."""
@@ -43,7 +44,7 @@ class ChatCartridges(BaseChatModel):
     passages_from: str | None = None
     draft: int = 0
     draft_from: Any = None
-    trim: bool = False
+    trim: bool | str = False
     runtime: Any = "auto"
     runtime_options: dict[str, Any] | None = None
     max_tokens: int = 256

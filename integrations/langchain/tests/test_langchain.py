@@ -118,6 +118,9 @@ def test_passages_after_the_cartridge_give_the_sdks_answer_and_are_named(store, 
     trimmed = ChatCartridges(store=store, budget=96, passages=48, trim=True, max_tokens=8)
     assert trimmed.invoke(QUESTION).content == cut.text
     assert [c.cartridge.num_tokens for c in trimmed._answerer.choose(QUESTION)] == [48]
+    by_attention = store.ask(QUESTION, budget=96, passages=48, trim="attention", max_new_tokens=8)
+    assert ChatCartridges(store=store, budget=96, passages=48, trim="attention",
+                          max_tokens=8).invoke(QUESTION).content == by_attention.text
     with pytest.raises(ValueError, match="trim=True cuts the cartridges to what passages leave of the budget"):
         ChatCartridges(store=store, budget=96, trim=True)
     # how passages are found, where none are sought, is refused rather than ignored

@@ -41,8 +41,9 @@ class CartridgeLLM(CustomLLM):
                        "question (0: none), as CartridgeStore.ask's draft")
     draft_from: Any = Field(default=None, description="a CartridgeStore of the same documents whose cartridges write "
                             "the first answer (None: the answering cartridges)")
-    trim: bool = Field(default=False, description="cut cartridges larger than what the passages leave of the budget "
-                       "to their first tokens, as CartridgeStore.ask's trim")
+    trim: bool | str = Field(default=False, description="cut cartridges larger than what the passages leave of the "
+                             "budget to their first tokens (True), or to those the question reads most ('attention'), "
+                             "as CartridgeStore.ask's trim")
     runtime: Any = Field(default="auto", description="a runtime name (\"auto\": the fastest installed) or object")
     runtime_options: dict[str, Any] | None = None
     max_tokens: int = Field(default=256, description="new tokens per answer")

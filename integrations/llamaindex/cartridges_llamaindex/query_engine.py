@@ -21,12 +21,12 @@ class CartridgeQueryEngine(BaseQueryEngine):
     `passages` tokens of the store's best passages after them (the budget shared; both kinds are source nodes),
     ranked against the query and a first answer of `draft` tokens when given (by `draft_from`'s cartridges when
     given; the response's metadata has it as ``draft``); `trim` cuts cartridges larger than what the passages leave
-    of the budget. `streaming=True` returns a `StreamingResponse`; `gen`
-    are generation settings (max_tokens, temperature, ...)."""
+    of the budget (``"attention"``: to the tokens the question reads most). `streaming=True` returns a
+    `StreamingResponse`; `gen` are generation settings (max_tokens, temperature, ...)."""
 
     def __init__(self, store: Any, *, k: int = 1, budget: int | None = None, passages: int | None = None,
                  retrieval: str | None = None, passages_from: str | None = None, draft: int = 0,
-                 draft_from: Any = None, trim: bool = False, runtime: Any = "auto", streaming: bool = False,
+                 draft_from: Any = None, trim: bool | str = False, runtime: Any = "auto", streaming: bool = False,
                  callback_manager: CallbackManager | None = None, **gen: Any):
         self._answerer = Answerer(store=store, k=k, budget=budget, runtime=runtime, passages=passages,
                                   retrieval=retrieval, passages_from=passages_from, draft=draft,

@@ -93,6 +93,11 @@ def test_passages_are_answered_with_and_shown_as_source_nodes(store):
     # trim: the 64-token cartridge cut to the 48 that 48 tokens of passages leave of 96, as the SDK cuts it
     cut = store.ask(QUESTION, budget=96, passages=48, trim=True, max_new_tokens=8)
     response = CartridgeQueryEngine(store, budget=96, passages=48, trim=True, max_tokens=8).query(QUESTION)
+    by_attention = store.ask(QUESTION, budget=96, passages=48, trim="attention", max_new_tokens=8)
+    assert str(CartridgeQueryEngine(store, budget=96, passages=48, trim="attention", max_tokens=8)
+               .query(QUESTION)) == by_attention.text
+    assert CartridgeLLM(store=store, budget=96, passages=48, trim="attention", max_tokens=8).complete(
+        QUESTION).text == by_attention.text
     assert response.response == cut.text and response.source_nodes[0].node.metadata["tokens"] == 48
     llm = CartridgeLLM(store=store, budget=96, passages=48, trim=True, max_tokens=8)
     assert llm.complete(QUESTION).text == cut.text and cut.sizes == (48,)

@@ -1,0 +1,44 @@
+"""Cutting a cartridge to the tokens a question reads most (`trim="attention"`).
+
+`trim=True` keeps a cartridge's first tokens, whatever the question. Here the question (with its first answer, when
+one was drafted) is read once after the whole cartridge, and each layer and kv head keeps the tokens its queries put
+the most attention on, the sinks always: a question about the paper's results keeps what holds them, wherever in
+the cartridge they lie (docs/vs-rag.md, "Cutting by the question's attention").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..making.recording import recording
+
+
+def attention_mass(lm: Any, cartridge: Any, ids: Sequence[int]) -> list[torch.Tensor]:
+    """Per layer ``[kv_heads, tokens]``: the attention the queries of `ids`, read after `cartridge`, put on each of
+    its tokens, summed over the positions and over each kv head's query heads. Each query's weights are a softmax
+    over the cartridge's keys alone, so that what it reads of its own text does not decide what it reads here."""
+    with recording(lm) as recorder:
+        lm.logits(list(ids), [cartridge])
+    mass = []
+    for layer, keys in enumerate(cartridge.keys):
+        queries = torch.cat(recorder.queries[layer], dim=1)  # [heads, positions, head_dim], after RoPE
+        heads, kv_heads = queries.shape[0], keys.shape[0]
+        shared = keys.float().cpu().repeat_interleave(heads // kv_heads, dim=0)
+        weights = (queries @ shared.transpose(1, 2) * recorder.scaling[layer]).softmax(-1)
+        mass.append(weights.sum(1).view(kv_heads, heads // kv_heads, -1).sum(1))
+    return mass
+
+
+def attended(lm: Any, cartridge: Any, ids: Sequence[int], num_tokens: int) -> Any:
+    """`cartridge` cut to `num_tokens` tokens a layer and kv head: its frozen sinks and those the queries of `ids`
+    read most (`attention_mass`), in their order (`Cartridge.selected`); itself when it has no more."""
+    if num_tokens >= cartridge.num_tokens:
+        return cartridge
+    kept = []
+    for mass in attention_mass(lm, cartridge, ids):
+        mass[:, : cartridge.num_frozen] = float("inf")
+        kept.append(mass.topk(num_tokens, dim=-1).indices.sort(-1).values)
+    return cartridge.selected(kept)
