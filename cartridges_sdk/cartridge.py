@@ -133,34 +133,45 @@ class Cartridge:
         return Cartridge([k[:, :num_tokens] for k in self.keys], [v[:, :num_tokens] for v in self.values], meta,
                          lm=self.lm)
 
+    @property
+    def sinks(self) -> list[int]:
+        """The frozen attention-sink tokens: the first `num_frozen`, and in a composition each part's own."""
+        if not self.meta.parts:
+            return list(range(self.num_frozen))
+        return sorted({p["offset"] + i for p in self.meta.parts for i in range(p.get("num_frozen", 0))})
+
     def selected(self, kept: Sequence[torch.Tensor]) -> Cartridge:
         """The tokens `kept` of each layer and kv head (one ``[kv_heads, n]`` tensor of token indices a layer), each
-        head's in ascending order and led by the frozen sink tokens, so that the cut can keep what a question reads
-        most (`serve/attended.py`) where `truncated` keeps the first n. A kept key stays as it was trained, rotated
-        for its place in the whole cartridge; attention reads it at that place as before."""
+        head's in ascending order and holding every sink (`sinks`), so that a cut can keep what a question reads
+        most (`serve/attended.py`) where `truncated` keeps the first n. Kept keys keep the rotation of their place in
+        the whole cartridge while what follows starts at n: a trained cartridge's places are learned, and this kept
+        more than re-placing them at 0..n-1 did (docs/vs-rag.md, "Cutting by the question's attention"). Heads keep
+        different tokens, so the result has no part spans; ``meta.extra["selected_from"]`` says how many it had."""
         kept = list(kept)
         n = int(kept[0].shape[-1]) if kept and kept[0].ndim == 2 else -1
         want = (self.keys[0].shape[0], n)
         if len(kept) != self.num_layers or any(tuple(k.shape) != want for k in kept) or n < 1:
             raise ConfigError(f"selected() takes one [kv_heads={want[0]}, n] tensor of token indices for each of the "
                               f"{self.num_layers} layers, the same n for all; got shapes "
-                              f"{[tuple(k.shape) for k in kept][:3]}...")
-        if n >= self.num_tokens:
-            raise ConfigError(f"selected() keeps n={n} of {self.num_tokens} tokens; keep fewer, or use the whole "
-                              "cartridge.")
-        sinks = torch.arange(self.num_frozen)
+                              f"{[tuple(k.shape) for k in kept[:3]]}{'...' if len(kept) > 3 else ''}.")
+        sinks = self.sinks
+        if not len(sinks) < n < self.num_tokens:
+            raise ConfigError(f"selected() keeps n={n} of {self.num_tokens} tokens; keep more than its {len(sinks)} "
+                              "sink token(s) and fewer than all (or use the whole cartridge).")
         for k in kept:
             k = k.cpu()
-            if (k.min() < 0 or k.max() >= self.num_tokens or (k[:, 1:] <= k[:, :-1]).any()
-                    or not torch.equal(k[:, :self.num_frozen], sinks.expand(k.shape[0], -1))):
-                raise ConfigError(f"selected()'s indices must rise within 0..{self.num_tokens - 1} and begin with the "
-                                  f"{self.num_frozen} frozen sink token(s).")
+            rising = bool((k[:, 1:] > k[:, :-1]).all()) and k.min() >= 0 and k.max() < self.num_tokens
+            if not rising or not all(set(sinks) <= set(row) for row in k.tolist()):
+                raise ConfigError(f"selected()'s indices must rise within 0..{self.num_tokens - 1} and keep the sink "
+                                  f"token(s) {sinks} in every head.")
         keys, values = [], []
         for k, v, idx in zip(self.keys, self.values, kept):
             at = idx.to(k.device)[..., None].expand(-1, -1, k.shape[-1])
             keys.append(k.gather(1, at))
             values.append(v.gather(1, at))
-        return Cartridge(keys, values, self.truncated(n).meta, lm=self.lm)
+        extra = {**{k: v for k, v in self.meta.extra.items() if k != "quality"}, "selected_from": self.num_tokens}
+        meta = attrs.evolve(self.meta, num_tokens=n, parts=(), extra=extra)
+        return Cartridge(keys, values, meta, lm=self.lm)
 
     def __repr__(self) -> str:
         return (

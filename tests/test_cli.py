@@ -114,7 +114,7 @@ def test_ask_a_store_with_passages(files, capsys, default_lm):
     want = store.ask(question, budget=160, passages=64, trim="attention", max_new_tokens=8)
     assert out.strip() == want.text.strip() and "cartridges: harrow (its most read 96 of 120 tokens)" in err
     assert main(args + ["--budget", "160", "--trim-by", "attention"]) == 2
-    assert "--trim cuts the cartridges to what --passages leave of --budget" in capsys.readouterr().err
+    assert "--trim-by cuts the cartridges to what --passages leave of --budget" in capsys.readouterr().err
 
 
 def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys):

@@ -221,6 +221,38 @@ def test_another_thread_answers_as_usual_while_compaction_records(tiny_llama):
     assert torch.equal(got["logits"], want) and not recorder.queries  # nothing of the other thread's was recorded
 
 
+def test_recordings_that_overlap_in_two_threads_each_record_and_the_last_restores(tiny_llama):
+    """Two threads recording at once (two answers cutting cartridges by attention, or one and a compaction), the
+    first closing before the second: the second still records, and the model gets its own attention back only when
+    both are closed."""
+    import threading
+
+    from cartridges_sdk.making import recording
+
+    ids = tiny_llama.encode("The keeper rowed out at dawn.")
+    before = tiny_llama.model.config._attn_implementation
+    opened, closed, got = threading.Event(), threading.Event(), {}
+
+    def second():
+        with recording.recording(tiny_llama) as recorder:
+            opened.set()
+            closed.wait(30)  # the first recording closes meanwhile
+            got["switched"] = tiny_llama.model.config._attn_implementation
+            tiny_llama.logits(ids)
+            got["layers"] = len(recorder.queries)
+
+    with recording.recording(tiny_llama) as first:
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert opened.wait(30)
+        tiny_llama.logits(ids)
+    closed.set()
+    thread.join(30)
+    assert first.queries and got["switched"] == recording.RECORDING
+    assert got["layers"] == len(first.queries)  # the second recorded every layer after the first had closed
+    assert tiny_llama.model.config._attn_implementation == before  # the last to close switched it back
+
+
 def test_the_chunks_own_questions_are_references_and_asking_them_is_not(tiny_llama, monkeypatch):
     """chunk_questions: the model asks its own questions about the chunk (sampled with a fixed seed, so the cartridge
     is the same every time), and only those questions and their answers become reference queries."""

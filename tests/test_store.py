@@ -405,21 +405,36 @@ def test_trim_by_attention_keeps_what_the_question_reads_most(store, tiny_llama)
 
 
 def test_selected_keeps_each_heads_own_tokens(store, tiny_llama):
+    from cartridges_sdk.serve.attended import attended
+
     whole = store.get("orchard")
     kv_heads = whole.keys[0].shape[0]
     kept = [torch.tensor([[0, 2, 5, 11]] * kv_heads) for _ in whole.keys]
     kept[0][-1] = torch.tensor([0, 1, 2, 3])  # one head of one layer keeps other tokens
     got = whole.selected(kept)
-    assert got.num_tokens == 4 and got.lm is tiny_llama
+    assert got.num_tokens == 4 and got.lm is tiny_llama and got.meta.extra["selected_from"] == 12
     torch.testing.assert_close(got.keys[1], whole.keys[1][:, [0, 2, 5, 11]])
     torch.testing.assert_close(got.values[0][-1], whole.values[0][-1, :4])
     for bad, why in [([k[:, :3] for k in kept[:-1]], "one \\[kv_heads=.*, n\\] tensor of token indices for each"),
-                     ([torch.tensor([[2, 0, 5, 11]] * kv_heads)] * len(kept), "must rise within 0..11 and begin"),
-                     ([torch.tensor([[1, 2, 5, 11]] * kv_heads)] * len(kept), "begin with the 1 frozen sink"),
+                     ([torch.tensor([[2, 0, 5, 11]] * kv_heads)] * len(kept), "must rise within 0..11 and keep"),
+                     ([torch.tensor([[1, 2, 5, 11]] * kv_heads)] * len(kept), "keep the sink token\\(s\\) \\[0\\]"),
                      ([torch.tensor([[0, 2, 5, 12]] * kv_heads)] * len(kept), "must rise within 0..11"),
                      ([torch.arange(12).expand(kv_heads, -1)] * len(kept), "keeps n=12 of 12 tokens")]:
         with pytest.raises(ConfigError, match=why):
             whole.selected(bad)
+    # a composition keeps each part's sink: the second part's starts at 12
+    both = Cartridge.compose([whole, store.get("railway")])
+    assert both.sinks == [0, 12]
+    with pytest.raises(ConfigError, match="keep the sink token\\(s\\) \\[0, 12\\] in every head"):
+        both.selected([torch.tensor([[0, 2, 5, 11]] * kv_heads)] * len(kept))
+    cut = both.selected([torch.tensor([[0, 3, 12, 20]] * kv_heads)] * len(kept))
+    torch.testing.assert_close(cut.keys[2], both.keys[2][:, [0, 3, 12, 20]])
+    assert cut.meta.parts == () and cut.num_frozen == 1
+    ids = tiny_llama.prompt_ids([{"role": "user", "content": "Who planted the orchard?"}], after_cartridge=True)
+    assert attended(tiny_llama, both, ids, 10).num_tokens == 10  # both sinks kept, or selected() would refuse
+    plan = store.plan("When did the railway to Colby close?", cartridges=["orchard", "railway"], budget=40,
+                      passages=20, trim="attention")
+    assert [c.num_tokens for c in plan.parts(store)[:2]] == [10, 10]
 
 
 def test_a_readers_budget_is_shared_with_passages_by_default(store, tiny_llama, monkeypatch):

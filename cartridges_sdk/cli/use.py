@@ -51,8 +51,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{how[0]} says how passages are found, and this question gets none: {lm.name}'s "
                                   "budget is all cartridges unless --passages N (tokens of them) is given.")
             if (args.trim or args.trim_by) and (args.budget is None or not args.passages):
-                raise ConfigError("--trim cuts the cartridges to what --passages leave of --budget; give both "
-                                  "(--budget 256 --passages 96), or drop --trim.")
+                flag = "--trim" if args.trim else "--trim-by"
+                raise ConfigError(f"{flag} cuts the cartridges to what --passages leave of --budget; give both "
+                                  f"(--budget 256 --passages 96), or drop {flag}.")
             store = CartridgeStore(args.store, lm)
             if args.draft_from and not args.draft:
                 raise ConfigError("--draft-from says whose cartridges write the first answer, and no --draft N asks "

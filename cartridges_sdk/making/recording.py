@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,10 @@ class Recorder:
 _RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("cartridges_recorder", default=None)
 RECORDING = "cartridges_record"
 _BEFORE: dict[int, str] = {}  # id(model config) -> the attention the model used before recording switched it
+# id(model config) -> recordings open on it: threads overlap (a server cutting cartridges by attention for two
+# requests, a watcher compacting), each with its own recorder, and only the last to close may switch the model back
+_OPEN: dict[int, int] = {}
+_SWITCHING = threading.Lock()
 
 
 def _recording_attention(module, query, key, value, attention_mask, **kwargs):
@@ -71,9 +76,12 @@ def recording(lm: LM) -> Iterator[Recorder]:
     AttentionMaskInterface.register(RECORDING, sdpa_mask)
     recorder = Recorder()
     token = _RECORDER.set(recorder)
-    before = model.config._attn_implementation
-    _BEFORE[id(model.config)] = before
-    model.set_attn_implementation(RECORDING)
+    key = id(model.config)
+    with _SWITCHING:  # the first recording open on the model switches it, the last one to close switches it back
+        if not _OPEN.get(key):
+            _BEFORE[key] = model.config._attn_implementation
+            model.set_attn_implementation(RECORDING)
+        _OPEN[key] = _OPEN.get(key, 0) + 1
     try:
         if model.config._attn_implementation != RECORDING:
             raise UnsupportedModelError(
@@ -82,5 +90,9 @@ def recording(lm: LM) -> Iterator[Recorder]:
             )
         yield recorder
     finally:
-        model.set_attn_implementation(before)
+        with _SWITCHING:
+            _OPEN[key] -= 1
+            if not _OPEN[key]:
+                del _OPEN[key]
+                model.set_attn_implementation(_BEFORE[key])
         _RECORDER.reset(token)

@@ -322,7 +322,7 @@ def drafted(question: str, first: str) -> str:
 
 def plan(store: Any, question: str, *, k: int = 1, budget: int | None = None, passages: int | None = None,
          retrieval: str | None = None, passages_from: str | None = None, cartridges: Sequence[str] | None = None,
-         among: Sequence[str] | None = None, rerank: int = 0, query: str | None = None, trim: bool = False,
+         among: Sequence[str] | None = None, rerank: int = 0, query: str | None = None, trim: bool | str = False,
          find: bool = True) -> Plan:
     """What answers `question` from `store` (a CartridgeStore).
 
