@@ -3,8 +3,8 @@
 `trim=True` keeps a cartridge's first tokens, whatever the question. Here the question (with its first answer, when
 one was drafted) is read once after the whole cartridge, and each layer and kv head keeps its sinks and the tokens
 its queries put the most attention on. On QASPER dev papers it closed more of the gap than the first tokens, and on
-held-out papers it did not (docs/vs-rag.md, "Cutting by the question's attention"), so it is an option, not the
-default cut.
+held-out papers only by one odd question (docs/vs-rag.md, "Cutting by the question's attention"); it costs a pass
+and a cartridge per answer, so it is asked for by name rather than being what `trim=True` does.
 """
 
 from __future__ import annotations
