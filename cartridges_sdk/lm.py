@@ -240,26 +240,34 @@ class LM:
         return self._auto_bos_id
 
     # -- scoring ---------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def logits(self, input_ids: Sequence[int] | torch.Tensor, cartridges: Sequence[KVPrefix] | None = None) -> torch.Tensor:
-        """Float32 next-token logits ``[n, vocab]`` for every position of `input_ids`, placed after `cartridges`."""
+    def _after(self, input_ids: Sequence[int] | torch.Tensor, cartridges: Sequence[KVPrefix] | None,
+               what: str) -> dict[str, Any]:
+        """A forward pass's inputs for `input_ids` placed after `cartridges`, checked first: a non-empty 1-D
+        sequence that fits the context with the cartridges. `logits` and `hidden` share it, so a pass that needs
+        only the model's body refuses what a scoring pass refuses, with the same message."""
         ids = torch.as_tensor(list(input_ids) if not torch.is_tensor(input_ids) else input_ids, dtype=torch.long)
         if ids.ndim != 1 or ids.numel() == 0:
             raise ConfigError(f"input_ids must be a non-empty 1-D sequence of token ids, got shape {tuple(ids.shape)}.")
-        ids = ids.to(self.device)[None]
-        p = sum(c.num_tokens for c in cartridges or [])
-        self.check_context(p + ids.shape[1], f"Scoring {ids.shape[1]} tokens after {p} cartridge tokens",
-                           "score a shorter sequence or use a smaller cartridge")
+        p, n = sum(c.num_tokens for c in cartridges or []), ids.numel()
+        self.check_context(p + n, f"{what} {n} tokens after {p} cartridge tokens",
+                           "pass a shorter sequence or use a smaller cartridge")
         cache, p = prefix_cache(self, cartridges or [], batch_size=1)
-        n = ids.shape[1]
-        out = self.model(
-            input_ids=ids,
-            attention_mask=torch.ones(1, p + n, dtype=torch.long, device=self.device),
-            position_ids=torch.arange(p, p + n, device=self.device)[None],
-            past_key_values=cache,
-            use_cache=cache is not None,
-        )
-        return out.logits[0].float()
+        return dict(input_ids=ids.to(self.device)[None],
+                    attention_mask=torch.ones(1, p + n, dtype=torch.long, device=self.device),
+                    position_ids=torch.arange(p, p + n, device=self.device)[None],
+                    past_key_values=cache, use_cache=cache is not None)
+
+    @torch.inference_mode()
+    def logits(self, input_ids: Sequence[int] | torch.Tensor, cartridges: Sequence[KVPrefix] | None = None) -> torch.Tensor:
+        """Float32 next-token logits ``[n, vocab]`` for every position of `input_ids`, placed after `cartridges`."""
+        return self.model(**self._after(input_ids, cartridges, "Scoring")).logits[0].float()
+
+    @torch.inference_mode()
+    def hidden(self, input_ids: Sequence[int] | torch.Tensor, cartridges: Sequence[KVPrefix] | None = None) -> torch.Tensor:
+        """The last hidden states ``[n, hidden]`` of `input_ids` placed after `cartridges`: the model's body alone,
+        for a pass whose use is what its attention reads (a `recording`), where the LM head's logits would cost a
+        fifth of the pass for nothing."""
+        return self.model.base_model(**self._after(input_ids, cartridges, "Reading")).last_hidden_state[0]
 
     @torch.inference_mode()
     def kv(self, input_ids: Sequence[int] | torch.Tensor, *, start_position: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

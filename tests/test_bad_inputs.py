@@ -239,6 +239,14 @@ def test_lengths_beyond_the_context_are_refused_with_the_numbers(tiny_llama, tmp
         c.ask("Who?", max_new_tokens=1500)
     with pytest.raises(ConfigError, match="Scoring 1500 tokens after 1000 cartridge tokens"):
         c.logits([5] * 1500)
+    # the attention cut's pass (the model's body alone) refuses the same, before it reads anything
+    from cartridges_sdk.serve.attended import attended
+
+    with pytest.raises(ConfigError, match="Reading 1500 tokens after 1000 cartridge tokens needs 2500 tokens, more than the "
+                                          "2048-token context.*pass a shorter sequence or use a smaller cartridge"):
+        attended(tiny_llama, c, [5] * 1500, 10)
+    with pytest.raises(ConfigError, match="input_ids must be a non-empty 1-D sequence of token ids, got shape \\(0,\\)"):
+        attended(tiny_llama, c, [], 10)
 
 
 # -- 5. errors, not tracebacks ------------------------------------------------------------------------------------

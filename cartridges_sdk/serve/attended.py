@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from ..kv import prefix_cache
 from ..making.recording import recording
 
 
@@ -22,14 +21,10 @@ def attention_mass(lm: Any, cartridge: Any, ids: Sequence[int]) -> list[torch.Te
     """Per layer ``[kv_heads, tokens]``: the attention the queries of `ids`, read after `cartridge`, put on each of
     its tokens, summed over the positions and over each kv head's query heads. Each query's weights are a softmax
     over the cartridge's keys alone, so that what it reads of its own text does not decide what it reads here. The
-    model's body alone runs (as compaction's recording does): the queries are all it needs, not next-token logits."""
-    cache, start = prefix_cache(lm, [cartridge], batch_size=1)
-    n = len(ids)
-    with recording(lm) as recorder, torch.inference_mode():
-        lm.model.base_model(input_ids=torch.tensor([list(ids)], device=lm.device),
-                            attention_mask=torch.ones(1, start + n, dtype=torch.long, device=lm.device),
-                            position_ids=torch.arange(start, start + n, device=lm.device)[None],
-                            past_key_values=cache, use_cache=True)
+    model's body alone runs (`LM.hidden`, which checks the ids and the context as scoring does): the queries are
+    all it needs, not next-token logits."""
+    with recording(lm) as recorder:
+        lm.hidden(ids, [cartridge])
     mass = []
     for layer, keys in enumerate(cartridge.keys):
         queries = torch.cat(recorder.queries[layer], dim=1).to(keys.device)  # [heads, positions, head_dim], RoPE'd
