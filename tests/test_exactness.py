@@ -39,6 +39,12 @@ def test_logits_match_context_tiny(tiny_lm, p):
     want = tiny_lm.logits(ids[:p] + q)[p:]
     assert got.shape == (len(q), tiny_lm.model.config.vocab_size)
     assert (got - want).abs().max().item() <= 1e-4
+    # the body-only pass (`LM.hidden`, what the attention cut reads) is the same pass: in context too, and the LM
+    # head over its states gives the logits
+    hidden = tiny_lm.hidden(q, [c])
+    assert (hidden - tiny_lm.hidden(ids[:p] + q)[p:]).abs().max().item() <= 1e-4
+    with torch.inference_mode():
+        assert (tiny_lm.model.get_output_embeddings()(hidden).float() - got).abs().max().item() <= 1e-4
 
 
 def test_cartridge_changes_logits(tiny_lm):
