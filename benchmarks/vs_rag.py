@@ -23,7 +23,8 @@ conversations, `--recipe reader` by a named recipe) and one RAG index (passages 
   ``+attention`` after a cut hybrid one (``hybrid-selfstudy+draft+attention:160/192``): the cut keeps the tokens the
   question (and its first answer) reads most, not the first (`store.ask(..., trim="attention")`);
 
-Quality: gold-answer closure (how much of the none-to-ICL drop in the gold answer's NLL a method recovers) and, on
+Quality: gold-answer closure (how much of the none-to-ICL drop in the gold answer's NLL a method recovers, with a
+95% interval from resampling the questions: `closure_interval`) and, on
 multiple-choice sets, two accuracies: ``letter``, the share where the letter the reader ranks first (options listed,
 "answer with the letter") is the right one, which needs a reader that can pick (the 1.5B); and ``likeliest``, the
 share where the right option's text is the likeliest answer to the question asked without options, for a reader that
@@ -43,6 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from cartridges_sdk import Cartridge, CartridgeStore, SyncConfig, load_model
@@ -366,6 +368,7 @@ def run_dataset(lm, path: Path, docs: int, questions: int, tokens: int, work: Pa
         "doc_tokens": round(mean(lengths)),
         "nll": {m: round(mean([r["nll"][m] for r in rows]), 4) for m in used},
         "closure": {m: closure(rows, m) for m in used},
+        "closure_interval": {m: closure_interval(rows, m) for m in used},
         "kl": {m: round(mean([r["kl"][m] for r in rows]), 4) for m in used},
         "mc_accuracy": {m: round(mean([r["likeliest_right"][m] for r in cloze]), 3) for m in used} if cloze else None,
         "mc_letter": {m: round(mean([r["letter_right"][m] for r in letter]), 3) for m in used} if letter else None,
@@ -381,6 +384,25 @@ def closure(rows: Sequence[dict], method: str) -> float | None:
     (``icl``) `method` recovers, over `rows` (each with its ``nll`` per method); None where there is no drop."""
     gap = mean([r["nll"]["none"] - r["nll"]["icl"] for r in rows])
     return round(mean([r["nll"]["none"] - r["nll"][method] for r in rows]) / gap, 3) if gap > 0 else None
+
+
+INTERVAL_RESAMPLES = 2000  # resamples of the questions behind each closure's interval
+
+
+def closure_interval(rows: Sequence[dict], method: str, resamples: int = INTERVAL_RESAMPLES,
+                     seed: int = 0) -> list[float] | None:
+    """A 95% interval for `method`'s `closure` over `rows`: the 2.5th and 97.5th percentiles of the closures of
+    `resamples` draws of as many questions, with replacement (bootstrap percentile; None where the closure is).
+    Twelve questions give a wide one, and a check on few documents reads its closure against it. A draw whose
+    questions have no drop in all has no closure and is set aside, which scipy's `bootstrap` cannot do."""
+    if closure(rows, method) is None:
+        return None
+    gain = np.array([r["nll"]["none"] - r["nll"][method] for r in rows])
+    gap = np.array([r["nll"]["none"] - r["nll"]["icl"] for r in rows])
+    drawn = np.random.default_rng(seed).integers(0, len(rows), (resamples, len(rows)))
+    gaps = gap[drawn].sum(1)
+    low, high = np.percentile(gain[drawn].sum(1)[gaps > 0] / gaps[gaps > 0], [2.5, 97.5])
+    return [round(float(low), 3), round(float(high), 3)]
 
 
 @torch.inference_mode()
@@ -626,7 +648,8 @@ def table(result: dict) -> str:
     lines = ["| method | " + " | ".join(f"{n} {head}" for n, cols in columns.items() for _, head in cols) + " |"]
     lines.append("|---" * (1 + sum(len(cols) for cols in columns.values())) + "|")
     for m in methods:
-        cells = [_f(sets[n][key].get(m)) for n, cols in columns.items() for key, _ in cols]
+        cells = [_f(sets[n][key].get(m)) + (_within(sets[n].get("closure_interval", {}).get(m)) if key == "closure"
+                                            else "") for n, cols in columns.items() for key, _ in cols]
         lines.append(f"| {label(m, result.get('scope', 'store'))} | " + " | ".join(cells) + " |")
     if result.get("speed"):
         lines += ["", "| method | users | prompt tokens | KV MiB/user | first token s | decode tokens/s |",
@@ -643,6 +666,12 @@ def _bar(x: float | None) -> float:
 
 def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
+
+
+def _within(interval: Sequence[float] | None) -> str:
+    """A closure's 95% interval after it, where it has one (not ICL's and no context's, which are 1 and 0 by
+    definition)."""
+    return "" if interval is None or interval[0] == interval[1] else f" ({interval[0]:.2f} to {interval[1]:.2f})"
 
 
 if __name__ == "__main__":

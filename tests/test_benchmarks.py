@@ -288,6 +288,32 @@ def test_codebase_benchmark_on_a_tiny_model(tmp_path, tiny_llama):
         bench.run(tiny_llama, pkg, "harbour", tmp_path / "store", 32, 4, 0, 1, 4, earlier={**result, "model": "x"})
 
 
+def test_closure_comes_with_an_interval_from_resampling_the_questions():
+    from benchmarks.vs_rag import closure, closure_interval, table
+
+    def row(none, icl, got):
+        return {"nll": {"none": none, "icl": icl, "m": got}}
+
+    same = [row(5.0, 2.0, 3.0)] * 6  # every question alike: nothing to resample, the interval is the closure
+    assert closure(same, "m") == 0.667 and closure_interval(same, "m") == [0.667, 0.667]
+    spread = [row(5.0, 2.0, g) for g in (2.0, 2.5, 3.0, 4.0, 4.5, 5.0)] + [row(4.0, 1.0, 1.5), row(6.0, 2.0, 5.5)]
+    low, high = closure_interval(spread, "m")
+    assert low < closure(spread, "m") < high and closure_interval(spread, "m") == [low, high]  # seeded
+    # four times the questions, spread alike, narrow it about twofold
+    low4, high4 = closure_interval(spread * 4, "m")
+    assert 0.35 < (high4 - low4) / (high - low) < 0.65
+    # a draw whose questions have no drop in all is set aside, not counted as some closure
+    odd = [row(5.0, 2.0, 3.0), row(2.0, 2.5, 0.0)]  # drops of 3 and -0.5: a quarter of the draws have none (-4)
+    assert closure(odd, "m") == 1.6 and closure_interval(odd, "m") == [0.667, 1.6]
+    assert closure_interval([row(2.0, 4.0, 3.0)], "m") is None  # no drop, no closure, no interval
+    # the table prints it after the closure, and not for no context and ICL (0 and 1 by definition)
+    sets = {"qasper": {"methods": ["none", "icl", "bm25"], "closure": {"none": 0.0, "icl": 1.0, "bm25": 0.5},
+                       "closure_interval": {"none": [0.0, 0.0], "icl": [1.0, 1.0], "bm25": [0.3, 0.71]},
+                       "mc_questions": 0}}
+    lines = table({"scope": "document", "sets": sets}).splitlines()
+    assert lines[2].endswith("| 0.00 |") and lines[3].endswith("| 1.00 |") and lines[4].endswith("| 0.50 (0.30 to 0.71) |")
+
+
 def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
     from benchmarks import vs_rag
     from benchmarks.rag import Retriever, passages
@@ -309,6 +335,7 @@ def test_vs_rag_on_a_tiny_model(tmp_path, tiny_llama, monkeypatch):
         assert result["closure"]["none"] == 0 and result["closure"]["icl"] == 1
     else:
         assert set(result["closure"].values()) == {None}
+    assert set(result["closure_interval"]) == set(methods_)
     stored = {"cartridge", "selfstudy", "hybrid:8", "hybrid-selfstudy:8", "default", "cartridge+rerank", "multi:8",
               "hybrid+draft:8", "hybrid-selfstudy+draft:4/8", "hybrid-selfstudy+draft+attention:4/8"}
     assert set(result["mc_accuracy"]) == set(methods_) and set(result["routed_right"]) == stored
