@@ -401,6 +401,8 @@ def closure_interval(rows: Sequence[dict], method: str, resamples: int = INTERVA
     gap = np.array([r["nll"]["none"] - r["nll"]["icl"] for r in rows])
     drawn = np.random.default_rng(seed).integers(0, len(rows), (resamples, len(rows)))
     gaps = gap[drawn].sum(1)
+    if not (gaps > 0).any():  # a drop carried by few questions that no draw picked enough of
+        return None
     low, high = np.percentile(gain[drawn].sum(1)[gaps > 0] / gaps[gaps > 0], [2.5, 97.5])
     return [round(float(low), 3), round(float(high), 3)]
 

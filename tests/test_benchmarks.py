@@ -306,6 +306,7 @@ def test_closure_comes_with_an_interval_from_resampling_the_questions():
     odd = [row(5.0, 2.0, 3.0), row(2.0, 2.5, 0.0)]  # drops of 3 and -0.5: a quarter of the draws have none (-4)
     assert closure(odd, "m") == 1.6 and closure_interval(odd, "m") == [0.667, 1.6]
     assert closure_interval([row(2.0, 4.0, 3.0)], "m") is None  # no drop, no closure, no interval
+    assert closure_interval(odd, "m", resamples=1) is None  # its one draw (seed 0) has no drop: none to give
     # the table prints it after the closure, and not for no context and ICL (0 and 1 by definition)
     sets = {"qasper": {"methods": ["none", "icl", "bm25"], "closure": {"none": 0.0, "icl": 1.0, "bm25": 0.5},
                        "closure_interval": {"none": [0.0, 0.0], "icl": [1.0, 1.0], "bm25": [0.3, 0.71]},
